@@ -1,0 +1,136 @@
+"""The engine: schedule -> run -> update, one step at a time, on the calling thread."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.loader import (ModelLoadError, check_fits, load_model, load_tokenizer,
+                           resolve_device, resolve_dtype)
+from engine.model_runner import ModelRunner
+from engine.outputs import RequestOutput
+from kvcache import KVCacheManager
+from scheduler.request import Request
+from scheduler.sampling_params import SamplingParams
+from scheduler.scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger("kvserve.engine")
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens_computed: int = 0  # prompt KV actually computed (prefix hits excluded)
+    generated_tokens: int = 0
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, tokenizer=None):
+        self.config = config
+        self.model_config = ModelConfig.from_pretrained(config.model)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        cfg = self.model_config
+        self.max_model_len = min(config.max_model_len or cfg.max_model_len, cfg.max_model_len)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
+        self.eos_token_ids = self._eos_ids()
+        torch.manual_seed(config.seed)
+        model = load_model(config.model, cfg, self.dtype, self.device, self.max_model_len,
+                           config.load_format, config.seed)
+        num_blocks = self._num_kv_blocks()
+        self.runner = ModelRunner(model, num_blocks, config.block_size, self.device, self.dtype)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                 model_key=str(config.model))
+        # A request longer than the whole cache could never run.
+        self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)
+        self.scheduler = Scheduler(SchedulerConfig(
+            config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.kv)
+        self.stats = EngineStats()
+        log.info("KV cache: %d blocks of %d tokens (%d tokens, %.1fx concurrency at %d)",
+                 num_blocks, config.block_size, num_blocks * config.block_size,
+                 num_blocks * config.block_size / self.max_model_len, self.max_model_len)
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        ids = set(self.model_config.eos_token_ids)
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    def _num_kv_blocks(self) -> int:
+        c = self.config
+        per_block = ModelRunner.kv_bytes_per_block(self.model_config, c.block_size, self.dtype)
+        num = c.num_kv_blocks or c.kv_cache_memory // per_block
+        if num < 1:
+            raise ModelLoadError("the KV cache budget is smaller than one block")
+        check_fits(num * per_block, self.device, "the KV cache")
+        return num
+
+    # -- requests --------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams, arrival_time: float | None = None,
+                    cache_salt: str | None = None) -> None:
+        """Raises ValueError for a request that can never run."""
+        self.validate(prompt_token_ids)
+        req = Request(request_id, prompt_token_ids, params, self.eos_token_ids,
+                      arrival_time, cache_salt)
+        self.scheduler.add_request(req)
+
+    def validate(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens but this model's "
+                             f"maximum context length is {self.max_model_len} tokens")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is out of the vocabulary (0..{vocab - 1})")
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        req = self.scheduler.abort(request_id)
+        self.runner.release(request_id)
+        return None if req is None else self._output(req, [])
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop body -------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        sampled = self.runner.execute(out)
+        self._count(out, len(sampled))
+        changed = self.scheduler.update(out, sampled)
+        return [self._output(req, [req.token_ids[-1]]) for req in changed]
+
+    def _count(self, out, num_sampled: int) -> None:
+        self.stats.steps += 1
+        self.stats.generated_tokens += num_sampled
+        for s in out.scheduled:
+            prompt_left = s.request.num_prompt_tokens - s.start
+            self.stats.prompt_tokens_computed += max(0, min(s.num_new_tokens, prompt_left))
+
+    def _output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
+        if req.finished:
+            self.runner.release(req.request_id)
+        return RequestOutput(
+            request_id=req.request_id, new_token_ids=new_tokens, finished=req.finished,
+            finish_reason=req.finish_reason, stop_reason=req.stop_reason,
+            num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+                 ) -> list[list[int]]:
+        """Offline helper: run prompts to completion, return generated token ids."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"offline-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        results: dict[str, list[int]] = {i: [] for i in ids}
+        for rid, prompt, p in zip(ids, prompts, plist):
+            self.add_request(rid, prompt, p)
+        while self.has_unfinished_requests():
+            for o in self.step():
+                results[o.request_id].extend(o.new_token_ids)
+        return [results[i] for i in ids]

@@ -1,0 +1,187 @@
+"""Build our model from a Hugging Face model directory.
+
+Weights are read straight from `*.safetensors` (memory-mapped by safetensors) into
+parameters created without data, so peak memory is one copy of the model. transformers
+is not involved in the forward pass."""
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.models.llama import LlamaForCausalLM
+
+log = logging.getLogger("kvserve.loader")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(RuntimeError):
+    """The model cannot be loaded: missing files, bad weights, or not enough memory."""
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError("--device cuda requested but CUDA is not available")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """auto = bfloat16 on CUDA, float32 on CPU (exact, and the CPU reference)."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; choose auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes free for new allocations on `device`, or None when unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    attn = h * d * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    per_layer = attn + 3 * h * i + 2 * h
+    embeddings = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
+    return (cfg.num_layers * per_layer + embeddings + h) * dtype.itemsize
+
+
+def check_fits(needed: int, device: torch.device, what: str) -> None:
+    free = available_memory(device)
+    if free is not None and needed > free:
+        raise ModelLoadError(
+            f"{what} needs {needed / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB is "
+            f"available on {device}; use a smaller model, --dtype bfloat16, or a smaller KV cache")
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                max_positions: int) -> LlamaForCausalLM:
+    """Parameters are created on the meta device (no memory, no init work), then
+    given uninitialised storage on `device`."""
+    check_fits(weight_bytes(cfg, dtype), device, "the model's weights")
+    with _default_dtype(dtype), torch.device("meta"):
+        model = LlamaForCausalLM(cfg, max_positions)
+    model.to_empty(device=device)
+    if cfg.tie_word_embeddings:  # to_empty may untie shared parameters
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rotary.materialize(device)
+    return model.eval().requires_grad_(False)
+
+
+def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
+               device: torch.device, max_positions: int,
+               load_format: str = "safetensors", seed: int = 0) -> LlamaForCausalLM:
+    model = build_model(cfg, dtype, device, max_positions)
+    if load_format == "random":
+        init_random(model, seed)
+    elif load_format == "safetensors":
+        load_safetensors(model, Path(model_dir))
+    else:
+        raise ModelLoadError(f"unknown load format {load_format!r}")
+    return model
+
+
+def init_random(model: nn.Module, seed: int, std: float = 0.02) -> None:
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.data.fill_(1.0)
+        else:
+            p.data.copy_(torch.randn(p.shape, generator=gen) * std)
+
+
+def load_safetensors(model: LlamaForCausalLM, model_dir: Path) -> None:
+    from safetensors import safe_open
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors weights in {model_dir}")
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[tuple[str, int | None]] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if _load_one(model, params, name, f.get_tensor(name)):
+                    loaded.add(_our_name(name))
+    missing = _expected_weights(model, params) - loaded
+    if missing:
+        raise ModelLoadError(f"checkpoint in {model_dir} lacks {len(missing)} weights, "
+                             f"e.g. {sorted(missing)[:3]}")
+
+
+def _our_name(ckpt_name: str) -> tuple[str, int | None]:
+    """Checkpoint name -> (our parameter name, shard index within a packed layer)."""
+    name = ckpt_name.removeprefix("model.")
+    for frag, (packed, shard) in LlamaForCausalLM.packed_modules.items():
+        if f".{frag}." in name:
+            return name.replace(f".{frag}.", f".{packed}."), shard
+    return name, None
+
+
+def _load_one(model, params: dict, ckpt_name: str, tensor: torch.Tensor) -> bool:
+    name, shard = _our_name(ckpt_name)
+    if name == "lm_head.weight" and model.config.tie_word_embeddings:
+        return False  # tied: the embedding is the head
+    if name not in params:
+        if "rotary_emb" in name:
+            return False
+        raise ModelLoadError(f"unexpected weight {ckpt_name!r} in checkpoint")
+    if shard is not None:
+        module_name, _, attr = name.rpartition(".")
+        model.get_submodule(module_name).load_shard(attr, shard, tensor)
+    else:
+        param = params[name]
+        if param.shape != tensor.shape:
+            raise ModelLoadError(f"weight {ckpt_name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(param.shape)}")
+        param.data.copy_(tensor)
+    return True
+
+
+def _expected_weights(model, params: dict) -> set[tuple[str, int | None]]:
+    """Every (parameter, shard) a complete checkpoint fills, in our naming."""
+    expected = set()
+    for name in params:
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        shards = getattr(module, "shard_sizes", None)
+        expected.update((name, i) for i in range(len(shards))) if shards else expected.add((name, None))
+    return expected
+
+
+def load_tokenizer(model_dir: str | Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load the tokenizer from {model_dir}: {exc}") from exc

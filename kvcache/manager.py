@@ -1,0 +1,265 @@
+"""KVCacheManager: the scheduler's view of the paged KV cache.
+
+Per request it keeps a block table that grows on demand, shares full blocks
+between requests through chained prefix hashes, and shares every block
+(partial last one included) between a forked parent and child, copying a
+shared block on write. Everything here is per block, never per token, except
+hashing a block at the moment it becomes full.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .block import Block
+from .block_hash import BlockHasher, root_hash
+from .block_pool import BlockPool
+from .records import BlockCopy, CacheStats
+from .request_blocks import RequestBlocks
+
+
+class KVCacheManager:
+    """Allocates, shares and frees KV-cache blocks for running requests."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        model_key: str = "",
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.model_key = model_key
+        self.stats = CacheStats()
+        self._pool = BlockPool(num_blocks, self.stats)
+        self._blocks: list[Block] = self._pool.blocks
+        self._free_queue = self._pool.free_queue  # len() without a property hop
+        self._hasher = BlockHasher(block_size)
+        self._requests: dict[str, RequestBlocks] = {}
+        self._copies: list[BlockCopy] = []
+        # Requests created implicitly (no salt) all share this chain root.
+        self._unsalted_root = root_hash(model_key, None)
+
+    # ----------------------------------------------------------- accounting
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with ref count 0, cached-but-free ones included."""
+        return self._pool.num_free
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by at least one request."""
+        return 1.0 - self._pool.num_free / self.num_blocks
+
+    def num_new_blocks_needed(self, request_id: str, num_total_tokens: int) -> int:
+        """Free blocks allocate_slots would take to cover num_total_tokens,
+        assuming the new tokens start right after those already in the table."""
+        bs = self.block_size
+        req = self._requests.get(request_id)
+        wanted = -(-num_total_tokens // bs)
+        if req is None:
+            return wanted
+        ids = req.block_ids
+        needed = max(0, wanted - len(ids))
+        written = req.num_tokens
+        partial = written // bs
+        # Appending into a shared partly filled block costs one private copy.
+        if (
+            num_total_tokens > written
+            and written % bs
+            and partial < len(ids)
+            and self._blocks[ids[partial]].ref_count > 1
+        ):
+            needed += 1
+        return needed
+
+    # ------------------------------------------------------- prefix lookup
+
+    def lookup_prefix(
+        self, request_id: str, token_ids: Sequence[int], cache_salt: str | None = None
+    ) -> int:
+        """Attach the longest cached prefix of full blocks to a new request.
+
+        Returns the number of tokens covered. At most len(token_ids) - 1 tokens
+        are hit (rounded down to whole blocks) because the last prompt token
+        must be recomputed to get its logits.
+        """
+        old = self._requests.get(request_id)
+        if old is not None and old.block_ids:
+            raise ValueError(f"request {request_id!r} already holds blocks")
+        req = RequestBlocks(root_hash(self.model_key, cache_salt))
+        self._requests[request_id] = req
+        if not self.enable_prefix_caching:
+            return 0
+        matched = self._match_cached_blocks(req, token_ids)
+        touch = self._pool.touch
+        for block in matched:
+            touch(block)
+            req.block_ids.append(block.block_id)
+        hit = len(matched) * self.block_size
+        req.num_tokens = hit
+        self.stats.prefix_queries += len(token_ids)
+        self.stats.prefix_hits += hit
+        return hit
+
+    def _match_cached_blocks(
+        self, req: RequestBlocks, token_ids: Sequence[int]
+    ) -> list[Block]:
+        """Walk the hash chain until the first miss; record hashes of hits."""
+        bs = self.block_size
+        hash_block = self._hasher.hash_block
+        lookup = self._pool.lookup
+        parent = req.root_hash
+        matched: list[Block] = []
+        # Stop hashing at the first miss: a later block can't hit without it.
+        for start in range(0, ((len(token_ids) - 1) // bs) * bs, bs):
+            parent = hash_block(parent, token_ids[start : start + bs])
+            block = lookup(parent)
+            if block is None:
+                break
+            matched.append(block)
+            req.hashes.append(parent)
+        return matched
+
+    # ----------------------------------------------------------- allocation
+
+    def allocate_slots(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_computed_tokens: int,
+        num_new_tokens: int,
+    ) -> bool:
+        """Cover num_computed_tokens + num_new_tokens tokens; all or nothing.
+
+        Shared blocks that this step writes into are first swapped for private
+        copies (BlockCopy queued for the runner). Blocks that become full are
+        hashed and registered for prefix sharing.
+        """
+        end = num_computed_tokens + num_new_tokens
+        if num_computed_tokens < 0 or num_new_tokens < 0 or end > len(token_ids):
+            raise _bad_range(num_computed_tokens, num_new_tokens, len(token_ids))
+        bs = self.block_size
+        req = self._requests.get(request_id)
+        ids = req.block_ids if req is not None else ()
+        have = len(ids)
+        grow = -(-end // bs) - have
+        if grow < 0:
+            grow = 0
+        first = num_computed_tokens // bs
+        shared = ()
+        # Hot path (decode): the write lands in the private last block, so the
+        # general scan is skipped unless that block is shared or the write
+        # reaches back into earlier blocks.
+        if num_new_tokens and first < have and (
+            first < have - 1 or self._blocks[ids[first]].ref_count > 1
+        ):
+            shared = self._shared_write_targets(req, num_computed_tokens, end)
+        if grow + len(shared) > len(self._free_queue):
+            return False
+        if req is None:
+            req = self._requests[request_id] = RequestBlocks(self._unsalted_root)
+        for index in shared:
+            self._copy_on_write(req, index, num_computed_tokens)
+        if grow:
+            req.block_ids.extend([b.block_id for b in self._pool.allocate(grow)])
+        if end > req.num_tokens:
+            req.num_tokens = end
+        if self.enable_prefix_caching and end // bs > len(req.hashes):
+            self._hash_full_blocks(req, token_ids, end // bs)
+        return True
+
+    def _shared_write_targets(
+        self, req: RequestBlocks, start: int, end: int
+    ) -> list[int]:
+        """Logical indices of existing blocks in [start, end) held by others."""
+        bs = self.block_size
+        ids = req.block_ids
+        blocks = self._blocks
+        last = min(len(ids), (end - 1) // bs + 1)
+        # Normally this is the one partly filled last block, or nothing.
+        return [i for i in range(start // bs, last) if blocks[ids[i]].ref_count > 1]
+
+    def _copy_on_write(self, req: RequestBlocks, index: int, computed: int) -> None:
+        """Give the request a private block for logical block ``index``."""
+        old = self._blocks[req.block_ids[index]]
+        (new,) = self._pool.allocate(1)
+        # Slots from `computed` on are about to be overwritten; keep the rest.
+        keep = min(computed, req.num_tokens) - index * self.block_size
+        if keep > 0:
+            keep = min(keep, self.block_size)
+            self._copies.append(BlockCopy(old.block_id, new.block_id, keep))
+        req.block_ids[index] = new.block_id
+        self._pool.release((old,))
+
+    def _hash_full_blocks(
+        self, req: RequestBlocks, token_ids: Sequence[int], num_full: int
+    ) -> None:
+        """Hash blocks that just became full and offer them for sharing."""
+        bs = self.block_size
+        hashes = req.hashes
+        ids = req.block_ids
+        blocks = self._blocks
+        hash_block = self._hasher.hash_block
+        register = self._pool.register
+        parent = hashes[-1] if hashes else req.root_hash
+        for index in range(len(hashes), num_full):
+            start = index * bs
+            parent = hash_block(parent, token_ids[start : start + bs])
+            hashes.append(parent)
+            register(blocks[ids[index]], parent)
+
+    # ------------------------------------------------------ fork and free
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """Child shares every block of the parent, partial last one included."""
+        parent = self._requests.get(parent_id)
+        if parent is None:
+            raise KeyError(f"unknown parent request {parent_id!r}")
+        old = self._requests.get(child_id)
+        if child_id == parent_id or (old is not None and old.block_ids):
+            raise ValueError(f"fork target {child_id!r} already holds blocks")
+        child = parent.clone()
+        touch = self._pool.touch
+        for block_id in child.block_ids:
+            touch(self._blocks[block_id])
+        self._requests[child_id] = child
+
+    def free(self, request_id: str) -> None:
+        """Return all of a request's blocks; no-op for unknown ids."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return
+        # Reverse order: chain tails reach the free queue first, so they are
+        # evicted before the parents other prompts are more likely to share.
+        blocks = self._blocks
+        self._pool.release([blocks[i] for i in reversed(req.block_ids)])
+
+    # ----------------------------------------------------------- read-outs
+
+    def block_table(self, request_id: str) -> list[int]:
+        """Copy of the request's logical -> physical block ids ([] if unknown)."""
+        req = self._requests.get(request_id)
+        return list(req.block_ids) if req is not None else []
+
+    def take_copies(self) -> list[BlockCopy]:
+        """Pending copy-on-write instructions since the last call; clears them."""
+        copies, self._copies = self._copies, []
+        return copies
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached hashes. Refuses (returns False, changes nothing)
+        while any block is referenced, as vLLM does."""
+        if not self._pool.reset_prefix_cache():
+            return False
+        # Only requests without blocks can exist now; their chains are empty.
+        return True
+
+
+def _bad_range(computed: int, new: int, known: int) -> ValueError:
+    return ValueError(f"bad token range: computed={computed} new={new} known={known}")

@@ -1,0 +1,77 @@
+"""A request's state as the scheduler sees it: the tokens it knows (prompt plus
+generated) and how many of them already have their KV computed. There are no
+prefill/decode phases: each step computes some of the missing tokens."""
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Sequence
+
+from scheduler.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
+                 params: SamplingParams, eos_token_ids: Sequence[int] = (),
+                 arrival_time: float | None = None, cache_salt: str | None = None):
+        if not prompt_token_ids:
+            raise ValueError("the prompt must contain at least one token")
+        self.request_id = request_id
+        self.params = params
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache
+        self.cache_salt = cache_salt
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: int | None = None
+        self.num_preemptions = 0
+        self._stop_ids = set(params.stop_token_ids)
+        self._eos_ids = set() if params.ignore_eos else set(eos_token_ids)
+        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token_id: int, max_model_len: int) -> None:
+        """Add a sampled token and decide whether the request is done."""
+        self.token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        n = self.num_output_tokens
+        if n >= self.params.min_tokens:
+            if token_id in self._stop_ids:
+                return self.finish("stop", stop_reason=token_id)
+            if token_id in self._eos_ids:
+                return self.finish("stop")
+        if n >= self.params.max_tokens or self.num_tokens >= max_model_len:
+            self.finish("length")
+
+    def finish(self, reason: str, stop_reason: int | None = None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.finish_time = time.monotonic()

@@ -1,0 +1,136 @@
+"""Continuous batching under one token budget per step.
+
+Each step, running requests are served first (a decode is one token, the rest of a
+chunked prompt is up to the budget), then waiting requests are admitted while the
+budget, the sequence cap and the KV cache allow. When the cache cannot hold a running
+request's next tokens, the latest-admitted running request is preempted: its blocks are
+freed and it is recomputed later, keeping the tokens it has already generated."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from kvcache import KVCacheManager
+from scheduler.output import ScheduledRequest, SchedulerOutput
+from scheduler.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+        if config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
+            raise ValueError("token budget and max_num_seqs must be positive")
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- requests in and out ------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        if req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        else:
+            self.running.remove(req)
+        req.finish("abort")
+        self._release(req)
+        return req
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step -------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:  # never preempt someone just to admit a newcomer
+            self._admit_waiting(out, budget)
+        out.block_copies = self.kv.take_copies()
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req.request_id, req.token_ids,
+                                             req.num_computed_tokens, n):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is req:
+                    return budget
+            out.scheduled.append(ScheduledRequest(req, n, self.kv.block_table(req.request_id)))
+            budget -= n
+            i += 1
+        return budget
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            if req.num_computed_tokens == 0:
+                cached = self.kv.lookup_prefix(req.request_id, req.token_ids, req.cache_salt)
+                req.num_computed_tokens = cached
+                if req.num_preemptions == 0:
+                    req.num_cached_tokens = cached
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.kv.allocate_slots(req.request_id, req.token_ids,
+                                          req.num_computed_tokens, n):
+                self.kv.free(req.request_id)  # let go of the prefix it looked up
+                req.num_computed_tokens = 0
+                return
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, n, self.kv.block_table(req.request_id)))
+            budget -= n
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.kv.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+        out.preempted.append(req.request_id)
+
+    # -- results of the step ---------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Record computed tokens and sampled tokens; returns the requests that got a
+        new token, finished ones included (already out of the batch and freed)."""
+        changed = []
+        for item in out.scheduled:
+            req = item.request
+            if req.finished:  # aborted while the step ran
+                continue
+            req.num_computed_tokens += item.num_new_tokens
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue
+            req.append_token(token, self.config.max_model_len)
+            changed.append(req)
+            if req.finished:
+                self.running.remove(req)
+                self._release(req)
+        return changed
+
+    def _release(self, req: Request) -> None:
+        self.kv.free(req.request_id)
+        self.requests.pop(req.request_id, None)

@@ -1,0 +1,56 @@
+"""The FastAPI application: routes, error handlers, and the engine's lifetime."""
+from __future__ import annotations
+
+import contextlib
+import time
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+
+from engine.async_engine import AsyncEngine
+from server.completions import CompletionService
+from server.errors import install_error_handlers
+from server.protocol import CompletionRequest
+
+VERSION = "0.1.0"
+
+
+def build_app(engine: AsyncEngine, model_names: list[str], model_root: str = "") -> FastAPI:
+    """`engine` must not be started yet: the app starts it at startup and stops it at
+    shutdown, so a test server and a real one live the same way."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.shutdown()
+
+    app = FastAPI(title="kvserve", version=VERSION, lifespan=lifespan)
+    install_error_handlers(app)
+    completions = CompletionService(engine, model_names)
+    created = int(time.time())
+
+    @app.post("/v1/completions")
+    async def create_completion(req: CompletionRequest):
+        return await completions.create(req)
+
+    @app.get("/v1/models")
+    async def list_models():
+        data = [{"id": name, "object": "model", "created": created, "owned_by": "kvserve",
+                 "root": model_root or name, "parent": None,
+                 "max_model_len": engine.max_model_len} for name in model_names]
+        return {"object": "list", "data": data}
+
+    @app.get("/health")
+    async def health():
+        if engine.is_alive:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "engine is not running"}, status_code=503)
+
+    @app.get("/version")
+    async def version():
+        return {"version": VERSION}
+
+    return app

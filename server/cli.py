@@ -1,0 +1,126 @@
+"""`kvserve` command line. Every flag's default can be set by an environment variable
+KVSERVE_<FLAG> (upper case, dashes as underscores), e.g. KVSERVE_PORT=9000."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+
+log = logging.getLogger("kvserve")
+
+_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'1GiB', '512M', '2g', '1073741824' -> bytes."""
+    m = re.fullmatch(r"\s*([\d.]+)\s*([kmgt]?)(?:i?b)?\s*", str(text).lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1GiB, 512MiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def _bool(text: str) -> bool:
+    return str(text).lower() in ("1", "true", "yes", "on")
+
+
+class _EnvDefaults:
+    """Adds flags whose default comes from KVSERVE_* when set."""
+
+    def __init__(self, parser: argparse.ArgumentParser):
+        self.parser = parser
+
+    def add(self, flag: str, default=None, type=str, help: str = "", **kw):
+        env = "KVSERVE_" + flag.lstrip("-").upper().replace("-", "_")
+        if env in os.environ:
+            default = type(os.environ[env]) if type is not None else os.environ[env]
+        self.parser.add_argument(flag, default=default, type=type,
+                                 help=f"{help} [env {env}; default: {default}]", **kw)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible server")
+    add_serve_args(_EnvDefaults(serve))
+    return parser
+
+
+def add_serve_args(p: _EnvDefaults) -> None:
+    p.add("--model", None, help="Hugging Face model directory (default: the embedded "
+          "SmolLM2-135M-Instruct, converted once into the cache)")
+    p.add("--served-model-name", None, help="name(s) clients use, comma-separated")
+    p.add("--host", "127.0.0.1", help="address to bind")
+    p.add("--port", 8000, type=int, help="port to bind")
+    p.add("--dtype", "auto", help="auto|float32|bfloat16|float16 (auto: bf16 on CUDA, fp32 on CPU)")
+    p.add("--device", "auto", help="auto|cpu|cuda")
+    p.add("--max-model-len", None, type=int, help="context length cap")
+    p.add("--block-size", 16, type=int, help="tokens per KV-cache block")
+    p.add("--kv-cache-memory", "1GiB", type=parse_size, help="KV cache size")
+    p.add("--num-kv-blocks", None, type=int, help="KV cache size in blocks (overrides memory)")
+    p.add("--max-num-seqs", 64, type=int, help="most requests running at once")
+    p.add("--max-num-batched-tokens", 512, type=int, help="token budget of one step")
+    p.add("--enable-prefix-caching", True, type=_bool, help="share cached prompt prefixes")
+    p.add("--load-format", "safetensors", help="safetensors|random")
+    p.add("--seed", 0, type=int, help="global random seed")
+    p.add("--log-level", "info", help="debug|info|warning|error")
+
+
+def engine_config_from_args(args, model_path: str):
+    from engine.config import EngineConfig
+
+    return EngineConfig(
+        model=model_path, dtype=args.dtype, device=args.device,
+        max_model_len=args.max_model_len, block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching, load_format=args.load_format,
+        seed=args.seed)
+
+
+def resolve_model(args) -> tuple[str, list[str]]:
+    """(model directory, served names)."""
+    if args.model is None:
+        from engine.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+
+        path, names = str(ensure_default_model()), [DEFAULT_MODEL_NAME]
+    else:
+        path, names = args.model, [args.model]
+        if not os.path.isdir(path):
+            raise SystemExit(f"kvserve: model directory not found: {path} (kvserve loads "
+                             "local Hugging Face model directories; it downloads nothing)")
+    if args.served_model_name:
+        names = [n.strip() for n in args.served_model_name.split(",") if n.strip()]
+    return path, names
+
+
+def serve(args) -> None:
+    import uvicorn
+
+    from engine.async_engine import AsyncEngine
+    from engine.config import ModelConfigError
+    from engine.engine import Engine
+    from engine.loader import ModelLoadError
+    from server.app import build_app
+
+    path, names = resolve_model(args)
+    try:
+        engine = Engine(engine_config_from_args(args, path))
+    except (ModelLoadError, ModelConfigError) as exc:
+        raise SystemExit(f"kvserve: {exc}") from None
+    app = build_app(AsyncEngine(engine), names, model_root=path)
+    log.info("serving %s on http://%s:%d", ", ".join(names), args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        serve(args)
+
+
+if __name__ == "__main__":
+    main()

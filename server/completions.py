@@ -1,0 +1,160 @@
+"""POST /v1/completions: prompts -> engine requests -> text, whole or streamed (SSE)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from engine.async_engine import AsyncEngine, EngineDeadError
+from scheduler.sampling_params import SamplingParams
+from server.detokenizer import IncrementalDetokenizer
+from server.errors import APIError, sse_data, sse_error
+from server.protocol import CompletionRequest, completion_id
+from server.validation import check_model, prompt_token_ids, sampling_params
+
+
+@dataclass
+class ChoiceDelta:
+    index: int
+    text: str
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_tokens: int = 0  # tokens generated so far for this choice
+
+
+@dataclass
+class Choice:
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+class CompletionService:
+    def __init__(self, engine: AsyncEngine, model_names: list[str]):
+        self.engine = engine
+        self.model_names = model_names
+
+    async def create(self, req: CompletionRequest):
+        model = check_model(req.model, self.model_names)
+        prompts = [prompt_token_ids(self.engine, p) for p in req.prompts()]
+        choices = []
+        for i, ids in enumerate(prompts):
+            for j in range(req.n):
+                params = sampling_params(req, len(ids), self.engine.max_model_len, j)
+                choices.append(Choice(i * req.n + j, ids, params))
+        rid = completion_id()
+        if req.stream:
+            return StreamingResponse(self._stream(rid, model, req, choices),
+                                     media_type="text/event-stream")
+        return JSONResponse(await self._complete(rid, model, req, choices))
+
+    async def _run_choice(self, rid: str, req: CompletionRequest, choice: Choice, emit):
+        """Drive one engine request to the end, calling emit(ChoiceDelta) as text
+        becomes final. Stop strings end the request early (the engine aborts it)."""
+        detok = IncrementalDetokenizer(self.engine.tokenizer, choice.prompt_ids,
+                                       req.stop_strings(), req.include_stop_str_in_output,
+                                       req.skip_special_tokens)
+        n = 0
+        gen = self.engine.generate(f"{rid}-{choice.index}", choice.prompt_ids, choice.params,
+                                   cache_salt=req.cache_salt)
+        async with contextlib.aclosing(gen):
+            async for out in gen:
+                n += len(out.new_token_ids)
+                detok.add_tokens(out.new_token_ids)
+                if detok.stop_reason is not None:
+                    await emit(ChoiceDelta(choice.index, detok.flush(True), "stop",
+                                           detok.stop_reason, n))
+                    return  # leaving the generator aborts the request
+                finish = out.finish_reason if out.finished else None
+                text = detok.flush(out.finished)
+                if text or finish:
+                    await emit(ChoiceDelta(choice.index, text, finish, out.stop_reason, n))
+
+    async def _complete(self, rid, model, req, choices) -> dict:
+        results: dict[int, list[ChoiceDelta]] = {c.index: [] for c in choices}
+
+        async def collect(d: ChoiceDelta):
+            results[d.index].append(d)
+
+        await _gather_or_raise([self._run_choice(rid, req, c, collect) for c in choices])
+        body_choices, completion_tokens = [], 0
+        for c in choices:
+            parts = results[c.index]
+            last = parts[-1]
+            completion_tokens += last.num_tokens
+            body_choices.append({"index": c.index, "text": "".join(p.text for p in parts),
+                                 "logprobs": None, "finish_reason": last.finish_reason,
+                                 "stop_reason": last.stop_reason})
+        return {"id": rid, "object": "text_completion", "created": _now(), "model": model,
+                "choices": body_choices, "usage": _usage(choices, completion_tokens, req.n)}
+
+    async def _stream(self, rid, model, req, choices):
+        queue: asyncio.Queue = asyncio.Queue()
+        tokens = {c.index: 0 for c in choices}
+        tasks = [asyncio.create_task(self._pump(rid, req, c, queue)) for c in choices]
+        created = _now()
+        try:
+            for _ in range(len(choices)):
+                while (item := await queue.get()) is not None:
+                    if isinstance(item, BaseException):
+                        yield sse_error(*_status_of(item))
+                        yield "data: [DONE]\n\n"
+                        return
+                    tokens[item.index] = item.num_tokens
+                    yield _chunk(rid, created, model, item)
+            if req.stream_options and req.stream_options.include_usage:
+                usage = _usage(choices, sum(tokens.values()), req.n)
+                yield sse_data({"id": rid, "object": "text_completion", "created": created,
+                                "model": model, "choices": [], "usage": usage})
+            yield "data: [DONE]\n\n"
+        finally:
+            for t in tasks:  # a client that went away: abort whatever still runs
+                t.cancel()
+
+    async def _pump(self, rid, req, choice: Choice, queue: asyncio.Queue):
+        try:
+            await self._run_choice(rid, req, choice, queue.put)
+            await queue.put(None)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            await queue.put(exc)
+
+
+async def _gather_or_raise(coros) -> None:
+    tasks = [asyncio.create_task(c) for c in coros]
+    try:
+        await asyncio.gather(*tasks)
+    except (ValueError, EngineDeadError) as exc:
+        raise APIError(*_status_of(exc)) from exc
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def _status_of(exc: BaseException) -> tuple[int, str]:
+    if isinstance(exc, ValueError):
+        return 400, str(exc)
+    if isinstance(exc, EngineDeadError):
+        return 503, str(exc)
+    return 500, f"internal error: {type(exc).__name__}"
+
+
+def _chunk(rid: str, created: int, model: str, d: ChoiceDelta) -> str:
+    body = {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": d.index, "text": d.text, "logprobs": None,
+                         "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}]}
+    return sse_data(body)
+
+
+def _usage(choices: list[Choice], completion_tokens: int, n: int) -> dict:
+    prompt_tokens = sum(len(c.prompt_ids) for c in choices) // n
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _now() -> int:
+    return int(time.time())

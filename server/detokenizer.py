@@ -1,0 +1,75 @@
+"""Incremental detokenization with stop strings.
+
+Tokens are decoded in a small sliding window (a few tokens of context before the new
+ones), so the cost per step does not grow with the output, and text is released only
+once it is final: a window ending in U+FFFD is an incomplete multi-byte character and
+waits for the next token. Stop strings are searched only where a new match can start,
+and a streaming caller is never handed characters that might still turn out to be the
+beginning of a stop string."""
+from __future__ import annotations
+
+_CONTEXT_TOKENS = 5  # earlier tokens kept so a word boundary decodes the same way
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str] = (),
+                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.stop = list(stop)
+        self.include_stop = include_stop_str_in_output
+        self.hold_back = max((len(s) for s in self.stop), default=1) - 1
+        self.text = ""  # all output text so far (cut at a stop string once matched)
+        self.sent = 0  # characters of self.text already handed out
+        self.stop_reason: str | None = None
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add_tokens(self, token_ids: list[int]) -> None:
+        """Append tokens; sets stop_reason if a stop string now appears."""
+        for tok in token_ids:
+            if self.stop_reason is not None:
+                return
+            self.ids.append(tok)
+            prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+            full = self._decode(self.ids[self.prefix_offset:])
+            if full.endswith("\ufffd") or len(full) <= len(prefix):
+                continue  # an incomplete character, or nothing visible yet
+            old_len = len(self.text)
+            self.text += full[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            self._check_stop(old_len)
+
+    def _check_stop(self, old_len: int) -> None:
+        best = None
+        for s in self.stop:
+            i = self.text.find(s, max(0, old_len - len(s) + 1))
+            if i != -1 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is not None:
+            i, s = best
+            self.text = self.text[:i + len(s)] if self.include_stop else self.text[:i]
+            self.stop_reason = s
+
+    def _release_pending(self) -> None:
+        # At the end an incomplete character is final too: send what it decodes to.
+        if self.stop_reason is None and self.read_offset < len(self.ids):
+            prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+            full = self._decode(self.ids[self.prefix_offset:])
+            old_len = len(self.text)
+            self.text += full[len(prefix):]
+            self.read_offset = len(self.ids)
+            self._check_stop(old_len)
+
+    def flush(self, finished: bool) -> str:
+        """The text that is safe to send now (everything, once finished)."""
+        if finished:
+            self._release_pending()
+        end = len(self.text) if finished or self.stop_reason else max(
+            self.sent, len(self.text) - self.hold_back)
+        delta, self.sent = self.text[self.sent:end], end
+        return delta

@@ -1,0 +1,77 @@
+"""Tiny random-weight Hugging Face model directories, made on the fly.
+
+Each has its own small byte-level BPE tokenizer with a ChatML template, so tests of
+the engine and server need no download and no default model."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = [
+    "The capital of France is Paris. The capital of Italy is Rome.",
+    "Continuous batching keeps the accelerator busy by letting requests join and leave.",
+    "Paged attention stores keys and values in fixed-size blocks, like virtual memory.",
+    "Héllo wörld — naïve café, 東京 and emoji 🙂 are multi-byte characters.",
+    "def add(a, b):\n    return a + b\n",
+    "0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20",
+] * 20
+
+ARCHS = {
+    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama"),
+    "llama3rope": dict(architectures=["LlamaForCausalLM"], model_type="llama",
+                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 256},
+                       rope_theta=500000.0),
+    "mistral": dict(architectures=["MistralForCausalLM"], model_type="mistral",
+                    sliding_window=None),
+    "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2"),
+    "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=24),
+}
+
+
+def make_tokenizer(path: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>",
+                                   eos_token="<|im_end|>", unk_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>")
+    fast.chat_template = CHATML
+    fast.save_pretrained(str(path))
+    return fast
+
+
+def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Writes config.json, model.safetensors and tokenizer files into `path`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = make_tokenizer(path)
+    spec = dict(ARCHS[arch])
+    model_type = spec.pop("model_type")
+    fields = dict(vocab_size=len(tok), hidden_size=96, intermediate_size=192,
+                  num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+                  max_position_embeddings=4096, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
+                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                  initializer_range=0.1)
+    fields.update(spec)
+    fields.update(overrides)
+    cfg = AutoConfig.for_model(model_type, **fields)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.save_pretrained(str(path))
+    return path
