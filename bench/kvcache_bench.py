@@ -25,7 +25,7 @@ import random
 import statistics
 import sys
 import time
-from collections import deque
+from collections import Counter, deque
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -82,7 +82,11 @@ class Workload:
 
 
 class EngineSim:
-    """Just enough of a scheduler to drive the manager like an engine would."""
+    """Just enough of a scheduler to drive the manager like an engine would:
+    admit in arrival order while blocks last (keeping a 1% watermark), decode
+    one token per running request per step, and when the pool runs dry
+    preempt the newest running request (recompute: it is freed and later
+    re-admitted through its own cached prefix)."""
 
     def __init__(self, args: argparse.Namespace, workload: Workload) -> None:
         self.mgr = KVCacheManager(
@@ -90,85 +94,102 @@ class EngineSim:
         )
         self.work = workload
         self.max_running = args.max_running
+        self.watermark = max(1, args.num_blocks // 100)
         self.waiting = deque(range(len(workload.specs)))
-        self.suspended: dict[int, tuple] = {}  # preempted: (tokens, left)
-        self.running: dict[int, list] = {}  # index -> [tokens, tokens left to generate]
-        self.ns = 0
-        self.ops = 0
-        self.steps = 0
-        self.preemptions = 0
-        self.decode_tokens = 0
+        self.suspended: dict[int, list] = {}  # preempted: [rid, tokens, left]
+        self.running: dict[int, list] = {}  # admission order; [rid, tokens, left]
+        # Manager CPU time and calls per phase: admit, decode, preempt, finish.
+        self.ns: Counter = Counter()
+        self.ops: Counter = Counter()
+        self.steps = self.preemptions = self.decode_tokens = 0
 
     def run(self) -> None:
         while self.waiting or self.running:
             self.admit()
             self.decode_step()
+            self.finish()
             self.steps += 1
 
     def admit(self) -> None:
-        mgr, work = self.mgr, self.work
+        mgr = self.mgr
         while self.waiting and len(self.running) < self.max_running:
             index = self.waiting[0]
-            toks, left = self.suspended.pop(index, None) or (
-                work.prompt(index), work.specs[index][1]
-            )
-            rid = str(index)
+            state = self.suspended.pop(index, None) or self.new_state(index)
+            rid, toks = state[0], state[1]
             t0 = clock()
             hit = mgr.lookup_prefix(rid, toks)
-            ok = mgr.allocate_slots(rid, toks, hit, len(toks) - hit)
+            need = mgr.num_new_blocks_needed(rid, len(toks))
+            ok = need + self.watermark <= mgr.num_free_blocks
+            ok = ok and mgr.allocate_slots(rid, toks, hit, len(toks) - hit)
             if not ok:
-                mgr.free(rid)
-            self.ns += clock() - t0
-            self.ops += 2 + (not ok)
+                mgr.free(rid)  # give the prefix hits back
+            self.ns["admit"] += clock() - t0
+            self.ops["admit"] += 3 + (not ok)
             if not ok:
-                self.suspended[index] = (toks, left)
+                self.suspended[index] = state
                 return
             self.waiting.popleft()
-            self.running[index] = [toks, left]
+            self.running[index] = state
+
+    def new_state(self, index: int) -> list:
+        return [str(index), self.work.prompt(index), self.work.specs[index][1]]
 
     def decode_step(self) -> None:
         next_token = self.work.next_token
         for state in self.running.values():
-            state[0].append(next_token())
+            state[1].append(next_token())
         alloc = self.mgr.allocate_slots
         failed = []
         t0 = clock()
-        for index, (toks, _) in self.running.items():
-            n = len(toks)
-            if not alloc(str(index), toks, n - 1, 1):
+        for index, (rid, toks, _) in self.running.items():
+            if not alloc(rid, toks, len(toks) - 1, 1):
                 failed.append(index)
-        self.ns += clock() - t0
-        self.ops += len(self.running)
-        self.decode_tokens += len(self.running) - len(failed)
+        self.ns["decode"] += clock() - t0
+        self.ops["decode"] += len(self.running)
+        self.decode_tokens += len(self.running)
         for index in failed:
-            self.preempt(index)
-        self.finish()
+            self.make_room(index)
+
+    def make_room(self, index: int) -> None:
+        """Preempt newest-first until request ``index`` gets its block (or is
+        itself preempted)."""
+        while index in self.running:
+            victim = next(reversed(self.running))
+            self.preempt(victim)
+            if victim == index:
+                return
+            rid, toks, _ = self.running[index]
+            t0 = clock()
+            ok = self.mgr.allocate_slots(rid, toks, len(toks) - 1, 1)
+            self.ns["preempt"] += clock() - t0
+            self.ops["preempt"] += 1
+            if ok:
+                return
 
     def preempt(self, index: int) -> None:
-        toks, left = self.running.pop(index)
-        toks.pop()  # the token whose KV could not be placed is sampled again later
+        state = self.running.pop(index)
         t0 = clock()
-        self.mgr.free(str(index))
-        self.ns += clock() - t0
-        self.ops += 1
+        self.mgr.free(state[0])
+        self.ns["preempt"] += clock() - t0
+        self.ops["preempt"] += 1
         self.preemptions += 1
-        self.suspended[index] = (toks, left)
+        state[1].pop()  # its newest token gets no KV now; it is sampled again
+        self.decode_tokens -= 1
+        self.suspended[index] = state
         self.waiting.appendleft(index)
 
     def finish(self) -> None:
         done = []
         for index, state in self.running.items():
-            state[1] -= 1
-            if state[1] <= 0:
+            state[2] -= 1
+            if state[2] <= 0:
                 done.append(index)
         free = self.mgr.free
         t0 = clock()
         for index in done:
-            free(str(index))
-        self.ns += clock() - t0
-        self.ops += len(done)
-        for index in done:
-            del self.running[index]
+            free(self.running.pop(index)[0])
+        self.ns["finish"] += clock() - t0
+        self.ops["finish"] += len(done)
 
 
 def bench_workload(args: argparse.Namespace) -> dict:
@@ -178,12 +199,15 @@ def bench_workload(args: argparse.Namespace) -> dict:
     wall = time.perf_counter() - wall0
     stats = sim.mgr.stats
     assert sim.mgr.num_free_blocks == args.num_blocks, "blocks leaked"
+    total_ns, total_ops = sum(sim.ns.values()), sum(sim.ops.values())
     return {
         "requests": args.requests,
         "engine_steps": sim.steps,
-        "manager_ops": sim.ops,
-        "manager_cpu_s": sim.ns / 1e9,
-        "ops_per_s": sim.ops / (sim.ns / 1e9),
+        "manager_ops": total_ops,
+        "manager_cpu_s": total_ns / 1e9,
+        "ops_per_s": total_ops / (total_ns / 1e9),
+        # Mean manager CPU per call, by phase (admit = lookup/needed/allocate).
+        "us_per_op": {k: sim.ns[k] / 1e3 / sim.ops[k] for k in sim.ops if sim.ops[k]},
         "decode_tokens": sim.decode_tokens,
         "preemptions": sim.preemptions,
         "prefix_hit_rate": stats.hit_rate,
@@ -244,6 +268,7 @@ def print_table(workload: dict, step: dict) -> None:
         ("manager ops (lookup/allocate/free)", f"{workload['manager_ops']:,}"),
         ("manager CPU time", f"{workload['manager_cpu_s']:.2f} s"),
         ("ops per second", f"{workload['ops_per_s']:,.0f}"),
+        *((f"  us per call: {k}", f"{v:.2f} us") for k, v in workload["us_per_op"].items()),
         ("decode tokens", f"{workload['decode_tokens']:,}"),
         ("preemptions", f"{workload['preemptions']:,}"),
         ("prefix hit rate (tokens)", f"{workload['prefix_hit_rate']:.1%}"),

@@ -29,7 +29,7 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        return len(self.free_queue)
+        return self.free_queue.size
 
     def allocate(self, count: int) -> list[Block]:
         """Take ``count`` blocks from the head of the free queue (ref_count 1).
@@ -37,16 +37,13 @@ class BlockPool:
         A taken block loses its cached hash only now, so freed blocks stay
         hittable for as long as possible.
         """
-        if count > len(self.free_queue):
-            raise ValueError(f"asked for {count} blocks, {len(self.free_queue)} free")
-        popleft = self.free_queue.popleft
-        taken = []
-        for _ in range(count):
-            block = popleft()
+        if count > self.free_queue.size:
+            raise ValueError(f"asked for {count} blocks, {self.free_queue.size} free")
+        taken = self.free_queue.popleft_n(count)
+        for block in taken:
             if block.block_hash is not None:
                 self._evict(block)
             block.ref_count = 1
-            taken.append(block)
         return taken
 
     def _evict(self, block: Block) -> None:
@@ -78,6 +75,14 @@ class BlockPool:
 
     def lookup(self, block_hash: bytes) -> Block | None:
         return self.cached.get(block_hash)
+
+    def register_all(self, blocks: Iterable[Block], hashes: Iterable[bytes]) -> None:
+        """register() for just-filled blocks in bulk (one call per step)."""
+        cached = self.cached
+        for block, block_hash in zip(blocks, hashes):
+            if block.block_hash is None and block_hash not in cached:
+                cached[block_hash] = block
+                block.block_hash = block_hash
 
     def register(self, block: Block, block_hash: bytes) -> bool:
         """Make a just-filled block hittable; False when the hash is taken."""

@@ -37,7 +37,7 @@ class KVCacheManager:
         self.stats = CacheStats()
         self._pool = BlockPool(num_blocks, self.stats)
         self._blocks: list[Block] = self._pool.blocks
-        self._free_queue = self._pool.free_queue  # len() without a property hop
+        self._free_queue = self._pool.free_queue  # .size without a property hop
         self._hasher = BlockHasher(block_size)
         self._requests: dict[str, RequestBlocks] = {}
         self._copies: list[BlockCopy] = []
@@ -117,7 +117,7 @@ class KVCacheManager:
         parent = req.root_hash
         matched: list[Block] = []
         # Stop hashing at the first miss: a later block can't hit without it.
-        for start in range(0, ((len(token_ids) - 1) // bs) * bs, bs):
+        for start in range(0, (len(token_ids) // bs) * bs, bs):
             parent = hash_block(parent, token_ids[start : start + bs])
             block = lookup(parent)
             if block is None:
@@ -160,7 +160,7 @@ class KVCacheManager:
             first < have - 1 or self._blocks[ids[first]].ref_count > 1
         ):
             shared = self._shared_write_targets(req, num_computed_tokens, end)
-        if grow + len(shared) > len(self._free_queue):
+        if grow + len(shared) > self._free_queue.size:
             return False
         if req is None:
             req = self._requests[request_id] = RequestBlocks(self._unsalted_root)
@@ -201,18 +201,14 @@ class KVCacheManager:
         self, req: RequestBlocks, token_ids: Sequence[int], num_full: int
     ) -> None:
         """Hash blocks that just became full and offer them for sharing."""
-        bs = self.block_size
         hashes = req.hashes
-        ids = req.block_ids
-        blocks = self._blocks
-        hash_block = self._hasher.hash_block
-        register = self._pool.register
+        first = len(hashes)
         parent = hashes[-1] if hashes else req.root_hash
-        for index in range(len(hashes), num_full):
-            start = index * bs
-            parent = hash_block(parent, token_ids[start : start + bs])
-            hashes.append(parent)
-            register(blocks[ids[index]], parent)
+        new_hashes = self._hasher.hash_blocks(parent, token_ids, first, num_full)
+        hashes.extend(new_hashes)
+        blocks = self._blocks
+        filled = [blocks[i] for i in req.block_ids[first:num_full]]
+        self._pool.register_all(filled, new_hashes)
 
     # ------------------------------------------------------ fork and free
 

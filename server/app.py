@@ -1,11 +1,12 @@
 """The FastAPI application: routes, error handlers, and the engine's lifetime."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 
-from fastapi import FastAPI
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
 
 from engine.async_engine import AsyncEngine
 from server.completions import CompletionService
@@ -33,8 +34,8 @@ def build_app(engine: AsyncEngine, model_names: list[str], model_root: str = "")
     created = int(time.time())
 
     @app.post("/v1/completions")
-    async def create_completion(req: CompletionRequest):
-        return await completions.create(req)
+    async def create_completion(req: CompletionRequest, request: Request):
+        return await _cancel_on_disconnect(request, completions.create(req))
 
     @app.get("/v1/models")
     async def list_models():
@@ -54,3 +55,28 @@ def build_app(engine: AsyncEngine, model_names: list[str], model_root: str = "")
         return {"version": VERSION}
 
     return app
+
+
+async def _cancel_on_disconnect(request: Request, coro):
+    """Awaits `coro`, but cancels it (which aborts its engine requests) when the client
+    disconnects first, so an abandoned non-streaming request stops generating. A
+    streaming response watches for the disconnect itself once it is returned."""
+    work = asyncio.ensure_future(coro)
+
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+    if work in done:
+        return work.result()
+    await asyncio.wait({work})  # let it finish aborting its engine requests
+    if not work.cancelled():
+        work.exception()  # mark it retrieved: there is nobody left to tell
+    return Response(status_code=499)  # the client is gone; nobody reads this

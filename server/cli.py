@@ -15,7 +15,7 @@ _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 def parse_size(text: str) -> int:
     """'1GiB', '512M', '2g', '1073741824' -> bytes."""
-    m = re.fullmatch(r"\s*([\d.]+)\s*([kmgt]?)(?:i?b)?\s*", str(text).lower())
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(?:i?b)?\s*", str(text).lower())
     if not m:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1GiB, 512MiB)")
     return int(float(m.group(1)) * _UNITS[m.group(2)])
@@ -34,7 +34,9 @@ class _EnvDefaults:
     def add(self, flag: str, default=None, type=str, help: str = "", **kw):
         env = "KVSERVE_" + flag.lstrip("-").upper().replace("-", "_")
         if env in os.environ:
-            default = type(os.environ[env]) if type is not None else os.environ[env]
+            # argparse converts a string default with `type` itself, so a bad value is a
+            # usage error naming the flag rather than a traceback.
+            default = os.environ[env]
         self.parser.add_argument(flag, default=default, type=type,
                                  help=f"{help} [env {env}; default: {default}]", **kw)
 

@@ -39,7 +39,11 @@ class CompletionService:
 
     async def create(self, req: CompletionRequest):
         model = check_model(req.model, self.model_names)
+        if not self.engine.is_alive:  # say so with a status, not inside a 200 stream
+            raise APIError(503, "the engine is not running")
         prompts = [prompt_token_ids(self.engine, p) for p in req.prompts()]
+        if not prompts:  # prompt: []
+            raise APIError(400, "the prompt is empty", "prompt")
         choices = []
         for i, ids in enumerate(prompts):
             for j in range(req.n):
@@ -63,7 +67,10 @@ class CompletionService:
         async with contextlib.aclosing(gen):
             async for out in gen:
                 n += len(out.new_token_ids)
-                detok.add_tokens(out.new_token_ids)
+                new = out.new_token_ids
+                if out.finish_reason == "stop" and not req.include_stop_str_in_output:
+                    new = new[:-1]  # as in vLLM, the EOS / stop token's text is left out
+                detok.add_tokens(new)
                 if detok.stop_reason is not None:
                     await emit(ChoiceDelta(choice.index, detok.flush(True), "stop",
                                            detok.stop_reason, n))

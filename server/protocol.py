@@ -62,7 +62,8 @@ class CompletionRequest(OpenAIRequest):
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
-        return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        return [s for s in stops if s]  # "" would match at once: ignore it
 
 
 class UsageInfo(BaseModel):

@@ -137,6 +137,19 @@ def test_block_hash_chains_on_the_parent():
     assert root_hash("ab", "c") != root_hash("a", "bc")
 
 
+def test_bulk_hashing_matches_block_by_block():
+    hasher = BlockHasher(BS)
+    root = root_hash("m", "salt")
+    seq = tokens(14, start=2**40)
+    chain, parent = [], root
+    for start in range(0, 12, BS):
+        parent = hasher.hash_block(parent, seq[start : start + BS])
+        chain.append(parent)
+    assert hasher.hash_blocks(root, seq, 0, 3) == chain
+    assert hasher.hash_blocks(chain[0], seq, 1, 3) == chain[1:]
+    assert hasher.hash_blocks(root, seq, 2, 2) == []
+
+
 def test_chunked_prefill_hashes_like_one_shot():
     chunked, whole = KVCacheManager(8, BS), KVCacheManager(8, BS)
     prompt = tokens(14)

@@ -1,0 +1,37 @@
+from __future__ import annotations
+
+import torch
+
+from engine.sampler import sample
+from scheduler.sampling_params import SamplingParams
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(4, 50)
+    params = [SamplingParams(temperature=0.0)] * 4
+    assert torch.equal(sample(logits, params, [None] * 4), logits.argmax(-1))
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy():
+    logits = torch.randn(6, 50)
+    params = [SamplingParams(temperature=1.0, top_k=1)] * 3 + \
+             [SamplingParams(temperature=1.0, top_p=1e-6)] * 3
+    assert torch.equal(sample(logits, params, [None] * 6), logits.argmax(-1))
+
+
+def test_top_k_never_leaves_the_top_k():
+    logits = torch.randn(1, 100)
+    allowed = set(logits[0].topk(5).indices.tolist())
+    params = [SamplingParams(temperature=2.0, top_k=5)]
+    draws = {int(sample(logits, params, [None])[0]) for _ in range(200)}
+    assert draws <= allowed and len(draws) > 1
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([[0.5, 0.3, 0.2]])
+    params = [SamplingParams(temperature=1.0, seed=0)]
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.zeros(3)
+    for _ in range(4000):
+        counts[sample(probs.log(), params, [gen])[0]] += 1
+    assert torch.allclose(counts / 4000, probs[0], atol=0.03)
