@@ -219,7 +219,11 @@ def bench_workload(args: argparse.Namespace) -> dict:
 def bench_step(args: argparse.Namespace) -> dict:
     """Per-step manager CPU time with a fixed batch of decoding requests."""
     rng = random.Random(args.seed + 1)
-    mgr = KVCacheManager(args.num_blocks, args.block_size, not args.no_prefix_caching)
+    # Room for every request's longest possible sequence: this part measures
+    # the decode path, not preemption.
+    longest = -(-(2001 + args.step_count) // args.block_size)
+    num_blocks = max(args.num_blocks, args.step_requests * longest)
+    mgr = KVCacheManager(num_blocks, args.block_size, not args.no_prefix_caching)
     batch = []
     for i in range(args.step_requests):
         toks = [VOCAB + i] + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 2000))]

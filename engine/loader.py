@@ -174,7 +174,10 @@ def _expected_weights(model, params: dict) -> set[tuple[str, int | None]]:
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
         shards = getattr(module, "shard_sizes", None)
-        expected.update((name, i) for i in range(len(shards))) if shards else expected.add((name, None))
+        if shards:
+            expected.update((name, i) for i in range(len(shards)))
+        else:
+            expected.add((name, None))
     return expected
 
 

@@ -86,7 +86,7 @@ class ModelRunner:
             starts.append(s.start)
             lens.append(s.num_new_tokens)
         tables = _pad_tables([s.block_table for s in scheduled])
-        positions, slots, req_index = self._positions_and_slots(starts, lens, tables)
+        positions, slots = self._positions_and_slots(starts, lens, tables)
         query_starts = [0]
         for n in lens:
             query_starts.append(query_starts[-1] + n)
@@ -111,8 +111,7 @@ class ModelRunner:
         positions = torch.tensor(starts, dtype=torch.long)[req_index] + offsets
         slots = self._slots(tables[req_index], positions.unsqueeze(1)).squeeze(1)
         dev = self.device
-        return (positions.to(dev, non_blocking=True), slots.to(dev, non_blocking=True),
-                req_index)
+        return positions.to(dev, non_blocking=True), slots.to(dev, non_blocking=True)
 
     def _slots(self, tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """tables: [..., max_blocks]; positions: same leading dims, any last dim."""

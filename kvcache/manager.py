@@ -87,7 +87,9 @@ class KVCacheManager:
 
         Returns the number of tokens covered. At most len(token_ids) - 1 tokens
         are hit (rounded down to whole blocks) because the last prompt token
-        must be recomputed to get its logits.
+        must be recomputed to get its logits. The salt is remembered for
+        hashing the request's later blocks, even with caching disabled; stats
+        count only while caching is enabled.
         """
         old = self._requests.get(request_id)
         if old is not None and old.block_ids:
@@ -117,7 +119,7 @@ class KVCacheManager:
         parent = req.root_hash
         matched: list[Block] = []
         # Stop hashing at the first miss: a later block can't hit without it.
-        for start in range(0, (len(token_ids) // bs) * bs, bs):
+        for start in range(0, ((len(token_ids) - 1) // bs) * bs, bs):
             parent = hash_block(parent, token_ids[start : start + bs])
             block = lookup(parent)
             if block is None:
@@ -251,10 +253,9 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         """Forget all cached hashes. Refuses (returns False, changes nothing)
         while any block is referenced, as vLLM does."""
-        if not self._pool.reset_prefix_cache():
-            return False
-        # Only requests without blocks can exist now; their chains are empty.
-        return True
+        # Refusing keeps every request's own hash chain (RequestBlocks.hashes)
+        # in step with the pool: only requests without blocks exist after it.
+        return self._pool.reset_prefix_cache()
 
 
 def _bad_range(computed: int, new: int, known: int) -> ValueError:

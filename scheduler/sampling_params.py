@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Below this a temperature is treated as greedy (dividing by it would overflow).
+GREEDY_EPSILON = 1e-5
+
 
 @dataclass
 class SamplingParams:
@@ -27,7 +30,9 @@ class SamplingParams:
             raise ValueError("top_k must be -1, 0 (disabled) or positive")
         if self.min_tokens < 0:
             raise ValueError("min_tokens must be non-negative")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise ValueError("seed must fit in 64 bits")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_EPSILON

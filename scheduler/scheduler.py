@@ -7,6 +7,7 @@ request's next tokens, the latest-admitted running request is preempted: its blo
 freed and it is recomputed later, keeping the tokens it has already generated."""
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -96,6 +97,8 @@ class Scheduler:
                 req.num_computed_tokens = 0
                 return
             self.waiting.popleft()
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n, self.kv.block_table(req.request_id)))

@@ -36,7 +36,8 @@ class CompletionRequest(OpenAIRequest):
     top_p: float | None = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int | None = Field(default=0, ge=-1)
     n: int = Field(default=1, ge=1, le=16)
-    seed: int | None = None
+    # torch's generators take 64-bit seeds; a bigger one must not reach the engine
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False

@@ -64,16 +64,17 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(positions, inv_freq)
         self.cos, self.sin = freqs.cos(), freqs.sin()  # [P, D/2]; not parameters
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hkv, D]; returns both rotated."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2] float32
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def table(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos and sin for these positions, [T, 1, D/2] in `dtype`; gathered once per
+        forward pass and shared by every layer."""
+        cos = self.cos[positions].unsqueeze(1).to(dtype)
+        sin = self.sin[positions].unsqueeze(1).to(dtype)
+        return cos, sin
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # The table is float32; the product is taken in x's dtype, as the reference does.
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on [T, H, D]. The table is computed in float32 and the product
+    taken in x's dtype, as the reference implementation does."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 

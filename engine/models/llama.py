@@ -12,11 +12,11 @@ from torch import nn
 from engine.attention import get_attention_metadata
 from engine.attention.torch_backend import paged_attention
 from engine.config import ModelConfig
-from engine.models.layers import PackedLinear, RMSNorm, RotaryEmbedding
+from engine.models.layers import PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -24,13 +24,12 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.rotary = rotary
         self.scale = cfg.head_dim ** -0.5
         # Set by the model runner once the cache is allocated.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -40,7 +39,7 @@ class Attention(nn.Module):
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         o = paged_attention(q, k, v, self.k_cache, self.v_cache,
                             get_attention_metadata(), self.scale)
         return self.o_proj(o.reshape(n, q_size))
@@ -59,15 +58,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary)
+        self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x))
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(rope, self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -81,9 +80,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
         self.config = cfg
-        self.rotary = rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -93,8 +92,9 @@ class LlamaForCausalLM(nn.Module):
         """Returns the final hidden states [T, hidden] (logits are taken only for the
         rows that need them, see compute_logits)."""
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.table(positions, x.dtype)
         for layer in self.layers:
-            x = layer(positions, x)
+            x = layer(rope, x)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from hypothesis.stateful import (
 )
 
 from kvcache import KVCacheManager
-from kvcache_sim import FakeDevice, check_pool_invariants
+from tests.kvcache.kvcache_sim import FakeDevice, check_pool_invariants
 
 # A tiny vocabulary makes shared prefixes (and so prefix hits) common.
 TOKENS = st.integers(min_value=0, max_value=2)

@@ -124,14 +124,34 @@ def assert_error(r: httpx.Response, status: int, param: str | None = "__any__",
     return err
 
 
-def wait_idle(engine: Engine, timeout: float = 5.0) -> bool:
+class Idle:
+    """Truthy when the engine has no unfinished requests and all KV blocks are free;
+    its repr tells what was left over."""
+
+    def __init__(self, engine: Engine, ok: bool):
+        self.ok = ok
+        sched = engine.scheduler
+        self.state = (f"unfinished={engine.has_unfinished_requests()} "
+                      f"free={engine.kv.num_free_blocks}/{engine.kv.num_blocks} "
+                      f"waiting={[r.request_id for r in sched.waiting]} "
+                      f"running={[r.request_id for r in sched.running]}")
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    def __repr__(self) -> str:
+        return f"Idle({self.ok}: {self.state})"
+
+
+def wait_idle(engine: Engine, timeout: float = 5.0) -> Idle:
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while True:
         if (not engine.has_unfinished_requests()
                 and engine.kv.num_free_blocks == engine.kv.num_blocks):
-            return True
+            return Idle(engine, True)
+        if time.monotonic() > deadline:
+            return Idle(engine, False)
         time.sleep(0.05)
-    return False
 
 
 def first_occurrence_stop(text: str, start: int, length: int = 3) -> tuple[int, str]:
@@ -422,6 +442,10 @@ ERROR_CASES = {
                                  "temperature", None),
     "top_p zero": (lambda s: dict(prompt="x", top_p=0), 400, "top_p", None),
     "n zero": (lambda s: dict(prompt="x", n=0), 400, "n", None),
+    "seed too big for torch": (lambda s: dict(prompt="x", seed=2**70, temperature=1), 400,
+                               "seed", None),
+    "seed too small for torch": (lambda s: dict(prompt="x", seed=-(2**64), temperature=1),
+                                 400, "seed", None),
     "token id out of vocab": (lambda s: dict(prompt=[5, s.engine.model_config.vocab_size]),
                               400, "prompt", None),
     "negative token id": (lambda s: dict(prompt=[5, -1]), 400, "__any__", None),
@@ -631,6 +655,14 @@ def test_seeded_sampling_is_reproducible(srv):
     assert results[-1]["choices"][0]["text"] == first
 
 
+def test_extreme_seeds_work(srv):
+    for seed in (0, -1, 2**63 - 1, -(2**63)):
+        body = srv.ok(prompt="x", max_tokens=3, temperature=1.0, seed=seed, n=2,
+                      ignore_eos=True)
+        assert body["usage"]["completion_tokens"] == 6
+    assert srv.http.get("/health").status_code == 200
+
+
 def test_different_seeds_differ(srv):
     common = dict(prompt=PROMPTS[1], max_tokens=24, temperature=1.0, ignore_eos=True)
     texts = {srv.text(seed=s, **common) for s in (1, 2, 3)}
@@ -732,8 +764,10 @@ def test_health_after_everything(srv):
 def test_stop_token_ids(srv, offline):
     tok = srv.engine.tokenizer
     _, out = offline(PROMPTS[0], 30)
-    k = next(i for i in range(3, len(out)) if out[i] not in out[:i]
-             and tok.decode(out[:i]) and tok.decode([out[i]]).strip())
+    k = next((i for i in range(3, len(out)) if out[i] not in out[:i]
+              and tok.decode(out[:i]) and tok.decode([out[i]]).strip()), None)
+    if k is None:
+        pytest.fail(f"no usable stop token in {out}")
     stop_id = out[k]
     common = dict(prompt=PROMPTS[0], max_tokens=30, temperature=0, ignore_eos=True,
                   stop_token_ids=[stop_id])

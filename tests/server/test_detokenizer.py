@@ -204,3 +204,20 @@ def test_special_tokens_are_skipped_or_kept(tok):
     out = "".join(stream(d, ids))
     assert out == tok.decode(ids, skip_special_tokens=False)
     assert tok.eos_token in out
+
+
+@pytest.mark.slow
+def test_default_model_tokenizer_streaming(default_model_dir):
+    from engine.loader import load_tokenizer
+
+    tok = load_tokenizer(default_model_dir)
+    for text in MULTIBYTE_TEXTS + ["Ünïcödé ½ → ∞, 日本語のテキスト, 한국어, 🙂👍🏽🇫🇷"]:
+        ids = tok.encode(text, add_special_tokens=False)
+        pieces = stream(IncrementalDetokenizer(tok, tok.encode("Say:")), ids)
+        assert "".join(pieces) == tok.decode(ids) == text
+        assert not any("\ufffd" in p for p in pieces)
+    ids = tok.encode("The capital of France is Paris. 東京 is in Japan.",
+                     add_special_tokens=False)
+    d = IncrementalDetokenizer(tok, [], stop=["京 is"])
+    assert "".join(stream(d, ids)) == "The capital of France is Paris. 東"
+    assert d.stop_reason == "京 is"
