@@ -52,33 +52,44 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, cache_salt: str | None = None
                        ) -> AsyncIterator[RequestOutput]:
-        """Yields one output per step in which the request got tokens; the last one
-        has finished=True. Leaving the iteration early aborts the request."""
+        """Yields one output per step in which a sequence got tokens (for n > 1 the
+        n sequences interleave; `index` tells them apart), until all n finished.
+        Leaving the iteration early aborts whatever is unfinished."""
         if not self.is_alive:
             raise EngineDeadError("the engine is not running")
         self.engine.validate(prompt_token_ids)  # ValueError before anything is queued
+        ids = [request_id] + [f"{request_id}#{i}" for i in range(1, params.n)]
         stream: asyncio.Queue = asyncio.Queue()
-        with self._lock:
-            if request_id in self._streams:
-                raise ValueError(f"duplicate request id {request_id!r}")
-            self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        if self.error is not None:  # died after the first check: _fail_all missed us
-            self._streams.pop(request_id, None)
-            raise EngineDeadError("the engine is not running")
+        self._register(ids, stream)
         self._commands.put(("add", (request_id, prompt_token_ids, params, cache_salt)))
-        finished = False
+        unfinished = set(ids)
         try:
-            while not finished:
+            while unfinished:
                 item = await stream.get()
                 if isinstance(item, BaseException):
                     raise item
-                finished = item.finished
+                if item.finished:
+                    unfinished.discard(item.request_id)
                 yield item
         finally:
-            if not finished:
-                self.abort(request_id)
+            for rid in unfinished:
+                self.abort(rid)
             with self._lock:
-                self._streams.pop(request_id, None)
+                for rid in ids:
+                    self._streams.pop(rid, None)
+
+    def _register(self, ids: list[str], stream: asyncio.Queue) -> None:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if any(rid in self._streams for rid in ids):
+                raise ValueError(f"duplicate request id {ids[0]!r}")
+            for rid in ids:
+                self._streams[rid] = (loop, stream)
+        if self.error is not None:  # died after the first check: _fail_all missed us
+            with self._lock:
+                for rid in ids:
+                    self._streams.pop(rid, None)
+            raise EngineDeadError("the engine is not running")
 
     def validate(self, prompt_token_ids: list[int]) -> None:
         """Raises ValueError for a prompt the engine can never run."""
@@ -110,9 +121,7 @@ class AsyncEngine:
             if kind == "add":
                 self._add(*arg)
             elif kind == "abort":
-                out = self.engine.abort_request(arg)
-                if out is not None:
-                    self._publish([out])
+                self._publish(self.engine.abort_request(arg))
 
     def _add(self, request_id, prompt, params, cache_salt) -> None:
         try:

@@ -76,6 +76,7 @@ class Engine:
         self.validate(prompt_token_ids)
         req = Request(request_id, prompt_token_ids, params, self.eos_token_ids,
                       arrival_time, cache_salt)
+        req.make_siblings()
         self.scheduler.add_request(req)
 
     def validate(self, prompt_token_ids: list[int]) -> None:
@@ -89,10 +90,9 @@ class Engine:
         if bad is not None:
             raise ValueError(f"token id {bad} is out of the vocabulary (0..{vocab - 1})")
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        req = self.scheduler.abort(request_id)
-        self.runner.release(request_id)
-        return None if req is None else self._output(req, [])
+    def abort_request(self, request_id: str) -> list[RequestOutput]:
+        """Ends the request and any siblings not yet forked from it; [] if unknown."""
+        return [self._output(req, []) for req in self.scheduler.abort(request_id)]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -118,19 +118,22 @@ class Engine:
         if req.finished:
             self.runner.release(req.request_id)
         return RequestOutput(
-            request_id=req.request_id, new_token_ids=new_tokens, finished=req.finished,
+            request_id=req.request_id, index=req.index, new_token_ids=new_tokens,
+            finished=req.finished,
             finish_reason=req.finish_reason, stop_reason=req.stop_reason,
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
                  ) -> list[list[int]]:
-        """Offline helper: run prompts to completion, return generated token ids."""
+        """Offline helper: run prompts to completion, return generated token ids
+        (for n > 1, the n sequences of each prompt one after another)."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        ids = [f"offline-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
-        results: dict[str, list[int]] = {i: [] for i in ids}
-        for rid, prompt, p in zip(ids, prompts, plist):
-            self.add_request(rid, prompt, p)
+        tag = time.monotonic_ns()
+        keys = [(f"offline-{tag}-{i}", j) for i, p in enumerate(plist) for j in range(p.n)]
+        results: dict[tuple[str, int], list[int]] = {k: [] for k in keys}
+        for i, (prompt, p) in enumerate(zip(prompts, plist)):
+            self.add_request(f"offline-{tag}-{i}", prompt, p)
         while self.has_unfinished_requests():
             for o in self.step():
-                results[o.request_id].extend(o.new_token_ids)
-        return [results[i] for i in ids]
+                results[(o.request_id.split("#")[0], o.index)].extend(o.new_token_ids)
+        return [results[k] for k in keys]

@@ -47,10 +47,17 @@ class ModelRunner:
         logits = self.forward_logits(batch)
         if not batch.sampling:
             return {}
-        params = [s.request.params for s in batch.sampling]
-        gens = [self._generator(s.request) for s in batch.sampling]
-        tokens = sample(logits, params, gens).tolist()
-        return {s.request.request_id: t for s, t in zip(batch.sampling, tokens)}
+        # A parent about to fork samples for its siblings too, from its own row.
+        rows, seqs = [], []
+        for row, s in enumerate(batch.sampling):
+            for seq in (s.request, *s.request.pending_forks):
+                rows.append(row)
+                seqs.append(seq)
+        if len(rows) != len(batch.sampling):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        tokens = sample(logits, [q.params for q in seqs],
+                        [self._generator(q) for q in seqs]).tolist()
+        return {q.request_id: t for q, t in zip(seqs, tokens)}
 
     def forward_logits(self, batch: FlatBatch) -> torch.Tensor:
         set_attention_metadata(batch.attention)

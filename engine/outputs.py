@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 @dataclass
 class RequestOutput:
     request_id: str
+    index: int = 0  # which of the prompt's n sequences (0 for the request itself)
     new_token_ids: list[int] = field(default_factory=list)
     finished: bool = False
     # "stop" (EOS or a stop token), "length" (max_tokens or context), "abort", "error"

@@ -33,12 +33,29 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_reason: int | None = None
         self.num_preemptions = 0
+        self.index = 0  # which of its prompt's n sequences this is
+        # Siblings that will share this request's blocks once its prompt is computed.
+        self.pending_forks: list[Request] = []
         self._stop_ids = set(params.stop_token_ids)
+        self.eos_token_ids = tuple(eos_token_ids)
         self._eos_ids = set() if params.ignore_eos else set(eos_token_ids)
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
+
+    def make_siblings(self) -> None:
+        """For n > 1: the other n - 1 sequences, ids "<id>#<i>", seeds offset by i
+        so each is reproducible yet different."""
+        from dataclasses import replace
+
+        for i in range(1, self.params.n):
+            seed = None if self.params.seed is None else self.params.seed + i
+            child = Request(f"{self.request_id}#{i}", self.token_ids,
+                            replace(self.params, n=1, seed=seed), self.eos_token_ids,
+                            self.arrival_time, self.cache_salt)
+            child.index = i
+            self.pending_forks.append(child)
 
     @property
     def num_tokens(self) -> int:

@@ -11,6 +11,7 @@ GREEDY_EPSILON = 1e-5
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
+    n: int = 1  # sequences sampled from one prompt; they share its KV blocks
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
@@ -22,6 +23,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
+        if self.n < 1:
+            raise ValueError("n must be at least 1")
         if self.temperature < 0:
             raise ValueError("temperature must be non-negative")
         if not 0 < self.top_p <= 1:

@@ -41,17 +41,21 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def abort(self, request_id: str) -> Request | None:
+    def abort(self, request_id: str) -> list[Request]:
+        """Ends the request (and any siblings still waiting to fork from it)."""
         req = self.requests.get(request_id)
         if req is None:
-            return None
+            return []
         if req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
         else:
             self.running.remove(req)
         req.finish("abort")
         self._release(req)
-        return req
+        siblings, req.pending_forks = req.pending_forks, []
+        for child in siblings:
+            child.finish("abort")
+        return [req, *siblings]
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -83,8 +87,11 @@ class Scheduler:
         return budget
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0:
             req = self.waiting[0]
+            if len(self.running) + 1 + len(req.pending_forks) > self.config.max_num_seqs \
+                    and self.running:
+                return
             if req.num_computed_tokens == 0:
                 cached = self.kv.lookup_prefix(req.request_id, req.token_ids, req.cache_salt)
                 req.num_computed_tokens = cached
@@ -127,12 +134,32 @@ class Scheduler:
             token = sampled.get(req.request_id)
             if token is None:
                 continue
-            req.append_token(token, self.config.max_model_len)
-            changed.append(req)
-            if req.finished:
-                self.running.remove(req)
-                self._release(req)
+            # Siblings fork before the parent's token can finish it and free its blocks.
+            for child in self._fork_siblings(req):
+                self._append(child, sampled[child.request_id], changed)
+            self._append(req, token, changed)
         return changed
+
+    def _fork_siblings(self, parent: Request) -> list[Request]:
+        """The prompt's KV is computed: siblings share all of it, the partly filled
+        last block included (copy-on-write separates them at the next write)."""
+        children, parent.pending_forks = parent.pending_forks, []
+        for child in children:
+            self.kv.fork(parent.request_id, child.request_id)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.first_scheduled_time = parent.first_scheduled_time
+            child.status = RequestStatus.RUNNING
+            self.requests[child.request_id] = child
+            self.running.append(child)
+        return children
+
+    def _append(self, req: Request, token: int, changed: list[Request]) -> None:
+        req.append_token(token, self.config.max_model_len)
+        changed.append(req)
+        if req.finished:
+            self.running.remove(req)
+            self._release(req)
 
     def _release(self, req: Request) -> None:
         self.kv.free(req.request_id)

@@ -26,10 +26,15 @@ class ChoiceDelta:
 
 
 @dataclass
-class Choice:
+class PromptGroup:
+    """One prompt and its n sequences: one engine request; the sequences share the
+    prompt's KV blocks. Choice indices are prompt_index * n + sequence index."""
     index: int
     prompt_ids: list[int]
     params: SamplingParams
+
+    def choice_index(self, seq_index: int) -> int:
+        return self.index * self.params.n + seq_index
 
 
 class CompletionService:
@@ -44,67 +49,81 @@ class CompletionService:
         prompts = [prompt_token_ids(self.engine, p) for p in req.prompts()]
         if not prompts:  # prompt: []
             raise APIError(400, "the prompt is empty", "prompt")
-        choices = []
-        for i, ids in enumerate(prompts):
-            for j in range(req.n):
-                params = sampling_params(req, len(ids), self.engine.max_model_len, j)
-                choices.append(Choice(i * req.n + j, ids, params))
+        groups = [PromptGroup(i, ids, sampling_params(req, len(ids), self.engine.max_model_len))
+                   for i, ids in enumerate(prompts)]
         rid = completion_id()
         if req.stream:
-            return StreamingResponse(self._stream(rid, model, req, choices),
+            return StreamingResponse(self._stream(rid, model, req, groups),
                                      media_type="text/event-stream")
-        return JSONResponse(await self._complete(rid, model, req, choices))
+        return JSONResponse(await self._complete(rid, model, req, groups))
 
-    async def _run_choice(self, rid: str, req: CompletionRequest, choice: Choice, emit):
-        """Drive one engine request to the end, calling emit(ChoiceDelta) as text
-        becomes final. Stop strings end the request early (the engine aborts it)."""
-        detok = IncrementalDetokenizer(self.engine.tokenizer, choice.prompt_ids,
-                                       req.stop_strings(), req.include_stop_str_in_output,
-                                       req.skip_special_tokens)
-        n = 0
-        gen = self.engine.generate(f"{rid}-{choice.index}", choice.prompt_ids, choice.params,
+    async def _run_prompt(self, rid: str, req: CompletionRequest, group: PromptGroup, emit):
+        """Drive one prompt's n sequences to the end, calling emit(ChoiceDelta) as
+        text becomes final. A stop string ends its sequence early (aborted in the
+        engine); leaving the generator aborts whatever still runs."""
+        detoks = [IncrementalDetokenizer(self.engine.tokenizer, group.prompt_ids,
+                                         req.stop_strings(), req.include_stop_str_in_output,
+                                         req.skip_special_tokens)
+                  for _ in range(group.params.n)]
+        counts = [0] * group.params.n
+        done = [False] * group.params.n
+        gen = self.engine.generate(f"{rid}-{group.index}", group.prompt_ids, group.params,
                                    cache_salt=req.cache_salt)
         async with contextlib.aclosing(gen):
             async for out in gen:
-                n += len(out.new_token_ids)
-                new = out.new_token_ids
-                if out.finish_reason == "stop" and not req.include_stop_str_in_output:
-                    new = new[:-1]  # as in vLLM, the EOS / stop token's text is left out
-                detok.add_tokens(new)
-                if detok.stop_reason is not None:
-                    await emit(ChoiceDelta(choice.index, detok.flush(True), "stop",
-                                           detok.stop_reason, n))
-                    return  # leaving the generator aborts the request
-                finish = out.finish_reason if out.finished else None
-                text = detok.flush(out.finished)
-                if text or finish:
-                    await emit(ChoiceDelta(choice.index, text, finish, out.stop_reason, n))
+                j = out.index
+                if done[j]:
+                    continue  # the abort that follows a stop string
+                counts[j] += len(out.new_token_ids)
+                delta = self._advance(detoks[j], out, req)
+                if delta is not None:
+                    delta.index, delta.num_tokens = group.choice_index(j), counts[j]
+                    done[j] = delta.finish_reason is not None
+                    if done[j] and not out.finished:
+                        self.engine.abort(out.request_id)
+                    await emit(delta)
 
-    async def _complete(self, rid, model, req, choices) -> dict:
-        results: dict[int, list[ChoiceDelta]] = {c.index: [] for c in choices}
+    @staticmethod
+    def _advance(detok: IncrementalDetokenizer, out, req) -> ChoiceDelta | None:
+        """Feed one engine output to the sequence's detokenizer; the delta to send,
+        if any (index and token count are filled in by the caller)."""
+        new = out.new_token_ids
+        if out.finish_reason == "stop" and not req.include_stop_str_in_output:
+            new = new[:-1]  # as in vLLM, the EOS / stop token's text is left out
+        detok.add_tokens(new)
+        if detok.stop_reason is not None:
+            return ChoiceDelta(0, detok.flush(True), "stop", detok.stop_reason)
+        finish = out.finish_reason if out.finished else None
+        text = detok.flush(out.finished)
+        if text or finish:
+            return ChoiceDelta(0, text, finish, out.stop_reason)
+        return None
+
+    async def _complete(self, rid, model, req, groups) -> dict:
+        results: dict[int, list[ChoiceDelta]] = {}
 
         async def collect(d: ChoiceDelta):
-            results[d.index].append(d)
+            results.setdefault(d.index, []).append(d)
 
-        await _gather_or_raise([self._run_choice(rid, req, c, collect) for c in choices])
+        await _gather_or_raise([self._run_prompt(rid, req, g, collect) for g in groups])
         body_choices, completion_tokens = [], 0
-        for c in choices:
-            parts = results[c.index]
+        for index in sorted(results):
+            parts = results[index]
             last = parts[-1]
             completion_tokens += last.num_tokens
-            body_choices.append({"index": c.index, "text": "".join(p.text for p in parts),
+            body_choices.append({"index": index, "text": "".join(p.text for p in parts),
                                  "logprobs": None, "finish_reason": last.finish_reason,
                                  "stop_reason": last.stop_reason})
         return {"id": rid, "object": "text_completion", "created": _now(), "model": model,
-                "choices": body_choices, "usage": _usage(choices, completion_tokens, req.n)}
+                "choices": body_choices, "usage": _usage(groups, completion_tokens)}
 
-    async def _stream(self, rid, model, req, choices):
+    async def _stream(self, rid, model, req, groups):
         queue: asyncio.Queue = asyncio.Queue()
-        tokens = {c.index: 0 for c in choices}
-        tasks = [asyncio.create_task(self._pump(rid, req, c, queue)) for c in choices]
+        tokens: dict[int, int] = {}
+        tasks = [asyncio.create_task(self._pump(rid, req, g, queue)) for g in groups]
         created = _now()
         try:
-            for _ in range(len(choices)):
+            for _ in range(len(groups)):
                 while (item := await queue.get()) is not None:
                     if isinstance(item, BaseException):
                         yield sse_error(*_status_of(item))
@@ -113,7 +132,7 @@ class CompletionService:
                     tokens[item.index] = item.num_tokens
                     yield _chunk(rid, created, model, item)
             if req.stream_options and req.stream_options.include_usage:
-                usage = _usage(choices, sum(tokens.values()), req.n)
+                usage = _usage(groups, sum(tokens.values()))
                 yield sse_data({"id": rid, "object": "text_completion", "created": created,
                                 "model": model, "choices": [], "usage": usage})
             yield "data: [DONE]\n\n"
@@ -121,9 +140,9 @@ class CompletionService:
             for t in tasks:  # a client that went away: abort whatever still runs
                 t.cancel()
 
-    async def _pump(self, rid, req, choice: Choice, queue: asyncio.Queue):
+    async def _pump(self, rid, req, group: PromptGroup, queue: asyncio.Queue):
         try:
-            await self._run_choice(rid, req, choice, queue.put)
+            await self._run_prompt(rid, req, group, queue.put)
             await queue.put(None)
         except asyncio.CancelledError:
             raise
@@ -157,8 +176,8 @@ def _chunk(rid: str, created: int, model: str, d: ChoiceDelta) -> str:
     return sse_data(body)
 
 
-def _usage(choices: list[Choice], completion_tokens: int, n: int) -> dict:
-    prompt_tokens = sum(len(c.prompt_ids) for c in choices) // n
+def _usage(groups: list[PromptGroup], completion_tokens: int) -> dict:
+    prompt_tokens = sum(len(g.prompt_ids) for g in groups)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
 

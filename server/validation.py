@@ -28,8 +28,8 @@ def prompt_token_ids(engine: AsyncEngine, prompt: str | list[int]) -> list[int]:
     return ids
 
 
-def sampling_params(req: CompletionRequest, prompt_len: int, max_model_len: int,
-                    choice: int = 0) -> SamplingParams:
+def sampling_params(req: CompletionRequest, prompt_len: int,
+                    max_model_len: int) -> SamplingParams:
     room = max_model_len - prompt_len
     if req.max_tokens is not None and req.max_tokens > room:
         raise APIError(
@@ -37,13 +37,12 @@ def sampling_params(req: CompletionRequest, prompt_len: int, max_model_len: int,
             f"you requested {prompt_len + req.max_tokens} tokens ({prompt_len} in the "
             f"prompt, {req.max_tokens} in the completion). Please reduce the length of "
             "the prompt or completion.", "max_tokens")
-    seed = None if req.seed is None else req.seed + choice  # n > 1: distinct streams
     try:
         return SamplingParams(
-            max_tokens=req.max_tokens or room,
+            max_tokens=req.max_tokens or room, n=req.n,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=req.top_k or 0, seed=seed, ignore_eos=req.ignore_eos,
+            top_k=req.top_k or 0, seed=req.seed, ignore_eos=req.ignore_eos,
             stop_token_ids=list(req.stop_token_ids or []), min_tokens=req.min_tokens)
     except ValueError as exc:
         raise APIError(400, str(exc)) from exc

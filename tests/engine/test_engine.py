@@ -52,12 +52,12 @@ def test_abort_frees_every_block(tiny_engine_factory, steps_before_abort):
     engine.add_request("other", varied_prompts(400, 1, seed=8, lengths=(20,))[0], greedy(5))
     for _ in range(steps_before_abort):
         engine.step()
-    out = engine.abort_request("victim")
+    (out,) = engine.abort_request("victim")
     assert out.finished and out.finish_reason == "abort"
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
-    assert engine.abort_request("victim") is None  # unknown now: a no-op
+    assert engine.abort_request("victim") == []  # unknown now: a no-op
 
 
 def test_eos_and_stop_tokens_finish_with_reason(tiny_engine_factory):
