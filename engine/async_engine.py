@@ -50,8 +50,8 @@ class AsyncEngine:
 
     # -- the API used by the server ---------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, cache_salt: str | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+                       params: SamplingParams, cache_salt: str | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yields one output per step in which a sequence got tokens (for n > 1 the
         n sequences interleave; `index` tells them apart), until all n finished.
         Leaving the iteration early aborts whatever is unfinished."""
@@ -61,7 +61,7 @@ class AsyncEngine:
         ids = [request_id] + [f"{request_id}#{i}" for i in range(1, params.n)]
         stream: asyncio.Queue = asyncio.Queue()
         self._register(ids, stream)
-        self._commands.put(("add", (request_id, prompt_token_ids, params, cache_salt)))
+        self._commands.put(("add", (request_id, prompt_token_ids, params, cache_salt, priority)))
         unfinished = set(ids)
         try:
             while unfinished:
@@ -123,9 +123,10 @@ class AsyncEngine:
             elif kind == "abort":
                 self._publish(self.engine.abort_request(arg))
 
-    def _add(self, request_id, prompt, params, cache_salt) -> None:
+    def _add(self, request_id, prompt, params, cache_salt, priority) -> None:
         try:
-            self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
+            self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt,
+                                    priority=priority)
         except ValueError as exc:
             self._deliver(request_id, exc)
 

@@ -155,6 +155,8 @@ class EngineConfig:
     kv_cache_memory: int = 1 << 30
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    long_prefill_token_threshold: int = 0  # 0: a request may use the whole budget
+    scheduling_policy: str = "fcfs"  # fcfs | priority
     enable_prefix_caching: bool = True
     load_format: str = "safetensors"  # safetensors | random
     seed: int = 0

@@ -47,7 +47,8 @@ class Engine:
         # A request longer than the whole cache could never run.
         self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)
         self.scheduler = Scheduler(SchedulerConfig(
-            config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.kv)
+            config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+            config.scheduling_policy, config.long_prefill_token_threshold), self.kv)
         self.stats = EngineStats()
         log.info("KV cache: %d blocks of %d tokens (%d tokens, %.1fx concurrency at %d)",
                  num_blocks, config.block_size, num_blocks * config.block_size,
@@ -71,11 +72,11 @@ class Engine:
     # -- requests --------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, arrival_time: float | None = None,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, priority: int = 0) -> None:
         """Raises ValueError for a request that can never run."""
         self.validate(prompt_token_ids)
         req = Request(request_id, prompt_token_ids, params, self.eos_token_ids,
-                      arrival_time, cache_salt)
+                      arrival_time, cache_salt, priority)
         req.make_siblings()
         self.scheduler.add_request(req)
 

@@ -19,7 +19,8 @@ class RequestStatus(enum.Enum):
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  params: SamplingParams, eos_token_ids: Sequence[int] = (),
-                 arrival_time: float | None = None, cache_salt: str | None = None):
+                 arrival_time: float | None = None, cache_salt: str | None = None,
+                 priority: int = 0):
         if not prompt_token_ids:
             raise ValueError("the prompt must contain at least one token")
         self.request_id = request_id
@@ -29,6 +30,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache
         self.cache_salt = cache_salt
+        self.priority = priority  # lower is sooner (priority policy)
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | None = None
@@ -41,7 +43,7 @@ class Request:
         self._eos_ids = set() if params.ignore_eos else set(eos_token_ids)
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.first_scheduled_time: float | None = None
-        self.first_token_time: float | None = None
+        self.token_times: list[float] = []  # when each output token was produced
         self.finish_time: float | None = None
 
     def make_siblings(self) -> None:
@@ -53,7 +55,7 @@ class Request:
             seed = None if self.params.seed is None else self.params.seed + i
             child = Request(f"{self.request_id}#{i}", self.token_ids,
                             replace(self.params, n=1, seed=seed), self.eos_token_ids,
-                            self.arrival_time, self.cache_salt)
+                            self.arrival_time, self.cache_salt, self.priority)
             child.index = i
             self.pending_forks.append(child)
 
@@ -76,8 +78,7 @@ class Request:
     def append_token(self, token_id: int, max_model_len: int) -> None:
         """Add a sampled token and decide whether the request is done."""
         self.token_ids.append(token_id)
-        if self.first_token_time is None:
-            self.first_token_time = time.monotonic()
+        self.token_times.append(time.monotonic())
         n = self.num_output_tokens
         if n >= self.params.min_tokens:
             if token_id in self._stop_ids:
@@ -86,6 +87,28 @@ class Request:
                 return self.finish("stop")
         if n >= self.params.max_tokens or self.num_tokens >= max_model_len:
             self.finish("length")
+
+    # -- timings (seconds; None until they apply) ----------------------------
+    @property
+    def first_token_time(self) -> float | None:
+        return self.token_times[0] if self.token_times else None
+
+    @property
+    def queue_time(self) -> float | None:
+        t = self.first_scheduled_time
+        return None if t is None else t - self.arrival_time
+
+    @property
+    def prefill_time(self) -> float | None:
+        if self.first_scheduled_time is None or not self.token_times:
+            return None
+        return self.token_times[0] - self.first_scheduled_time
+
+    @property
+    def decode_time(self) -> float | None:
+        if not self.token_times:
+            return None
+        return self.token_times[-1] - self.token_times[0]
 
     def finish(self, reason: str, stop_reason: int | None = None) -> None:
         self.status = RequestStatus.FINISHED

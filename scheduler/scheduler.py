@@ -1,19 +1,23 @@
 """Continuous batching under one token budget per step.
 
-Each step, running requests are served first (a decode is one token, the rest of a
-chunked prompt is up to the budget), then waiting requests are admitted while the
-budget, the sequence cap and the KV cache allow. When the cache cannot hold a running
-request's next tokens, the latest-admitted running request is preempted: its blocks are
-freed and it is recomputed later, keeping the tokens it has already generated."""
+There are no prefill or decode phases: each request has tokens it knows and tokens
+whose KV is computed, and each step lets requests catch up under one token budget.
+Running requests are served first (a decode is one token, the rest of a chunked prompt
+up to the budget), then waiting requests are admitted while the budget, the sequence
+cap and the KV cache allow. A long prompt is cut into chunks that share steps with
+everyone else's decodes. When the cache cannot hold a running request's next tokens,
+the lowest-priority, latest-arrived running request is preempted: its blocks are freed
+and it is recomputed later (prefix hits make that cheap), keeping the tokens it has
+already generated. Nobody is preempted just to admit a newcomer."""
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass
 
 from kvcache import KVCacheManager
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import Request, RequestStatus
+from scheduler.waiting_queue import make_waiting_queue
 
 
 @dataclass(frozen=True)
@@ -21,6 +25,9 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048
+    policy: str = "fcfs"  # fcfs | priority
+    # Most tokens one request may compute in a step (0: no cap beyond the budget).
+    long_prefill_token_threshold: int = 0
 
 
 class Scheduler:
@@ -29,7 +36,7 @@ class Scheduler:
             raise ValueError("token budget and max_num_seqs must be positive")
         self.config = config
         self.kv = kv
-        self.waiting: deque[Request] = deque()
+        self.waiting = make_waiting_queue(config.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -39,7 +46,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.push(request)
 
     def abort(self, request_id: str) -> list[Request]:
         """Ends the request (and any siblings still waiting to fork from it)."""
@@ -70,25 +77,45 @@ class Scheduler:
         out.block_copies = self.kv.take_copies()
         return out
 
+    def _num_new_tokens(self, req: Request, budget: int) -> int:
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        cap = self.config.long_prefill_token_threshold
+        return min(n, cap) if cap > 0 else n
+
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._num_new_tokens(req, budget)
             while not self.kv.allocate_slots(req.request_id, req.token_ids,
                                              req.num_computed_tokens, n):
-                victim = self.running[-1]
+                victim = self._pick_victim()
+                pos = self.running.index(victim)
                 self._preempt(victim, out)
                 if victim is req:
                     return budget
+                if pos < i:  # already scheduled this step: take its tokens back
+                    budget += self._unschedule(victim, out)
+                    i -= 1
             out.scheduled.append(ScheduledRequest(req, n, self.kv.block_table(req.request_id)))
             budget -= n
             i += 1
         return budget
 
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    @staticmethod
+    def _unschedule(req: Request, out: SchedulerOutput) -> int:
+        item = next(s for s in out.scheduled if s.request is req)
+        out.scheduled.remove(item)
+        return item.num_new_tokens
+
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0:
-            req = self.waiting[0]
+            req = self.waiting.peek()
             if len(self.running) + 1 + len(req.pending_forks) > self.config.max_num_seqs \
                     and self.running:
                 return
@@ -97,13 +124,13 @@ class Scheduler:
                 req.num_computed_tokens = cached
                 if req.num_preemptions == 0:
                     req.num_cached_tokens = cached
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._num_new_tokens(req, budget)
             if not self.kv.allocate_slots(req.request_id, req.token_ids,
                                           req.num_computed_tokens, n):
                 self.kv.free(req.request_id)  # let go of the prefix it looked up
                 req.num_computed_tokens = 0
                 return
-            self.waiting.popleft()
+            self.waiting.pop()
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
@@ -117,7 +144,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
-        self.waiting.appendleft(req)
+        self.waiting.push_front(req)
         self.num_preemptions += 1
         out.preempted.append(req.request_id)
 

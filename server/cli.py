@@ -63,6 +63,9 @@ def add_serve_args(p: _EnvDefaults) -> None:
     p.add("--num-kv-blocks", None, type=int, help="KV cache size in blocks (overrides memory)")
     p.add("--max-num-seqs", 64, type=int, help="most requests running at once")
     p.add("--max-num-batched-tokens", 512, type=int, help="token budget of one step")
+    p.add("--long-prefill-token-threshold", 0, type=int,
+          help="most tokens one request may compute in a step (0: no cap)")
+    p.add("--scheduling-policy", "fcfs", help="fcfs|priority (lower `priority` first)")
     p.add("--enable-prefix-caching", True, type=_bool, help="share cached prompt prefixes")
     p.add("--load-format", "safetensors", help="safetensors|random")
     p.add("--seed", 0, type=int, help="global random seed")
@@ -77,6 +80,8 @@ def engine_config_from_args(args, model_path: str):
         max_model_len=args.max_model_len, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        scheduling_policy=args.scheduling_policy,
         enable_prefix_caching=args.enable_prefix_caching, load_format=args.load_format,
         seed=args.seed)
 

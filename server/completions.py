@@ -68,7 +68,7 @@ class CompletionService:
         counts = [0] * group.params.n
         done = [False] * group.params.n
         gen = self.engine.generate(f"{rid}-{group.index}", group.prompt_ids, group.params,
-                                   cache_salt=req.cache_salt)
+                                   cache_salt=req.cache_salt, priority=req.priority)
         async with contextlib.aclosing(gen):
             async for out in gen:
                 j = out.index

@@ -48,6 +48,7 @@ class CompletionRequest(OpenAIRequest):
     skip_special_tokens: bool = True
     user: str | None = None
     cache_salt: str | None = None
+    priority: int = 0  # lower is sooner, with --scheduling-policy priority
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field in its four OpenAI forms, as a list of single prompts."""

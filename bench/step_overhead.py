@@ -1,0 +1,91 @@
+"""Where one engine step's CPU time goes at many running requests: the KV-cache pool
+(kvcache/), the scheduler around it, and the whole step (batch preparation, forward,
+sampling), measured on the real engine.
+
+Usage: python bench/step_overhead.py [--running 256] [--model DIR] [--dtype bfloat16]
+       [--steps 20] [--json PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.engine import Engine  # noqa: E402
+from scheduler.sampling_params import SamplingParams  # noqa: E402
+
+
+class Timer:
+    """Accumulates the wall time of wrapped methods."""
+
+    def __init__(self):
+        self.total = 0.0
+
+    def wrap(self, obj, name):
+        fn = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.total += time.perf_counter() - t
+        setattr(obj, name, timed)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--running", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    if args.model is None:
+        from engine.default_model import ensure_default_model
+        args.model = str(ensure_default_model())
+    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=args.running,
+                                 max_num_batched_tokens=args.running * args.prompt_len,
+                                 kv_cache_memory=4 << 30))
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=args.steps + 5, temperature=0.0, ignore_eos=True)
+    for i in range(args.running):
+        prompt = [rng.randrange(100, engine.model_config.vocab_size)
+                  for _ in range(args.prompt_len)]
+        engine.add_request(f"r{i}", prompt, params)
+    engine.step()  # all prompts in one step; from here on every step is 256 decodes
+    assert len(engine.scheduler.running) == args.running
+    pool, sched = Timer(), Timer()
+    for name in ("allocate_slots", "block_table", "take_copies", "free", "lookup_prefix"):
+        pool.wrap(engine.kv, name)
+    for name in ("schedule", "update"):
+        sched.wrap(engine.scheduler, name)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    step = (time.perf_counter() - t0) / args.steps
+    result = {
+        "device": f"cpu ({platform.machine()})", "model": args.model, "dtype": args.dtype,
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                 text=True).stdout.strip(),
+        "command": " ".join(["python"] + sys.argv), "running": args.running,
+        "step_ms": step * 1e3, "pool_ms_per_step": pool.total / args.steps * 1e3,
+        "scheduler_ms_per_step_incl_pool": sched.total / args.steps * 1e3}
+    result["pool_share_of_step"] = result["pool_ms_per_step"] / result["step_ms"]
+    result["scheduler_share_of_step"] = result["scheduler_ms_per_step_incl_pool"] / result["step_ms"]
+    print(json.dumps(result, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

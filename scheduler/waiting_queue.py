@@ -1,0 +1,80 @@
+"""The queue of requests waiting for admission, one class per scheduling policy.
+
+Both put a preempted request back at the head of its priority class, so it resumes
+before anything that arrived after it."""
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+
+from scheduler.request import Request
+
+
+class FCFSQueue:
+    """First come, first served."""
+
+    def __init__(self):
+        self._q: deque[Request] = deque()
+
+    def push(self, req: Request) -> None:
+        self._q.append(req)
+
+    def push_front(self, req: Request) -> None:
+        self._q.appendleft(req)
+
+    def peek(self) -> Request:
+        return self._q[0]
+
+    def pop(self) -> Request:
+        return self._q.popleft()
+
+    def remove(self, req: Request) -> None:
+        self._q.remove(req)
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def __iter__(self):
+        return iter(self._q)
+
+
+class PriorityQueue:
+    """Lower `priority` first; within a priority, arrival order. A heap of
+    (priority, rank, request): new requests get increasing ranks, preempted ones
+    decreasing negative ranks, so the latest preempted leads its class."""
+
+    def __init__(self):
+        self._heap: list[tuple[int, int, Request]] = []
+        self._next_rank = itertools.count()
+        self._front_rank = itertools.count(-1, -1)
+
+    def push(self, req: Request) -> None:
+        heapq.heappush(self._heap, (req.priority, next(self._next_rank), req))
+
+    def push_front(self, req: Request) -> None:
+        heapq.heappush(self._heap, (req.priority, next(self._front_rank), req))
+
+    def peek(self) -> Request:
+        return self._heap[0][2]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[2]
+
+    def remove(self, req: Request) -> None:
+        self._heap = [e for e in self._heap if e[2] is not req]
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self):
+        return (e[2] for e in sorted(self._heap, key=lambda e: e[:2]))
+
+
+def make_waiting_queue(policy: str):
+    if policy == "fcfs":
+        return FCFSQueue()
+    if policy == "priority":
+        return PriorityQueue()
+    raise ValueError(f"unknown scheduling policy {policy!r}; choose fcfs or priority")
