@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass
 
 import httpx
 import openai
@@ -15,6 +14,8 @@ from engine.async_engine import AsyncEngine
 from engine.engine import Engine
 from scheduler.sampling_params import SamplingParams
 from server.app import VERSION, build_app
+from tests.support.http import (CompletionsClient, assert_error,
+                                post_completions_concurrently)
 from tests.support.server import running_server
 
 MODEL = "tiny"
@@ -32,20 +33,10 @@ PROMPTS = [
 ]
 
 
-@dataclass
-class Server:
-    url: str
-    engine: Engine
-    http: httpx.Client
-
-    def complete(self, **body) -> httpx.Response:
-        body.setdefault("model", MODEL)
-        return self.http.post("/v1/completions", json=body)
-
-    def ok(self, **body) -> dict:
-        r = self.complete(**body)
-        assert r.status_code == 200, r.text
-        return r.json()
+class Server(CompletionsClient):
+    def __init__(self, url: str, engine: Engine, http: httpx.Client):
+        super().__init__(http, MODEL)
+        self.url, self.engine = url, engine
 
     def text(self, **body) -> str:
         return self.ok(**body)["choices"][0]["text"]
@@ -106,22 +97,6 @@ def parse_sse(body: bytes) -> list[dict]:
 def content_chunks(chunks: list[dict]) -> list[dict]:
     return [c for c in chunks if c["choices"]]
 
-
-def assert_error(r: httpx.Response, status: int, param: str | None = "__any__",
-                 code: str | None = "__any__") -> dict:
-    assert r.status_code == status, r.text
-    assert r.headers["content-type"].startswith("application/json")
-    body = r.json()
-    assert set(body) == {"error"}, body
-    err = body["error"]
-    assert set(err) == {"message", "type", "param", "code"}, err
-    assert isinstance(err["message"], str) and err["message"]
-    assert isinstance(err["type"], str) and err["type"]
-    if param != "__any__":
-        assert err["param"] == param, err
-    if code != "__any__":
-        assert err["code"] == code, err
-    return err
 
 
 class Idle:
@@ -599,20 +574,13 @@ def test_engine_idle_after_stop_strings(srv):
 # ------------------------------------------------------------------------- concurrency
 
 
-async def _post_all(url: str, bodies: list[dict]) -> list[dict]:
-    async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as c:
-        rs = await asyncio.gather(*(c.post("/v1/completions", json=b) for b in bodies))
-    for r in rs:
-        assert r.status_code == 200, r.text
-    return [r.json() for r in rs]
-
 
 def test_concurrent_requests_match_sequential(srv):
     bodies = [dict(model=MODEL, prompt=(PROMPTS[i % len(PROMPTS)] + " ") * (1 + i // 4),
                    max_tokens=3 + 3 * i, temperature=0, ignore_eos=True)
               for i in range(16)]
     alone = [srv.ok(**b) for b in bodies]
-    together = asyncio.run(_post_all(srv.url, bodies))
+    together = post_completions_concurrently(srv.url, bodies, TIMEOUT)
     for b, a, t in zip(bodies, alone, together):
         assert t["usage"]["completion_tokens"] == b["max_tokens"]
         assert t["choices"][0]["finish_reason"] == "length"
@@ -649,8 +617,9 @@ def test_seeded_sampling_is_reproducible(srv):
     # other requests (seeded and not) running alongside change nothing
     others = [dict(model=MODEL, prompt=PROMPTS[i], max_tokens=20, temperature=1.0,
                    seed=None if i % 2 else 100 + i, ignore_eos=True) for i in range(6)]
-    results = asyncio.run(_post_all(srv.url, [dict(model=MODEL, **common)] + others
-                                    + [dict(model=MODEL, **common)]))
+    results = post_completions_concurrently(
+        srv.url, [dict(model=MODEL, **common)] + others + [dict(model=MODEL, **common)],
+        TIMEOUT)
     assert results[0]["choices"][0]["text"] == first
     assert results[-1]["choices"][0]["text"] == first
 

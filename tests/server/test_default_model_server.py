@@ -3,7 +3,6 @@ as a subprocess and talked to over HTTP. The port comes from KVSERVE_PORT (no --
 flag), which tests that environment defaults reach the command line."""
 from __future__ import annotations
 
-import asyncio
 import os
 import subprocess
 import sys
@@ -14,6 +13,8 @@ import httpx
 import openai
 import pytest
 
+from tests.support.http import (CompletionsClient, assert_error,
+                                post_completions_concurrently)
 from tests.support.server import free_port
 
 pytestmark = pytest.mark.slow
@@ -24,22 +25,13 @@ TIMEOUT = 180.0
 STARTUP_TIMEOUT = 120.0
 
 
-class ServerProcess:
+class ServerProcess(CompletionsClient):
     def __init__(self, proc: subprocess.Popen, url: str, port: int, log_path: Path):
+        super().__init__(httpx.Client(base_url=url, timeout=TIMEOUT), MODEL)
         self.proc, self.url, self.port, self.log_path = proc, url, port, log_path
-        self.http = httpx.Client(base_url=url, timeout=TIMEOUT)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
-
-    def complete(self, **body) -> httpx.Response:
-        body.setdefault("model", MODEL)
-        return self.http.post("/v1/completions", json=body)
-
-    def ok(self, **body) -> dict:
-        r = self.complete(**body)
-        assert r.status_code == 200, r.text
-        return r.json()
 
 
 @pytest.fixture(scope="module")
@@ -78,15 +70,6 @@ def server(default_model_dir, tmp_path_factory):
             proc.kill()
             proc.wait(15)
 
-
-def assert_error(r: httpx.Response, status: int, param: str | None = "__any__") -> dict:
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert isinstance(err["message"], str) and err["message"]
-    if param != "__any__":
-        assert err["param"] == param
-    return err
 
 
 def test_port_comes_from_kvserve_port_env(server):
@@ -140,20 +123,13 @@ WORDS = ("Continuous batching keeps the accelerator busy by letting requests joi
          "so that memory is never wasted on padding and many users share one model").split()
 
 
-async def _post_all(url: str, bodies: list[dict]) -> list[dict]:
-    async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as c:
-        rs = await asyncio.gather(*(c.post("/v1/completions", json=b) for b in bodies))
-    for r in rs:
-        assert r.status_code == 200, r.text
-    return [r.json() for r in rs]
-
 
 def test_concurrent_requests_match_sequential(server):
     bodies = [dict(model=MODEL, prompt=" ".join(WORDS[:2 + (i * 7) % len(WORDS)]),
                    max_tokens=3 + (i * 5) % 9, temperature=0, ignore_eos=True)
               for i in range(16)]
     alone = [server.ok(**b) for b in bodies]
-    together = asyncio.run(_post_all(server.url, bodies))
+    together = post_completions_concurrently(server.url, bodies, TIMEOUT)
     for b, a, t in zip(bodies, alone, together):
         assert t["usage"]["completion_tokens"] == b["max_tokens"]
         assert t["choices"][0]["finish_reason"] == "length"
