@@ -13,9 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.provenance import provenance  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.default_model import ensure_default_model  # noqa: E402
 from engine.engine import Engine  # noqa: E402
@@ -137,11 +136,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     model_dir = ensure_default_model()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
-    result = {"device": f"cpu ({platform.processor() or platform.machine()}, "
-                        f"{torch.get_num_threads()} threads)",
-              "commit": commit, "command": " ".join(["python"] + sys.argv),
+    result = {**provenance(), "torch_threads": torch.get_num_threads(),
               "torch": torch.__version__, "model": "SmolLM2-135M-Instruct",
               "workload": f"prompt {PROMPT_LEN}, output {OUTPUT_LEN}, greedy, ignore_eos",
               "results": {}}

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import statistics
 import sys
@@ -30,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.provenance import provenance  # noqa: E402
 from kvcache import KVCacheManager  # noqa: E402
 
 clock = time.process_time_ns  # CPU time: steadier than wall time on a busy host
@@ -300,8 +300,7 @@ def main(argv=None) -> None:
     if args.json:
         result = {
             "config": {k: v for k, v in vars(args).items() if k != "json"},
-            "python": platform.python_version(),
-            "machine": platform.machine(),
+            **provenance(),
             "workload": workload,
             "step": step,
         }

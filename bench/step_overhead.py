@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.provenance import provenance  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from scheduler.sampling_params import SamplingParams  # noqa: E402
@@ -74,10 +73,7 @@ def main() -> None:
         engine.step()
     step = (time.perf_counter() - t0) / args.steps
     result = {
-        "device": f"cpu ({platform.machine()})", "model": args.model, "dtype": args.dtype,
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                 text=True).stdout.strip(),
-        "command": " ".join(["python"] + sys.argv), "running": args.running,
+        **provenance(), "model": args.model, "dtype": args.dtype, "running": args.running,
         "step_ms": step * 1e3, "pool_ms_per_step": pool.total / args.steps * 1e3,
         "scheduler_ms_per_step_incl_pool": sched.total / args.steps * 1e3}
     result["pool_share_of_step"] = result["pool_ms_per_step"] / result["step_ms"]
