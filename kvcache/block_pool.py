@@ -84,6 +84,11 @@ class BlockPool:
                 cached[block_hash] = block
                 block.block_hash = block_hash
 
+    def unregister(self, block: Block) -> None:
+        """Forget a held block's hash (its KV will never be written)."""
+        del self.cached[block.block_hash]
+        block.block_hash = None
+
     def register(self, block: Block, block_hash: bytes) -> bool:
         """Make a just-filled block hittable; False when the hash is taken."""
         if block.block_hash is not None or block_hash in self.cached:

@@ -228,11 +228,23 @@ class KVCacheManager:
             touch(self._blocks[block_id])
         self._requests[child_id] = child
 
-    def free(self, request_id: str) -> None:
-        """Return all of a request's blocks; no-op for unknown ids."""
+    def free(self, request_id: str, num_computed_tokens: int | None = None) -> None:
+        """Return all of a request's blocks; no-op for unknown ids.
+
+        num_computed_tokens: how many of its tokens really have KV. Blocks are
+        registered for sharing when allocate_slots covers them, before the step
+        computes them; a request preempted after it was scheduled in the same
+        step (its step taken back) never computes them, so the blocks past that
+        point leave the prefix cache instead of serving KV nobody wrote.
+        """
         req = self._requests.pop(request_id, None)
         if req is None:
             return
+        if num_computed_tokens is not None:
+            for i in range(num_computed_tokens // self.block_size, len(req.hashes)):
+                block = self._blocks[req.block_ids[i]]
+                if block.block_hash == req.hashes[i]:  # this request registered it
+                    self._pool.unregister(block)
         # Reverse order: chain tails reach the free queue first, so they are
         # evicted before the parents other prompts are more likely to share.
         blocks = self._blocks

@@ -93,10 +93,14 @@ class Scheduler:
                 pos = self.running.index(victim)
                 self._preempt(victim, out)
                 if victim is req:
-                    return budget
+                    break
                 if pos < i:  # already scheduled this step: take its tokens back
                     budget += self._unschedule(victim, out)
                     i -= 1
+            if req.status is RequestStatus.WAITING:
+                # It ranked lowest and went itself: everyone left in running ranks
+                # above it (priority) or there is no one left (fcfs); serve them.
+                continue
             out.scheduled.append(ScheduledRequest(req, n, self.kv.block_table(req.request_id)))
             budget -= n
             i += 1
@@ -104,7 +108,10 @@ class Scheduler:
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+            # Ties (siblings of one prompt share its arrival) go to the latest
+            # admitted, as in fcfs: taking the front one, which has computed the
+            # most, again and again could cycle the group forever.
+            return max(reversed(self.running), key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]
 
     @staticmethod
@@ -114,9 +121,14 @@ class Scheduler:
         return item.num_new_tokens
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        # Siblings still to fork from a running parent take their seats when it forks
+        # (not counted when the batch is full anyway: the common case stays cheap).
+        num_seqs = len(self.running)
+        if self.waiting and num_seqs < self.config.max_num_seqs:
+            num_seqs += sum(len(r.pending_forks) for r in self.running)
         while self.waiting and budget > 0:
             req = self.waiting.peek()
-            if len(self.running) + 1 + len(req.pending_forks) > self.config.max_num_seqs \
+            if num_seqs + 1 + len(req.pending_forks) > self.config.max_num_seqs \
                     and self.running:
                 return
             if req.num_computed_tokens == 0:
@@ -135,12 +147,14 @@ class Scheduler:
                 req.first_scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            num_seqs += 1 + len(req.pending_forks)
             out.scheduled.append(ScheduledRequest(req, n, self.kv.block_table(req.request_id)))
             budget -= n
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
-        self.kv.free(req.request_id)
+        # Scheduled earlier in this step, its new blocks are hashed but never computed.
+        self.kv.free(req.request_id, req.num_computed_tokens)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
