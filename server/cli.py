@@ -55,7 +55,8 @@ def add_serve_args(p: _EnvDefaults) -> None:
     p.add("--served-model-name", None, help="name(s) clients use, comma-separated")
     p.add("--host", "127.0.0.1", help="address to bind")
     p.add("--port", 8000, type=int, help="port to bind")
-    p.add("--dtype", "auto", help="auto|float32|bfloat16|float16 (auto: bf16 on CUDA, fp32 on CPU)")
+    p.add("--dtype", "auto", choices=["auto", "float32", "bfloat16", "float16"],
+          help="weights and KV cache (auto: bf16 on CUDA, fp32 on CPU)")
     p.add("--device", "auto", help="auto|cpu|cuda")
     p.add("--max-model-len", None, type=int, help="context length cap")
     p.add("--block-size", 16, type=int, help="tokens per KV-cache block")
@@ -65,9 +66,11 @@ def add_serve_args(p: _EnvDefaults) -> None:
     p.add("--max-num-batched-tokens", 512, type=int, help="token budget of one step")
     p.add("--long-prefill-token-threshold", 0, type=int,
           help="most tokens one request may compute in a step (0: no cap)")
-    p.add("--scheduling-policy", "fcfs", help="fcfs|priority (lower `priority` first)")
+    p.add("--scheduling-policy", "fcfs", choices=["fcfs", "priority"],
+          help="admission order (priority: lower `priority` first)")
     p.add("--enable-prefix-caching", True, type=_bool, help="share cached prompt prefixes")
-    p.add("--load-format", "safetensors", help="safetensors|random")
+    p.add("--load-format", "safetensors", choices=["safetensors", "random"],
+          help="read the checkpoint, or random weights of its shape")
     p.add("--seed", 0, type=int, help="global random seed")
     p.add("--log-level", "info", help="debug|info|warning|error")
 

@@ -163,3 +163,12 @@ def test_engine_config_from_args(tmp_path):
     assert cfg.max_num_batched_tokens == 128
     assert cfg.enable_prefix_caching is False
     assert (cfg.load_format, cfg.seed) == ("random", 3)
+
+
+@pytest.mark.parametrize("flag, value", [("--scheduling-policy", "lifo"), ("--dtype", "fp8"),
+                                         ("--load-format", "pickle")])
+def test_invalid_choices_are_usage_errors_before_loading(flag, value, capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["serve", flag, value])
+    assert exc.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
