@@ -30,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.method_timer import MethodTimer  # noqa: E402
 from bench.provenance import provenance  # noqa: E402
 from kvcache import KVCacheManager  # noqa: E402
 from scheduler.request import Request  # noqa: E402
@@ -140,26 +141,13 @@ class Bench:
     def kv_share(self, steps: int) -> dict:
         """Another `steps` steps with the pool's methods wrapped: wall time inside
         them over the step's wall time (both include the wrappers' own cost)."""
-        spent = [0]
-        clock = time.perf_counter_ns  # cheap to read, unlike the process CPU clock
-        for name in KV_METHODS:
-            fn = getattr(self.kv, name)
-
-            def timed(*args, _fn=fn, **kwargs):
-                t = clock()
-                try:
-                    return _fn(*args, **kwargs)
-                finally:
-                    spent[0] += clock() - t
-            setattr(self.kv, name, timed)
         total = 0
-        for _ in range(steps):
-            total += self.run_step()[1]
-        for name in KV_METHODS:
-            delattr(self.kv, name)
-        return {"kv_wall_us_per_step_wrapped": spent[0] / steps / 1000,
+        with MethodTimer(self.kv, KV_METHODS) as kv_time:
+            for _ in range(steps):
+                total += self.run_step()[1]
+        return {"kv_wall_us_per_step_wrapped": kv_time.total_ns / steps / 1000,
                 "step_wall_us_per_step_wrapped": total / steps / 1000,
-                "kv_share": spent[0] / total if total else 0.0}
+                "kv_share": kv_time.total_ns / total if total else 0.0}
 
 
 def summarize(values: list[float]) -> dict:

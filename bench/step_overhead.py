@@ -16,28 +16,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.method_timer import MethodTimer  # noqa: E402
 from bench.provenance import provenance  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from scheduler.sampling_params import SamplingParams  # noqa: E402
-
-
-class Timer:
-    """Accumulates the wall time of wrapped methods."""
-
-    def __init__(self):
-        self.total = 0.0
-
-    def wrap(self, obj, name):
-        fn = getattr(obj, name)
-
-        def timed(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.total += time.perf_counter() - t
-        setattr(obj, name, timed)
 
 
 def main() -> None:
@@ -63,19 +46,17 @@ def main() -> None:
         engine.add_request(f"r{i}", prompt, params)
     engine.step()  # all prompts in one step; from here on every step is 256 decodes
     assert len(engine.scheduler.running) == args.running
-    pool, sched = Timer(), Timer()
-    for name in ("allocate_slots", "block_table", "take_copies", "free", "lookup_prefix"):
-        pool.wrap(engine.kv, name)
-    for name in ("schedule", "update"):
-        sched.wrap(engine.scheduler, name)
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        engine.step()
-    step = (time.perf_counter() - t0) / args.steps
+    kv_methods = ("allocate_slots", "block_table", "take_copies", "free", "lookup_prefix")
+    with MethodTimer(engine.kv, kv_methods) as pool, \
+            MethodTimer(engine.scheduler, ("schedule", "update")) as sched:
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        step = (time.perf_counter() - t0) / args.steps
     result = {
         **provenance(), "model": args.model, "dtype": args.dtype, "running": args.running,
-        "step_ms": step * 1e3, "pool_ms_per_step": pool.total / args.steps * 1e3,
-        "scheduler_ms_per_step_incl_pool": sched.total / args.steps * 1e3}
+        "step_ms": step * 1e3, "pool_ms_per_step": pool.total_ns / args.steps / 1e6,
+        "scheduler_ms_per_step_incl_pool": sched.total_ns / args.steps / 1e6}
     result["pool_share_of_step"] = result["pool_ms_per_step"] / result["step_ms"]
     result["scheduler_share_of_step"] = result["scheduler_ms_per_step_incl_pool"] / result["step_ms"]
     print(json.dumps(result, indent=1))
