@@ -1,0 +1,62 @@
+"""Chat messages -> prompt token ids through the model's own chat template.
+
+As vLLM does, the template is rendered to text and the text is then tokenized without
+adding special tokens again (the template already writes BOS and turn markers)."""
+from __future__ import annotations
+
+from typing import Any
+
+from server.errors import APIError
+
+
+def message_text(content: Any) -> str:
+    """OpenAI content: a string, or a list of parts of which we take the text ones."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            raise APIError(400, f"content parts of type {kind!r} are not supported "
+                           "(only 'text')", "messages")
+        texts.append(part.get("text", ""))
+    return "\n".join(texts)
+
+
+def render_chat_text(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                     continue_final_message: bool = False,
+                     chat_template: str | None = None,
+                     chat_template_kwargs: dict | None = None) -> str:
+    if add_generation_prompt and continue_final_message:
+        raise APIError(400, "add_generation_prompt and continue_final_message cannot both "
+                       "be true", "continue_final_message")
+    if not messages:
+        raise APIError(400, "messages must not be empty", "messages")
+    if continue_final_message and messages[-1].get("role") != "assistant":
+        raise APIError(400, "continue_final_message needs the last message to be from "
+                       "the assistant", "continue_final_message")
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise APIError(400, "this model's tokenizer has no chat template; use "
+                       "/v1/completions or pass `chat_template`", "messages")
+    plain = [{**m, "content": message_text(m.get("content"))} for m in messages]
+    try:
+        return tokenizer.apply_chat_template(
+            plain, tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, chat_template=template,
+            **(chat_template_kwargs or {}))
+    except APIError:
+        raise
+    except Exception as exc:  # a template that rejects these messages (jinja raises)
+        raise APIError(400, f"the chat template failed on these messages: {exc}",
+                       "messages") from exc
+
+
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                continue_final_message: bool = False, **template_args) -> list[int]:
+    """The prompt token ids of a conversation."""
+    text = render_chat_text(tokenizer, messages, add_generation_prompt,
+                            continue_final_message, **template_args)
+    return tokenizer.encode(text, add_special_tokens=False)
