@@ -9,9 +9,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.async_engine import AsyncEngine
+from server.chat import ChatService
 from server.completions import CompletionService
 from server.errors import install_error_handlers
-from server.protocol import CompletionRequest
+from server.protocol import ChatCompletionRequest, CompletionRequest
 
 VERSION = "0.1.0"
 
@@ -36,6 +37,12 @@ def build_app(engine: AsyncEngine, model_names: list[str], model_root: str = "")
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, request: Request):
         return await _cancel_on_disconnect(request, completions.create(req))
+
+    chat = ChatService(engine, model_names)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(req: ChatCompletionRequest, request: Request):
+        return await _cancel_on_disconnect(request, chat.create(req))
 
     @app.get("/v1/models")
     async def list_models():

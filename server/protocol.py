@@ -1,17 +1,17 @@
-"""OpenAI request and response bodies (pydantic). Unknown request fields are ignored
-with a log line, as vLLM does."""
+"""OpenAI request bodies (pydantic). Unknown request fields are ignored with a log
+line, as vLLM does. Responses are plain dicts built where they are sent."""
 from __future__ import annotations
 
 import logging
-import time
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 log = logging.getLogger("kvserve.server")
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
+MAX_LOGPROBS = 20  # OpenAI's cap on top alternatives per token
 
 
 class StreamOptions(BaseModel):
@@ -28,27 +28,56 @@ class OpenAIRequest(BaseModel):
         return self
 
 
-class CompletionRequest(OpenAIRequest):
+class SamplingFields(OpenAIRequest):
+    """What /v1/completions and /v1/chat/completions share."""
     model: str | None = None
-    prompt: str | list[str] | TokenIds | list[TokenIds]
-    max_tokens: int | None = Field(default=16, ge=1)
     temperature: float | None = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float | None = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int | None = Field(default=0, ge=-1)
+    min_p: float | None = Field(default=0.0, ge=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=16)
     # torch's generators take 64-bit seeds; a bigger one must not reach the engine
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: TokenIds | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
+    presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=1.0, gt=0.0)
+    logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
     user: str | None = None
     cache_salt: str | None = None
     priority: int = 0  # lower is sooner, with --scheduling-policy priority
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys_are_token_ids(cls, bias):
+        for key in bias or {}:
+            if not key.lstrip("-").isdigit() or int(key) < 0:
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+        return bias
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        return [s for s in stops if s]  # "" would match at once: ignore it
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field in its four OpenAI forms, as a list of single prompts."""
@@ -61,35 +90,41 @@ class CompletionRequest(OpenAIRequest):
             return [p]
         return list(p)
 
-    def stop_strings(self) -> list[str]:
-        if self.stop is None:
-            return []
-        stops = [self.stop] if isinstance(self.stop, str) else self.stop
-        return [s for s in stops if s]  # "" would match at once: ignore it
+
+class ChatMessage(OpenAIRequest):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
 
 
-class UsageInfo(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)  # deprecated by OpenAI, still sent
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return self
 
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: None = None
-    finish_reason: Literal["stop", "length", "abort", "error"] | None = None
-    stop_reason: int | str | None = None
+    @property
+    def max_output_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
 
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
+    def message_dicts(self) -> list[dict]:
+        return [m.model_dump(exclude_none=True) for m in self.messages]
 
 
 def completion_id() -> str:
     return f"cmpl-{uuid.uuid4().hex}"
+
+
+def chat_completion_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from engine.async_engine import AsyncEngine
 from scheduler.sampling_params import SamplingParams
 from server.errors import APIError
-from server.protocol import CompletionRequest
+from server.protocol import SamplingFields
 
 
 def check_model(requested: str | None, names: list[str]) -> str:
@@ -17,8 +17,7 @@ def check_model(requested: str | None, names: list[str]) -> str:
     return requested
 
 
-def prompt_token_ids(engine: AsyncEngine, prompt: str | list[int]) -> list[int]:
-    ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+def check_prompt(engine: AsyncEngine, ids: list[int]) -> list[int]:
     if not ids:
         raise APIError(400, "the prompt is empty", "prompt")
     try:
@@ -28,21 +27,47 @@ def prompt_token_ids(engine: AsyncEngine, prompt: str | list[int]) -> list[int]:
     return ids
 
 
-def sampling_params(req: CompletionRequest, prompt_len: int,
-                    max_model_len: int) -> SamplingParams:
+def prompt_token_ids(engine: AsyncEngine, prompt: str | list[int]) -> list[int]:
+    ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    return check_prompt(engine, ids)
+
+
+def output_budget(max_tokens: int | None, prompt_len: int, max_model_len: int,
+                  param: str = "max_tokens") -> int:
+    """max_tokens, or all the room the context leaves; 400 (vLLM's words) if too many."""
     room = max_model_len - prompt_len
-    if req.max_tokens is not None and req.max_tokens > room:
+    if max_tokens is not None and max_tokens > room:
         raise APIError(
             400, f"This model's maximum context length is {max_model_len} tokens. However, "
-            f"you requested {prompt_len + req.max_tokens} tokens ({prompt_len} in the "
-            f"prompt, {req.max_tokens} in the completion). Please reduce the length of "
-            "the prompt or completion.", "max_tokens")
+            f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the "
+            f"prompt, {max_tokens} in the completion). Please reduce the length of "
+            "the prompt or completion.", param)
+    return max_tokens or room
+
+
+def sampling_params(req: SamplingFields, max_tokens: int, vocab_size: int,
+                    logprobs: int | None = None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
+    bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
+    bad = next((t for t in [*bias, *(req.stop_token_ids or ())] if t >= vocab_size), None)
+    if bad is not None:
+        param = "logit_bias" if bad in bias else "stop_token_ids"
+        raise APIError(400, f"token id {bad} is out of the vocabulary (0..{vocab_size - 1})",
+                       param)
     try:
         return SamplingParams(
-            max_tokens=req.max_tokens or room, n=req.n,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=req.top_k or 0, seed=req.seed, ignore_eos=req.ignore_eos,
-            stop_token_ids=list(req.stop_token_ids or []), min_tokens=req.min_tokens)
+            max_tokens=max_tokens, n=req.n,
+            temperature=_or(req.temperature, 1.0), top_p=_or(req.top_p, 1.0),
+            top_k=req.top_k or 0, min_p=_or(req.min_p, 0.0), seed=req.seed,
+            ignore_eos=req.ignore_eos, stop_token_ids=list(req.stop_token_ids or []),
+            min_tokens=req.min_tokens,
+            presence_penalty=_or(req.presence_penalty, 0.0),
+            frequency_penalty=_or(req.frequency_penalty, 0.0),
+            repetition_penalty=_or(req.repetition_penalty, 1.0),
+            logit_bias=bias or None, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     except ValueError as exc:
         raise APIError(400, str(exc)) from exc
+
+
+def _or(value, default):
+    return default if value is None else value

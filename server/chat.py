@@ -1,0 +1,75 @@
+"""POST /v1/chat/completions: messages -> the model's chat template -> one prompt
+with n choices, answered as a chat.completion or streamed chat.completion.chunks."""
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from engine.async_engine import AsyncEngine
+from server import generation
+from server.chat_template import render_chat
+from server.errors import APIError
+from server.generation import ChoiceDelta, PromptGroup, TextOptions
+from server.logprobs import chat_logprobs
+from server.protocol import ChatCompletionRequest, chat_completion_id
+from server.response_view import ResponseView
+from server.validation import check_model, check_prompt, output_budget, sampling_params
+
+
+class ChatService:
+    def __init__(self, engine: AsyncEngine, model_names: list[str]):
+        self.engine = engine
+        self.model_names = model_names
+        self.vocab_size = engine.engine.model_config.vocab_size
+
+    async def create(self, req: ChatCompletionRequest):
+        model = check_model(req.model, self.model_names)
+        if not self.engine.is_alive:
+            raise APIError(503, "the engine is not running")
+        ids = check_prompt(self.engine, render_chat(
+            self.engine.tokenizer, req.message_dicts(), req.add_generation_prompt,
+            req.continue_final_message, chat_template=req.chat_template,
+            chat_template_kwargs=req.chat_template_kwargs))
+        param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+        max_tokens = output_budget(req.max_output_tokens, len(ids),
+                                   self.engine.max_model_len, param)
+        num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        groups = [PromptGroup(0, ids, sampling_params(req, max_tokens, self.vocab_size,
+                                                      num_logprobs))]
+        opts = TextOptions(req.stop_strings(), req.include_stop_str_in_output,
+                           req.skip_special_tokens, req.cache_salt, req.priority)
+        view = _ChatView(chat_completion_id(), model, req, groups, self.engine.tokenizer)
+        if req.stream:
+            events = generation.stream(self.engine, view.rid, groups, opts)
+            return StreamingResponse(view.sse(events), media_type="text/event-stream")
+        results = await generation.collect(self.engine, view.rid, groups, opts)
+        return JSONResponse(view.body(results))
+
+
+class _ChatView(ResponseView):
+    body_object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def _logprobs(self, deltas: list[ChoiceDelta]) -> dict | None:
+        if not self.req.logprobs:
+            return None
+        entries = [e for d in deltas for e in d.logprobs]
+        return chat_logprobs(entries, self.token_text, self.req.top_logprobs or 0)
+
+    def choice(self, index: int, deltas: list[ChoiceDelta]) -> dict:
+        return {"index": index,
+                "message": {"role": "assistant", "content": "".join(d.text for d in deltas)},
+                "logprobs": self._logprobs(deltas),
+                "finish_reason": deltas[-1].finish_reason,
+                "stop_reason": deltas[-1].stop_reason}
+
+    def chunk_choices(self, d: ChoiceDelta) -> list[dict]:
+        choice = {"index": d.index, "delta": {"content": d.text},
+                  "logprobs": self._logprobs([d]), "finish_reason": d.finish_reason}
+        if d.finish_reason is not None:
+            choice["stop_reason"] = d.stop_reason
+        if not d.first:
+            return [choice]
+        # As OpenAI and vLLM do: the role comes first, in a chunk of its own.
+        role = {"index": d.index, "delta": {"role": "assistant", "content": ""},
+                "logprobs": None, "finish_reason": None}
+        return [role, choice]

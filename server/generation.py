@@ -1,0 +1,192 @@
+"""Drive prompts through the engine and turn their token streams into text deltas.
+
+Both /v1/completions and /v1/chat/completions run on this: a request is one or more
+PromptGroups, each one engine request with n sequences (sharing the prompt's KV
+blocks), and each sequence has its own incremental detokenizer. What comes out is a
+stream of ChoiceDeltas: text that is final, with the logprobs of the tokens behind it."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+from engine.async_engine import AsyncEngine, EngineDeadError
+from scheduler.sampling_params import SamplingParams
+from server.detokenizer import IncrementalDetokenizer
+from server.errors import APIError
+
+
+@dataclass
+class PromptGroup:
+    """One prompt and its n sequences. Choice indices are prompt_index * n + sequence."""
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    prompt_text: str | None = None  # the prompt as the client sent it, when text
+
+    def choice_index(self, seq_index: int) -> int:
+        return self.index * self.params.n + seq_index
+
+
+@dataclass
+class TextOptions:
+    """How tokens become text: stop strings and special tokens."""
+    stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    cache_salt: str | None = None
+    priority: int = 0
+
+
+@dataclass
+class ChoiceDelta:
+    index: int
+    text: str
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_tokens: int = 0  # tokens generated so far for this choice
+    logprobs: list = field(default_factory=list)  # engine TokenLogprobs behind `text`
+    prompt_logprobs: list | None = None  # on a choice's first delta, when asked for
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    first: bool = False  # the choice's first delta
+
+
+class _Sequence:
+    """One of a prompt's n sequences on its way to text."""
+
+    def __init__(self, tokenizer, group: PromptGroup, opts: TextOptions):
+        self.detok = IncrementalDetokenizer(tokenizer, group.prompt_ids, opts.stop,
+                                            opts.include_stop_str_in_output,
+                                            opts.skip_special_tokens)
+        self.include_stop = opts.include_stop_str_in_output
+        self.num_tokens = 0
+        self.pending_logprobs: list = []  # tokens whose text is still held back
+        self.prompt_logprobs = None
+        self.started = False
+        self.done = False
+
+    def advance(self, out) -> ChoiceDelta | None:
+        """Feed one engine output; the delta that is now final, if any."""
+        self.num_tokens += len(out.new_token_ids)
+        self.pending_logprobs.extend(out.logprobs or ())
+        if getattr(out, "prompt_logprobs", None) is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        new = out.new_token_ids
+        if out.finish_reason == "stop" and not self.include_stop:
+            new = new[:-1]  # as in vLLM, the EOS / stop token's text is left out
+        self.detok.add_tokens(new)
+        if self.detok.stop_reason is not None:
+            delta = ChoiceDelta(0, self.detok.flush(True), "stop", self.detok.stop_reason)
+        else:
+            finish = out.finish_reason if out.finished else None
+            delta = ChoiceDelta(0, self.detok.flush(out.finished), finish, out.stop_reason)
+            if not (delta.text or finish):
+                return None  # nothing final yet: its logprobs wait for the text
+        return self._fill(delta, out)
+
+    def _fill(self, delta: ChoiceDelta, out) -> ChoiceDelta:
+        delta.num_tokens, delta.first = self.num_tokens, not self.started
+        delta.logprobs, self.pending_logprobs = self.pending_logprobs, []
+        delta.num_prompt_tokens, delta.num_cached_tokens = (out.num_prompt_tokens,
+                                                            out.num_cached_tokens)
+        if not self.started:
+            delta.prompt_logprobs = self.prompt_logprobs
+        self.started = True
+        self.done = delta.finish_reason is not None
+        return delta
+
+
+Emit = Callable[[ChoiceDelta], Awaitable[None]]
+
+
+async def run_group(engine: AsyncEngine, rid: str, group: PromptGroup, opts: TextOptions,
+                    emit: Emit) -> None:
+    """Drive one prompt's n sequences to the end, calling emit(delta) as text becomes
+    final. A stop string ends its sequence early (aborted in the engine); leaving
+    early aborts whatever still runs."""
+    seqs = [_Sequence(engine.tokenizer, group, opts) for _ in range(group.params.n)]
+    gen = engine.generate(f"{rid}-{group.index}", group.prompt_ids, group.params,
+                          cache_salt=opts.cache_salt, priority=opts.priority)
+    async with contextlib.aclosing(gen):
+        async for out in gen:
+            seq = seqs[out.index]
+            if seq.done:
+                continue  # the abort that follows a stop string
+            delta = seq.advance(out)
+            if delta is None:
+                continue
+            delta.index = group.choice_index(out.index)
+            if seq.done and not out.finished:
+                engine.abort(out.request_id)
+            await emit(delta)
+
+
+async def collect(engine: AsyncEngine, rid: str, groups: list[PromptGroup],
+                  opts: TextOptions) -> dict[int, list[ChoiceDelta]]:
+    """Every choice's deltas, in order, once all are finished."""
+    results: dict[int, list[ChoiceDelta]] = {}
+
+    async def keep(d: ChoiceDelta):
+        results.setdefault(d.index, []).append(d)
+
+    tasks = [asyncio.create_task(run_group(engine, rid, g, opts, keep)) for g in groups]
+    try:
+        await asyncio.gather(*tasks)
+    except (ValueError, EngineDeadError) as exc:
+        raise APIError(*status_of(exc)) from exc
+    finally:
+        for t in tasks:
+            t.cancel()
+    return results
+
+
+async def stream(engine: AsyncEngine, rid: str, groups: list[PromptGroup],
+                 opts: TextOptions) -> AsyncIterator[ChoiceDelta | APIError]:
+    """Deltas of all choices as they come; an error ends the stream as an APIError
+    item (the HTTP status is already sent). Closing it aborts what still runs."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(group: PromptGroup):
+        try:
+            await run_group(engine, rid, group, opts, queue.put)
+            await queue.put(None)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            await queue.put(exc)
+
+    tasks = [asyncio.create_task(pump(g)) for g in groups]
+    try:
+        for _ in range(len(groups)):
+            while (item := await queue.get()) is not None:
+                if isinstance(item, BaseException):
+                    yield APIError(*status_of(item))
+                    return
+                yield item
+    finally:
+        for t in tasks:  # a client that went away: abort whatever still runs
+            t.cancel()
+
+
+def status_of(exc: BaseException) -> tuple[int, str]:
+    if isinstance(exc, ValueError):
+        return 400, str(exc)
+    if isinstance(exc, EngineDeadError):
+        return 503, str(exc)
+    return 500, f"internal error: {type(exc).__name__}"
+
+
+def usage(groups: list[PromptGroup], deltas: dict[int, ChoiceDelta]) -> dict:
+    """deltas: the last delta of every choice."""
+    prompt_tokens = sum(len(g.prompt_ids) for g in groups)
+    completion_tokens = sum(d.num_tokens for d in deltas.values())
+    cached = {}
+    for g in groups:  # one figure per prompt, from any of its choices
+        d = next((deltas[i] for i in range(g.choice_index(0), g.choice_index(g.params.n))
+                  if i in deltas), None)
+        cached[g.index] = d.num_cached_tokens if d else 0
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}

@@ -1,0 +1,61 @@
+"""What completions and chat responses share: the envelope (id, object, created,
+model), the SSE loop (chunks, a mid-stream error, the usage chunk, [DONE]) and the
+whole-body assembly. Subclasses say how one choice looks."""
+from __future__ import annotations
+
+import contextlib
+import time
+
+from server import generation
+from server.errors import APIError, sse_data, sse_error
+from server.generation import ChoiceDelta, PromptGroup
+from server.logprobs import TokenText
+
+
+class ResponseView:
+    body_object = ""  # e.g. "text_completion"
+    chunk_object = ""
+
+    def __init__(self, rid: str, model: str, req, groups: list[PromptGroup], tokenizer):
+        self.rid, self.model, self.req, self.groups = rid, model, req, groups
+        self.tokenizer = tokenizer
+        self.token_text = TokenText(tokenizer)
+        self.created = int(time.time())
+
+    # -- what a subclass defines ---------------------------------------------
+    def choice(self, index: int, deltas: list[ChoiceDelta]) -> dict:
+        """A whole choice of a non-streaming body."""
+        raise NotImplementedError
+
+    def chunk_choices(self, d: ChoiceDelta) -> list[dict]:
+        """The streamed choices (one per chunk) that carry this delta."""
+        raise NotImplementedError
+
+    # -- shared -------------------------------------------------------------------
+    def envelope(self, obj: str, choices: list[dict], usage: dict | None = None) -> dict:
+        body = {"id": self.rid, "object": obj, "created": self.created,
+                "model": self.model, "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return body
+
+    def body(self, results: dict[int, list[ChoiceDelta]]) -> dict:
+        choices = [self.choice(i, results[i]) for i in sorted(results)]
+        last = {i: ds[-1] for i, ds in results.items()}
+        return self.envelope(self.body_object, choices, generation.usage(self.groups, last))
+
+    async def sse(self, events):
+        last: dict[int, ChoiceDelta] = {}
+        async with contextlib.aclosing(events):  # closing it aborts what still runs
+            async for item in events:
+                if isinstance(item, APIError):
+                    yield sse_error(item.status, item.message)
+                    break
+                last[item.index] = item
+                for choice in self.chunk_choices(item):
+                    yield sse_data(self.envelope(self.chunk_object, [choice]))
+            else:
+                if self.req.include_usage:
+                    usage = generation.usage(self.groups, last)
+                    yield sse_data(self.envelope(self.chunk_object, [], usage))
+        yield "data: [DONE]\n\n"
