@@ -14,8 +14,8 @@ from engine.async_engine import AsyncEngine
 from engine.engine import Engine
 from scheduler.sampling_params import SamplingParams
 from server.app import VERSION, build_app
-from tests.support.http import (CompletionsClient, assert_error,
-                                post_completions_concurrently)
+from tests.support.http import (CompletionsClient, assert_error, parse_sse,
+                                post_completions_concurrently, wait_idle)
 from tests.support.server import running_server
 
 MODEL = "tiny"
@@ -31,6 +31,13 @@ PROMPTS = [
     "x",
     "emoji 🙂 are multi-byte characters.",
 ]
+
+
+def plain_usage(usage: dict) -> dict:
+    """The three token counts, after checking the cached-token detail's shape."""
+    details = usage["prompt_tokens_details"]
+    assert 0 <= details["cached_tokens"] <= usage["prompt_tokens"]
+    return {k: v for k, v in usage.items() if k != "prompt_tokens_details"}
 
 
 class Server(CompletionsClient):
@@ -78,55 +85,9 @@ def client(srv):
         yield c
 
 
-def parse_sse(body: bytes) -> list[dict]:
-    """Checks the framing byte for byte: `data: <json>\\n\\n` events, then
-    `data: [DONE]\\n\\n` and nothing after it. Returns the JSON events."""
-    assert body.endswith(b"data: [DONE]\n\n"), body[-200:]
-    events = body.split(b"\n\n")
-    assert events[-1] == b""
-    assert events[-2] == b"data: [DONE]"
-    assert body.count(b"data: [DONE]") == 1
-    chunks = []
-    for ev in events[:-2]:
-        assert ev.startswith(b"data: "), ev
-        assert b"\n" not in ev and b"\r" not in ev, ev
-        chunks.append(json.loads(ev[len(b"data: "):].decode("utf-8")))
-    return chunks
-
-
 def content_chunks(chunks: list[dict]) -> list[dict]:
     return [c for c in chunks if c["choices"]]
 
-
-
-class Idle:
-    """Truthy when the engine has no unfinished requests and all KV blocks are free;
-    its repr tells what was left over."""
-
-    def __init__(self, engine: Engine, ok: bool):
-        self.ok = ok
-        sched = engine.scheduler
-        self.state = (f"unfinished={engine.has_unfinished_requests()} "
-                      f"free={engine.kv.num_free_blocks}/{engine.kv.num_blocks} "
-                      f"waiting={[r.request_id for r in sched.waiting]} "
-                      f"running={[r.request_id for r in sched.running]}")
-
-    def __bool__(self) -> bool:
-        return self.ok
-
-    def __repr__(self) -> str:
-        return f"Idle({self.ok}: {self.state})"
-
-
-def wait_idle(engine: Engine, timeout: float = 5.0) -> Idle:
-    deadline = time.monotonic() + timeout
-    while True:
-        if (not engine.has_unfinished_requests()
-                and engine.kv.num_free_blocks == engine.kv.num_blocks):
-            return Idle(engine, True)
-        if time.monotonic() > deadline:
-            return Idle(engine, False)
-        time.sleep(0.05)
 
 
 def first_occurrence_stop(text: str, start: int, length: int = 3) -> tuple[int, str]:
@@ -160,7 +121,7 @@ def test_non_streaming_response_shape(srv):
     assert choice["logprobs"] is None
     assert choice["finish_reason"] == "length"
     assert choice["stop_reason"] is None
-    assert body["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 7,
+    assert plain_usage(body["usage"]) == {"prompt_tokens": n_prompt, "completion_tokens": 7,
                              "total_tokens": n_prompt + 7}
 
 
@@ -187,7 +148,7 @@ def test_max_tokens_null_runs_to_eos_or_context(srv):
     prompt = (srv.engine.tokenizer.encode(PROMPTS[5]) * max_len)[:max_len - 6]
     body = srv.ok(prompt=prompt, max_tokens=None, temperature=0, ignore_eos=True)
     assert body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": max_len - 6, "completion_tokens": 6,
+    assert plain_usage(body["usage"]) == {"prompt_tokens": max_len - 6, "completion_tokens": 6,
                              "total_tokens": max_len}
 
 
@@ -235,7 +196,7 @@ def test_prompt_forms(srv):
         assert [c["index"] for c in choices] == [0, 1]
         assert [c["text"] for c in choices] == [text_a, text_b]
         assert all(c["finish_reason"] == "length" for c in choices)
-        assert body["usage"] == {"prompt_tokens": len(ids_a) + len(ids_b),
+        assert plain_usage(body["usage"]) == {"prompt_tokens": len(ids_a) + len(ids_b),
                                  "completion_tokens": 12,
                                  "total_tokens": len(ids_a) + len(ids_b) + 12}
 
@@ -289,7 +250,7 @@ def test_stream_include_usage(srv):
     chunks = parse_sse(raw)
     last = chunks[-1]
     assert last["choices"] == []
-    assert last["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 9,
+    assert plain_usage(last["usage"]) == {"prompt_tokens": n_prompt, "completion_tokens": 9,
                              "total_tokens": n_prompt + 9}
     assert last["id"] == chunks[0]["id"]
     assert all(c["choices"] for c in chunks[:-1])
@@ -585,7 +546,7 @@ def test_concurrent_requests_match_sequential(srv):
         assert t["usage"]["completion_tokens"] == b["max_tokens"]
         assert t["choices"][0]["finish_reason"] == "length"
         assert t["choices"][0]["text"] == a["choices"][0]["text"]
-        assert t["usage"] == a["usage"]
+        assert plain_usage(t["usage"]) == plain_usage(a["usage"])
     assert wait_idle(srv.engine)
 
 
@@ -655,7 +616,7 @@ def test_n_choices(srv):
     choices = sorted(body["choices"], key=lambda c: c["index"])
     assert [c["index"] for c in choices] == [0, 1]
     assert all(c["finish_reason"] == "length" and c["text"] for c in choices)
-    assert body["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 20,
+    assert plain_usage(body["usage"]) == {"prompt_tokens": n_prompt, "completion_tokens": 20,
                              "total_tokens": n_prompt + 20}
     again = sorted(srv.ok(**common)["choices"], key=lambda c: c["index"])
     assert [c["text"] for c in again] == [c["text"] for c in choices]

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 
 import httpx
 
@@ -52,3 +54,49 @@ class CompletionsClient:
         r = self.complete(**body)
         assert r.status_code == 200, r.text
         return r.json()
+
+
+def parse_sse(body: bytes) -> list[dict]:
+    """Checks the framing byte for byte: `data: <json>\\n\\n` events, then
+    `data: [DONE]\\n\\n` and nothing after it. Returns the JSON events."""
+    assert body.endswith(b"data: [DONE]\n\n"), body[-200:]
+    events = body.split(b"\n\n")
+    assert events[-1] == b""
+    assert events[-2] == b"data: [DONE]"
+    assert body.count(b"data: [DONE]") == 1
+    chunks = []
+    for ev in events[:-2]:
+        assert ev.startswith(b"data: "), ev
+        assert b"\n" not in ev and b"\r" not in ev, ev
+        chunks.append(json.loads(ev[len(b"data: "):].decode("utf-8")))
+    return chunks
+
+
+class Idle:
+    """Truthy when the engine has no unfinished requests and all KV blocks are free;
+    its repr tells what was left over."""
+
+    def __init__(self, engine, ok: bool):
+        self.ok = ok
+        sched = engine.scheduler
+        self.state = (f"unfinished={engine.has_unfinished_requests()} "
+                      f"free={engine.kv.num_free_blocks}/{engine.kv.num_blocks} "
+                      f"waiting={[r.request_id for r in sched.waiting]} "
+                      f"running={[r.request_id for r in sched.running]}")
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    def __repr__(self) -> str:
+        return f"Idle({self.ok}: {self.state})"
+
+
+def wait_idle(engine, timeout: float = 5.0) -> Idle:
+    deadline = time.monotonic() + timeout
+    while True:
+        if (not engine.has_unfinished_requests()
+                and engine.kv.num_free_blocks == engine.kv.num_blocks):
+            return Idle(engine, True)
+        if time.monotonic() > deadline:
+            return Idle(engine, False)
+        time.sleep(0.05)
