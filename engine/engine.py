@@ -12,6 +12,7 @@ from engine.loader import (ModelLoadError, check_fits, load_model, load_tokenize
                            resolve_device, resolve_dtype)
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
+from engine.sampling import StepResult
 from kvcache import KVCacheManager
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
@@ -74,13 +75,16 @@ class Engine:
                     params: SamplingParams, arrival_time: float | None = None,
                     cache_salt: str | None = None, priority: int = 0) -> None:
         """Raises ValueError for a request that can never run."""
-        self.validate(prompt_token_ids)
+        self.validate(prompt_token_ids, params)
         req = Request(request_id, prompt_token_ids, params, self.eos_token_ids,
                       arrival_time, cache_salt, priority)
         req.make_siblings()
         self.scheduler.add_request(req)
 
-    def validate(self, prompt_token_ids: list[int]) -> None:
+    def validate(self, prompt_token_ids: list[int],
+                 params: SamplingParams | None = None) -> None:
+        """Raises ValueError for a prompt (or sampling parameters: token ids in
+        logit_bias) this engine can never run."""
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
         if len(prompt_token_ids) >= self.max_model_len:
@@ -90,6 +94,11 @@ class Engine:
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is out of the vocabulary (0..{vocab - 1})")
+        bias = params.logit_bias if params is not None else None
+        bad = next((t for t in bias or () if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias: token id {bad} is out of the vocabulary "
+                             f"(0..{vocab - 1})")
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """Ends the request and any siblings not yet forked from it; [] if unknown."""
@@ -103,10 +112,10 @@ class Engine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        sampled = self.runner.execute(out)
-        self._count(out, len(sampled))
-        changed = self.scheduler.update(out, sampled)
-        return [self._output(req, [req.token_ids[-1]]) for req in changed]
+        result = self.runner.execute(out)
+        self._count(out, len(result.tokens))
+        changed = self.scheduler.update(out, result.tokens)
+        return [self._output(req, [req.token_ids[-1]], result) for req in changed]
 
     def _count(self, out, num_sampled: int) -> None:
         self.stats.steps += 1
@@ -115,14 +124,24 @@ class Engine:
             prompt_left = s.request.num_prompt_tokens - s.start
             self.stats.prompt_tokens_computed += max(0, min(s.num_new_tokens, prompt_left))
 
-    def _output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
+    def _output(self, req: Request, new_tokens: list[int],
+                result: StepResult | None = None) -> RequestOutput:
+        rid = req.request_id
         if req.finished:
-            self.runner.release(req.request_id)
+            self.runner.release(rid)
+        # One per new token for a request that asked ([] for an abort); else None.
+        logprobs = [] if req.params.logprobs is not None else None
+        prompt_logprobs = None
+        if result is not None:
+            if rid in result.logprobs:
+                logprobs.append(result.logprobs[rid])
+            prompt_logprobs = result.prompt_logprobs.get(rid)
         return RequestOutput(
-            request_id=req.request_id, index=req.index, new_token_ids=new_tokens,
+            request_id=rid, index=req.index, new_token_ids=new_tokens,
             finished=req.finished,
             finish_reason=req.finish_reason, stop_reason=req.stop_reason,
-            num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens)
+            num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
                  ) -> list[list[int]]:

@@ -1,5 +1,5 @@
 """Executes one scheduled step: copy-on-write block copies, a flat batch, the model's
-forward pass over it, and sampling."""
+forward pass over it, and sampling (with logprobs and prompt logprobs on request)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,7 +9,9 @@ import torch
 from engine.attention.context import (AttentionMetadata, DecodeBatch, PrefillSpan,
                                       set_attention_metadata)
 from engine.models.llama import LlamaForCausalLM
-from engine.sampler import sample
+from engine.sampling import Sampler, StepResult
+from engine.sampling.logprobs import MAX_EXACT_ID
+from engine.sampling.prompt_logprobs import PromptSpan
 from scheduler.output import ScheduledRequest, SchedulerOutput
 
 
@@ -18,8 +20,11 @@ class FlatBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     attention: AttentionMetadata
-    logit_rows: torch.Tensor  # [R] last row of each request that samples
+    # [R + M]: the last row of each request that samples, then the M prompt rows
+    # whose logits prompt logprobs need
+    logit_rows: torch.Tensor
     sampling: list[ScheduledRequest]  # the R requests that sample, in row order
+    prompt_spans: list[PromptSpan]  # where the M prompt rows come from
 
 
 class ModelRunner:
@@ -33,31 +38,24 @@ class ModelRunner:
                           for _ in range(cfg.num_layers)]
         for layer, (k, v) in zip(model.layers, self.kv_caches):
             layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
-        self._generators: dict[str, torch.Generator] = {}
+        if cfg.vocab_size >= MAX_EXACT_ID:
+            raise ValueError("vocabularies of 2**24 tokens or more are not supported")
+        self.sampler = Sampler(device)
 
     @staticmethod
     def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
         return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
-        """Runs the step; returns the sampled token of every request that samples."""
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        """Runs the step: the sampled token of every request that samples (a forking
+        parent's siblings included) and the logprobs asked for."""
         self.copy_blocks(out.block_copies)
         batch = self.prepare(out.scheduled)
         logits = self.forward_logits(batch)
-        if not batch.sampling:
-            return {}
-        # A parent about to fork samples for its siblings too, from its own row.
-        rows, seqs = [], []
-        for row, s in enumerate(batch.sampling):
-            for seq in (s.request, *s.request.pending_forks):
-                rows.append(row)
-                seqs.append(seq)
-        if len(rows) != len(batch.sampling):
-            logits = logits[torch.tensor(rows, device=logits.device)]
-        tokens = sample(logits, [q.params for q in seqs],
-                        [self._generator(q) for q in seqs]).tolist()
-        return {q.request_id: t for q, t in zip(seqs, tokens)}
+        if not batch.sampling and not batch.prompt_spans:
+            return StepResult()
+        return self.sampler.run(logits, batch.sampling, batch.prompt_spans)
 
     def forward_logits(self, batch: FlatBatch) -> torch.Tensor:
         set_attention_metadata(batch.attention)
@@ -74,16 +72,7 @@ class ModelRunner:
                 v[c.dst, :c.num_tokens] = v[c.src, :c.num_tokens]
 
     def release(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)
-
-    def _generator(self, req) -> torch.Generator | None:
-        if req.params.seed is None or req.params.greedy:
-            return None
-        gen = self._generators.get(req.request_id)
-        if gen is None:
-            gen = torch.Generator(device=self.device).manual_seed(req.params.seed)
-            self._generators[req.request_id] = gen
-        return gen
+        self.sampler.release(request_id)
 
     # -- batch preparation -----------------------------------------------------
     def prepare(self, scheduled: list[ScheduledRequest]) -> FlatBatch:
@@ -102,12 +91,15 @@ class ModelRunner:
         self._attention_spans(meta, scheduled, tables, query_starts)
         sampling = [s for s in scheduled if s.samples]
         rows = [query_starts[i + 1] - 1 for i, s in enumerate(scheduled) if s.samples]
+        spans = self.sampler.prompt.plan(scheduled, query_starts)
+        for span in spans:
+            rows.extend(range(span.row, span.row + span.count))
         dev = self.device
         return FlatBatch(
             input_ids=torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
             positions=positions, attention=meta,
             logit_rows=torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True),
-            sampling=sampling)
+            sampling=sampling, prompt_spans=spans)
 
     def _positions_and_slots(self, starts, lens, tables):
         """Vectorised: positions of every new token and the cache slot it writes."""

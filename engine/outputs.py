@@ -5,6 +5,17 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class TokenLogprob:
+    """One token's log probability under the model's raw logits (log_softmax before
+    temperature, penalties, logit_bias, top-k/p and min-p; vLLM's "raw logprobs")."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token (tokens at least as likely, itself included)
+    top: list[tuple[int, float]]  # the k most likely (token id, logprob), best first
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     index: int = 0  # which of the prompt's n sequences (0 for the request itself)
@@ -17,3 +28,9 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # set when finish_reason == "error"
+    # One per new_token_ids entry when the request asked for logprobs, else None.
+    logprobs: list[TokenLogprob] | None = None
+    # Only on a sequence's first output with tokens, when it asked for prompt_logprobs:
+    # one per prompt token, the first None (nothing precedes it). Every one of the n
+    # sequences of a prompt gets the same list.
+    prompt_logprobs: list[TokenLogprob | None] | None = None

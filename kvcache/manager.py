@@ -81,7 +81,11 @@ class KVCacheManager:
     # ------------------------------------------------------- prefix lookup
 
     def lookup_prefix(
-        self, request_id: str, token_ids: Sequence[int], cache_salt: str | None = None
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        cache_salt: str | None = None,
+        match: bool = True,
     ) -> int:
         """Attach the longest cached prefix of full blocks to a new request.
 
@@ -89,14 +93,16 @@ class KVCacheManager:
         are hit (rounded down to whole blocks) because the last prompt token
         must be recomputed to get its logits. The salt is remembered for
         hashing the request's later blocks, even with caching disabled; stats
-        count only while caching is enabled.
+        count only while caching is enabled. match=False hits nothing (a
+        request that needs the logits of every prompt token) but still sets up
+        the salt, so the blocks it computes are registered under it.
         """
         old = self._requests.get(request_id)
         if old is not None and old.block_ids:
             raise ValueError(f"request {request_id!r} already holds blocks")
         req = RequestBlocks(root_hash(self.model_key, cache_salt))
         self._requests[request_id] = req
-        if not self.enable_prefix_caching:
+        if not (self.enable_prefix_caching and match):
             return 0
         matched = self._match_cached_blocks(req, token_ids)
         touch = self._pool.touch

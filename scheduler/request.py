@@ -72,6 +72,21 @@ class Request:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
+    def needs_prompt_logits(self) -> bool:
+        """Prompt logprobs still to compute: every prompt position needs its logits,
+        so no prefix-cache hit (as in vLLM). Once the first token is out they have
+        been delivered, and a preempted request may hit the cache again."""
+        return self.params.prompt_logprobs is not None and self.num_output_tokens == 0
+
+    @property
+    def banned_stop_ids(self) -> tuple[int, ...]:
+        """Stop tokens (EOS unless ignore_eos) the sampler masks while fewer than
+        min_tokens tokens have been generated; () once they may end the request."""
+        if self.num_output_tokens >= self.params.min_tokens:
+            return ()
+        return tuple(sorted(self._stop_ids | self._eos_ids))
+
+    @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
@@ -80,7 +95,8 @@ class Request:
         self.token_ids.append(token_id)
         self.token_times.append(time.monotonic())
         n = self.num_output_tokens
-        if n >= self.params.min_tokens:
+        # As the sampler's mask: a stop token counts once min_tokens others came first.
+        if n > self.params.min_tokens:
             if token_id in self._stop_ids:
                 return self.finish("stop", stop_reason=token_id)
             if token_id in self._eos_ids:

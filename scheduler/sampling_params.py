@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 
 # Below this a temperature is treated as greedy (dividing by it would overflow).
 GREEDY_EPSILON = 1e-5
+# Most top alternatives a request may ask for per token (OpenAI's and vLLM's cap).
+MAX_LOGPROBS = 20
+# OpenAI clamps logit_bias values to this range.
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass
@@ -15,12 +19,37 @@ class SamplingParams:
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
+    # Keep tokens whose probability (after temperature) is >= min_p * the top one's.
+    min_p: float = 0.0
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
+    # EOS and stop tokens are masked until this many tokens have been generated.
     min_tokens: int = 0
+    # OpenAI: logit -= frequency * count + presence * (count > 0), output tokens only.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # vLLM/HF, over prompt and output tokens: a seen token's logit is divided by it
+    # when positive, multiplied by it otherwise.
+    repetition_penalty: float = 1.0
+    # token id -> added to its logit (values clamped to [-100, 100]; ids are checked
+    # against the vocabulary by the engine).
+    logit_bias: dict[int, float] | None = None
+    # None: none; k: each sampled token's logprob, rank and the top k alternatives.
+    logprobs: int | None = None
+    # Same for every prompt token (the first has none).
+    prompt_logprobs: int | None = None
+    # Derived in __post_init__: any penalty, bias or min_tokens to apply to logits.
+    needs_processing: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        self._check_basics()
+        self._check_extras()
+        self.logit_bias = _clamped_bias(self.logit_bias)
+        self.needs_processing = self.has_penalties or bool(self.logit_bias) \
+            or self.min_tokens > 0
+
+    def _check_basics(self) -> None:
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
         if self.n < 1:
@@ -36,6 +65,44 @@ class SamplingParams:
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise ValueError("seed must fit in 64 bits")
 
+    def _check_extras(self) -> None:
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError("min_p must be in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2]")
+        if not self.repetition_penalty > 0:
+            raise ValueError("repetition_penalty must be greater than 0")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be between 0 and {MAX_LOGPROBS}")
+
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPSILON
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+
+def _clamped_bias(bias) -> dict[int, float] | None:
+    """Integer keys (JSON sends strings), values clamped; None when empty."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+            value = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias: {key!r}: {value!r} is not a token id and a "
+                             "number") from None
+        if token < 0:
+            raise ValueError(f"logit_bias: token id {token} is negative")
+        if value != value:
+            raise ValueError(f"logit_bias: the bias of token {token} is not a number")
+        out[token] = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, value))
+    return out

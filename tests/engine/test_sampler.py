@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampler import sample
+from engine.sampling import sample
 from scheduler.sampling_params import SamplingParams
 
 

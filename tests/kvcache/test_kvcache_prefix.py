@@ -243,3 +243,15 @@ def test_lookup_for_a_request_holding_blocks_is_an_error():
     prefill(mgr, "a", tokens(5))
     with pytest.raises(ValueError):
         mgr.lookup_prefix("a", tokens(5))
+
+
+def test_lookup_without_matching_hits_nothing_but_keeps_the_salt():
+    mgr = KVCacheManager(32, BS)
+    prefill(mgr, "a", tokens(9), salt="t")
+    queries = mgr.stats.prefix_queries
+    assert mgr.lookup_prefix("b", tokens(9), "t", match=False) == 0
+    assert mgr.stats.prefix_queries == queries
+    assert mgr.allocate_slots("b", tokens(9, start=100), 0, 9)  # registered under "t"
+    mgr.free("b")
+    assert mgr.lookup_prefix("c", tokens(9, start=100)) == 0
+    assert mgr.lookup_prefix("d", tokens(9, start=100), "t") == 8

@@ -1,0 +1,103 @@
+"""The per-step logits adjustments of the rows whose requests ask for any: the
+min-tokens mask, logit_bias and penalties, built as index and value tensors once per
+step. Rows that ask for none are not touched (and a step with none builds nothing)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling.processors import add_bias, apply_penalties, ban_tokens, token_counts
+from scheduler.request import Request
+
+
+@dataclass
+class Penalties:
+    prompt_seen: torch.Tensor | None  # [P, V] bool, None when no row has repetition
+    output_counts: torch.Tensor  # [P, V] float32
+    repetition: torch.Tensor | None  # [P], None when all are 1
+    frequency: torch.Tensor  # [P]
+    presence: torch.Tensor  # [P]
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        return apply_penalties(logits, self.prompt_seen, self.output_counts,
+                               self.repetition, self.frequency, self.presence)
+
+
+@dataclass
+class LogitAdjustments:
+    rows: torch.Tensor  # [P] the rows concerned; the pairs below index into them
+    bans: tuple[torch.Tensor, torch.Tensor] | None  # (row, token) set to -inf
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (row, token, value)
+    penalties: Penalties | None
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """A new tensor: `logits` with the adjusted rows replaced."""
+        sub = logits.index_select(0, self.rows)
+        if self.bans is not None:
+            sub = ban_tokens(sub, *self.bans)
+        if self.bias is not None:
+            sub = add_bias(sub, *self.bias)
+        if self.penalties is not None:
+            sub = self.penalties.apply(sub)
+        return logits.index_copy(0, self.rows, sub)
+
+
+def wants_adjustment(req: Request) -> bool:
+    p = req.params
+    if not p.needs_processing:  # the common case: one attribute read
+        return False
+    return p.has_penalties or p.logit_bias is not None or req.num_output_tokens < p.min_tokens
+
+
+def build_adjustments(seqs: Sequence[Request], vocab: int,
+                      device: torch.device) -> LogitAdjustments | None:
+    """None when no row needs any adjustment (nothing built, nothing to apply)."""
+    picked = [i for i, q in enumerate(seqs) if wants_adjustment(q)]
+    if not picked:
+        return None
+    reqs = [seqs[i] for i in picked]
+    return LogitAdjustments(rows=_long(picked, device), bans=_bans(reqs, vocab, device),
+                            bias=_bias(reqs, device), penalties=_penalties(reqs, vocab, device))
+
+
+def _long(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+
+def _floats(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)
+
+
+def _bans(reqs: list[Request], vocab: int, device: torch.device):
+    pairs = [(j, t) for j, q in enumerate(reqs) for t in q.banned_stop_ids if 0 <= t < vocab]
+    if not pairs:
+        return None
+    rows, tokens = zip(*pairs)
+    return _long(list(rows), device), _long(list(tokens), device)
+
+
+def _bias(reqs: list[Request], device: torch.device):
+    triples = [(j, t, b) for j, q in enumerate(reqs)
+               for t, b in (q.params.logit_bias or {}).items()]
+    if not triples:
+        return None
+    rows, tokens, values = zip(*triples)
+    return _long(list(rows), device), _long(list(tokens), device), _floats(list(values), device)
+
+
+def _penalties(reqs: list[Request], vocab: int, device: torch.device) -> Penalties | None:
+    if not any(q.params.has_penalties for q in reqs):
+        return None
+    params = [q.params for q in reqs]
+    outputs = [q.output_token_ids if p.has_penalties else [] for q, p in zip(reqs, params)]
+    repetition = prompt_seen = None
+    if any(p.repetition_penalty != 1.0 for p in params):
+        repetition = _floats([p.repetition_penalty for p in params], device)
+        prompts = [q.token_ids[:q.num_prompt_tokens] if p.repetition_penalty != 1.0 else []
+                   for q, p in zip(reqs, params)]
+        prompt_seen = token_counts(prompts, vocab, device) > 0
+    return Penalties(prompt_seen, token_counts(outputs, vocab, device), repetition,
+                     _floats([p.frequency_penalty for p in params], device),
+                     _floats([p.presence_penalty for p in params], device))

@@ -1,0 +1,49 @@
+"""Turn each row of logits into a token under that request's sampling parameters.
+
+Adjustments (min-tokens mask, logit_bias, penalties) come first, for every row that
+asks for them. Greedy rows then take the argmax. Random rows go through temperature,
+min_p, top-k and top-p, then the "exponential race" (argmax of p / E with
+E ~ Exp(1)), which samples from p exactly and lets a seeded request draw its noise
+from its own generator, so its tokens do not depend on the batch."""
+from __future__ import annotations
+
+import torch
+
+from engine.sampling.adjustments import LogitAdjustments
+from engine.sampling.processors import apply_min_p, apply_top_k, apply_top_p
+from scheduler.sampling_params import SamplingParams
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None],
+           adjustments: LogitAdjustments | None = None) -> torch.Tensor:
+    """logits: [R, V] float32 (not modified). Returns [R] int64 token ids."""
+    if adjustments is not None:
+        logits = adjustments.apply(logits)
+    tokens = logits.argmax(dim=-1)
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not random_rows:
+        return tokens
+    rows = torch.tensor(random_rows, device=logits.device)
+    probs = _probabilities(logits[rows], [params[i] for i in random_rows])
+    noise = torch.empty_like(probs)
+    for j, i in enumerate(random_rows):
+        noise[j].exponential_(generator=generators[i])
+    tokens[rows] = (probs / noise).argmax(dim=-1)
+    return tokens
+
+
+def _probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    dev = logits.device
+    temps = torch.tensor([p.temperature for p in params], device=dev)
+    logits = logits / temps.unsqueeze(1)
+    min_ps = [p.min_p for p in params]
+    if any(m > 0 for m in min_ps):
+        logits = apply_min_p(logits, torch.tensor(min_ps, device=dev))
+    top_ks = [p.top_k for p in params]
+    if any(k > 0 for k in top_ks):
+        logits = apply_top_k(logits, top_ks)
+    top_ps = [p.top_p for p in params]
+    if any(p < 1.0 for p in top_ps):
+        logits = apply_top_p(logits, torch.tensor(top_ps, device=dev))
+    return logits.softmax(dim=-1)
