@@ -4,22 +4,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Sequence
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from engine.async_engine import AsyncEngine
 from server.chat import ChatService
 from server.completions import CompletionService
 from server.errors import install_error_handlers
+from server.ops import install_ops
 from server.protocol import ChatCompletionRequest, CompletionRequest
 
 VERSION = "0.1.0"
 
 
-def build_app(engine: AsyncEngine, model_names: list[str], model_root: str = "") -> FastAPI:
+def build_app(engine: AsyncEngine, model_names: list[str], model_root: str = "", *,
+              api_keys: Sequence[str] = (), max_waiting_requests: int = 0) -> FastAPI:
     """`engine` must not be started yet: the app starts it at startup and stops it at
-    shutdown, so a test server and a real one live the same way."""
+    shutdown, so a test server and a real one live the same way. For `api_keys` and
+    `max_waiting_requests` (0: no limit) see server/ops.py."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -31,6 +35,8 @@ def build_app(engine: AsyncEngine, model_names: list[str], model_root: str = "")
 
     app = FastAPI(title="kvserve", version=VERSION, lifespan=lifespan)
     install_error_handlers(app)
+    install_ops(app, engine, model_names, VERSION, api_keys=api_keys,
+                max_waiting_requests=max_waiting_requests)
     completions = CompletionService(engine, model_names)
     created = int(time.time())
 
@@ -50,16 +56,6 @@ def build_app(engine: AsyncEngine, model_names: list[str], model_root: str = "")
                  "root": model_root or name, "parent": None,
                  "max_model_len": engine.max_model_len} for name in model_names]
         return {"object": "list", "data": data}
-
-    @app.get("/health")
-    async def health():
-        if engine.is_alive:
-            return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "engine is not running"}, status_code=503)
-
-    @app.get("/version")
-    async def version():
-        return {"version": VERSION}
 
     return app
 

@@ -25,14 +25,51 @@ def _bool(text: str) -> bool:
     return str(text).lower() in ("1", "true", "yes", "on")
 
 
+def _non_negative(type_):
+    def parse(text: str):
+        value = type_(text)
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+        return value
+    parse.__name__ = type_.__name__  # argparse names the type in its messages
+    return parse
+
+
+def split_keys(values) -> list[str]:
+    """['a,b', 'c'] -> ['a', 'b', 'c']; blanks dropped."""
+    return [k.strip() for v in values for k in str(v).split(",") if k.strip()]
+
+
+class _KeyList(argparse.Action):
+    """A repeatable, comma-separated list: `--api-key a,b --api-key c` -> [a, b, c].
+    Given flags replace the default taken from the environment, as other flags do."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        current = getattr(namespace, self.dest)
+        keys = [] if current is self.default else list(current)
+        setattr(namespace, self.dest, keys + split_keys([values]))
+
+
+def _env_name(flag: str) -> str:
+    return "KVSERVE_" + flag.lstrip("-").upper().replace("-", "_")
+
+
 class _EnvDefaults:
     """Adds flags whose default comes from KVSERVE_* when set."""
 
     def __init__(self, parser: argparse.ArgumentParser):
         self.parser = parser
 
+    def add_secret_list(self, flag: str, help: str = ""):
+        """A _KeyList flag whose values --help never shows."""
+        env = _env_name(flag)
+        default = split_keys([os.environ[env]]) if env in os.environ else []
+        shown = "set" if default else "none"
+        self.parser.add_argument(flag, default=default, action=_KeyList,
+                                 help=f"{help} [env {env}; default: {shown}]")
+
     def add(self, flag: str, default=None, type=str, help: str = "", **kw):
-        env = "KVSERVE_" + flag.lstrip("-").upper().replace("-", "_")
+        env = _env_name(flag)
         if env in os.environ:
             # argparse converts a string default with `type` itself, so a bad value is a
             # usage error naming the flag rather than a traceback.
@@ -73,6 +110,14 @@ def add_serve_args(p: _EnvDefaults) -> None:
           help="read the checkpoint, or random weights of its shape")
     p.add("--seed", 0, type=int, help="global random seed")
     p.add("--log-level", "info", help="debug|info|warning|error")
+    p.add_secret_list("--api-key", help="require `Authorization: Bearer <key>` on /v1 "
+                      "routes; comma-separated and/or repeated for several keys")
+    p.add("--max-waiting-requests", 0, type=_non_negative(int),
+          help="answer 429 to new generation requests while this many wait to be "
+          "scheduled (0: no limit)")
+    p.add("--shutdown-timeout", 30.0, type=_non_negative(float),
+          help="seconds in-flight requests may run after SIGTERM/SIGINT before they "
+          "are aborted")
 
 
 def engine_config_from_args(args, model_path: str):
@@ -113,15 +158,22 @@ def serve(args) -> None:
     from engine.engine import Engine
     from engine.loader import ModelLoadError
     from server.app import build_app
+    from server.shutdown import GracefulServer
 
     path, names = resolve_model(args)
     try:
         engine = Engine(engine_config_from_args(args, path))
     except (ModelLoadError, ModelConfigError) as exc:
         raise SystemExit(f"kvserve: {exc}") from None
-    app = build_app(AsyncEngine(engine), names, model_root=path)
-    log.info("serving %s on http://%s:%d", ", ".join(names), args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    app = build_app(AsyncEngine(engine), names, model_root=path, api_keys=args.api_key,
+                    max_waiting_requests=args.max_waiting_requests)
+    log.info("serving %s on http://%s:%d%s", ", ".join(names), args.host, args.port,
+             f" ({len(args.api_key)} API key(s) required on /v1)" if args.api_key else "")
+    # The drain has already waited for responses in flight; uvicorn's own wait after
+    # it only has to outlast stragglers, so it is short.
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=5)
+    GracefulServer(config, app.state.admission, args.shutdown_timeout).run()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,45 @@
+"""The operational side of the app: API keys (/v1 needs `Authorization: Bearer
+<key>` when any are given), admission (at most `max_waiting_requests` waiting to be
+scheduled, 0: no limit; nothing while draining), /health, /version, /metrics,
+/tokenize and /detokenize."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+
+from engine.async_engine import AsyncEngine
+from server.admission import Admission, AdmissionMiddleware
+from server.auth import ApiKeyMiddleware
+from server.metrics import metrics_registry, metrics_response
+from server.tokenize_api import tokenize_router
+
+
+def install_ops(app: FastAPI, engine: AsyncEngine, model_names: list[str], version: str, *,
+                api_keys: Sequence[str] = (), max_waiting_requests: int = 0) -> Admission:
+    admission = Admission(engine, max_waiting_requests)
+    app.state.admission = admission  # the shutdown drain finds it here
+    app.add_middleware(AdmissionMiddleware, admission=admission)
+    if api_keys:  # added last, so outermost: a request without a key is never admitted
+        app.add_middleware(ApiKeyMiddleware, keys=list(api_keys))
+    app.include_router(tokenize_router(engine, model_names))
+    registry = metrics_registry(engine)
+
+    @app.get("/health")
+    async def health():
+        if admission.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if engine.is_alive:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "engine is not running"}, status_code=503)
+
+    @app.get("/version")
+    async def version_info():
+        return {"version": version}
+
+    @app.get("/metrics")
+    async def metrics():
+        return metrics_response(registry)
+
+    return admission

@@ -1,0 +1,93 @@
+"""POST /tokenize and POST /detokenize, as vLLM serves them (outside /v1, so no API
+key is needed). /tokenize takes either a prompt or chat messages."""
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import Field, ValidationError
+
+from engine.async_engine import AsyncEngine
+from server.chat_template import render_chat, render_chat_text
+from server.errors import APIError
+from server.protocol import ChatMessage, OpenAIRequest
+from server.validation import check_model
+
+
+class TokenizeCompletionRequest(OpenAIRequest):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(OpenAIRequest):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    # The chat template already writes BOS and turn markers: do not add them twice.
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(OpenAIRequest):
+    model: str | None = None
+    tokens: list[int]
+
+
+def tokenize_router(engine: AsyncEngine, model_names: list[str]) -> APIRouter:
+    router = APIRouter()
+    tok = engine.tokenizer
+
+    @router.post("/tokenize")
+    async def tokenize(request: Request):
+        req = await _parse_tokenize(request)
+        check_model(req.model, model_names)
+        ids = (_chat_ids(tok, req) if isinstance(req, TokenizeChatRequest)
+               else tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+        body: dict[str, Any] = {"count": len(ids), "max_model_len": engine.max_model_len,
+                                "tokens": ids}
+        if req.return_token_strs:
+            body["token_strs"] = tok.convert_ids_to_tokens(ids)
+        return body
+
+    @router.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        check_model(req.model, model_names)
+        bad = next((t for t in req.tokens if not 0 <= t < engine.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is out of the vocabulary "
+                           f"(0..{engine.vocab_size - 1})", "tokens")
+        return {"prompt": tok.decode(req.tokens)}
+
+    return router
+
+
+async def _parse_tokenize(request: Request) -> TokenizeCompletionRequest | TokenizeChatRequest:
+    """The body's form is chosen by its keys (`messages` or not), not by trying both
+    models, so an error names the field of the form the client meant."""
+    try:
+        data = await request.json()
+    except ValueError:
+        raise APIError(400, "the request body is not valid JSON") from None
+    is_chat = isinstance(data, dict) and "messages" in data
+    model = TokenizeChatRequest if is_chat else TokenizeCompletionRequest
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:  # the app's handler turns this into OpenAI's 400
+        raise RequestValidationError(exc.errors()) from None
+
+
+def _chat_ids(tokenizer, req: TokenizeChatRequest) -> list[int]:
+    messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    args = dict(chat_template=req.chat_template, chat_template_kwargs=req.chat_template_kwargs)
+    if not req.add_special_tokens:
+        return render_chat(tokenizer, messages, req.add_generation_prompt,
+                           req.continue_final_message, **args)
+    text = render_chat_text(tokenizer, messages, req.add_generation_prompt,
+                            req.continue_final_message, **args)
+    return tokenizer.encode(text, add_special_tokens=True)

@@ -1,0 +1,70 @@
+"""GET /metrics: Prometheus text with the engine's load gauges and serving counters."""
+from __future__ import annotations
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine.async_engine import AsyncEngine
+from server.app import build_app
+from tests.support.server import running_server
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def http(tiny_engine_factory):
+    app = build_app(AsyncEngine(tiny_engine_factory("llama")), [MODEL])
+    with running_server(app) as url, httpx.Client(base_url=url, timeout=60) as c:
+        yield c
+
+
+def _samples(http: httpx.Client) -> dict[tuple, float]:
+    r = http.get("/metrics")
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+
+
+def _success(samples: dict, reason: str) -> float:
+    return samples.get(("kvserve:request_success_total", (("finished_reason", reason),)), 0)
+
+
+def test_exposes_the_required_series(http):
+    samples = _samples(http)
+    for name in ("kvserve:num_requests_running", "kvserve:num_requests_waiting",
+                 "kvserve:prompt_tokens_total", "kvserve:generation_tokens_total"):
+        assert (name, ()) in samples, sorted(samples)
+    for reason in ("stop", "length", "abort"):
+        assert ("kvserve:request_success_total", (("finished_reason", reason),)) in samples
+    text = http.get("/metrics").text
+    assert "# TYPE kvserve:num_requests_running gauge" in text
+    assert "# TYPE kvserve:request_success_total counter" in text
+
+
+def test_counters_follow_the_requests(http):
+    before = _samples(http)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    for i, ids in enumerate(prompts):
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": ids,
+                                               "max_tokens": 3 + i, "ignore_eos": True,
+                                               "temperature": 0})
+        assert r.status_code == 200, r.text
+    after = _samples(http)
+
+    def grew(name):
+        return after[(name, ())] - before[(name, ())]
+
+    assert grew("kvserve:prompt_tokens_total") == sum(map(len, prompts))
+    assert grew("kvserve:generation_tokens_total") == 3 + 4 + 5
+    assert _success(after, "length") - _success(before, "length") == len(prompts)
+    assert after[("kvserve:num_requests_running", ())] == 0
+    assert after[("kvserve:num_requests_waiting", ())] == 0
+
+
+def test_two_apps_in_one_process_have_their_own_registries(tiny_engine_factory):
+    """Building apps never touches prometheus-client's global registry (a second app
+    would raise 'Duplicated timeseries' if it did)."""
+    apps = [build_app(AsyncEngine(tiny_engine_factory("llama")), [MODEL]) for _ in range(2)]
+    assert apps[0] is not apps[1]
