@@ -9,6 +9,12 @@ N streaming clients in a separate process. Over the steps where all N requests d
 split into the step itself running slower (GIL contention inside the step) and the
 gap between steps (publishing outputs, draining commands, waiting for the GIL).
 
+This machine has 2 cores shared by the engine, the event loop and the client process,
+so the share above mixes GIL waits with plain CPU contention. The figure that carries
+over to a GPU host is the front end's own CPU time per step: torch runs on one thread
+(the engine thread), so process CPU time minus the engine thread's CPU time is what the
+event loop spent, and under the GIL that time is taken from the engine's Python work.
+
 Usage: python bench/frontend_wait.py [--model tiny|default|DIR] [--clients 256]
        [--max-tokens 64] [--json PATH]
 """
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -70,6 +77,13 @@ class StepLog:
         return 1e3 * statistics.median(b - a for a, b in zip(starts, starts[1:]))
 
 
+def thread_cpu_seconds(native_id: int) -> float:
+    """User + system CPU time of one thread of this process (Linux)."""
+    with open(f"/proc/self/task/{native_id}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _model_dir(name: str) -> str:
     if name == "default":
         from engine.default_model import ensure_default_model
@@ -81,13 +95,21 @@ def _model_dir(name: str) -> str:
 
 
 def _serve_and_load(engine: Engine, clients: int, max_tokens: int) -> dict:
-    app = build_app(AsyncEngine(engine), ["bench"])
+    """Runs the clients against a server on this engine; the load they report plus
+    the CPU seconds of the engine thread and of the rest of this process."""
+    async_engine = AsyncEngine(engine)
+    app = build_app(async_engine, ["bench"])
     with running_server(app) as url:
+        tid = async_engine._thread.native_id
+        cpu0, engine0 = time.process_time(), thread_cpu_seconds(tid)
         proc = subprocess.run(
             [sys.executable, str(ROOT / "bench" / "stream_clients.py"), url,
              "--clients", str(clients), "--max-tokens", str(max_tokens),
              "--prompt", PROMPT], capture_output=True, text=True, check=True)
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        engine_cpu = thread_cpu_seconds(tid) - engine0
+        frontend_cpu = time.process_time() - cpu0 - engine_cpu
+    load = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {**load, "engine_cpu_s": engine_cpu, "frontend_cpu_s": frontend_cpu}
 
 
 def main() -> None:
@@ -98,6 +120,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    import torch
+    torch.set_num_threads(1)  # all engine compute on the engine thread (see above)
     model = _model_dir(args.model)
     engine = Engine(EngineConfig(model=model, dtype=args.dtype, max_num_seqs=args.clients,
                                  max_num_batched_tokens=4096, kv_cache_memory=2 << 30))
@@ -109,6 +133,7 @@ def main() -> None:
     log.reset()
     load = _serve_and_load(engine, args.clients, args.max_tokens)
     server_step, interval = log.step_ms(), log.interval_ms()
+    per_token_us = 1e6 * load["frontend_cpu_s"] / load["chunks"]
     result = {
         **provenance(), "model": args.model, "dtype": args.dtype, "clients": args.clients,
         "max_tokens": args.max_tokens, "client_load": load,
@@ -117,7 +142,9 @@ def main() -> None:
         "server_step_interval_ms": interval,
         "frontend_share_of_step": 1 - offline_step / interval,
         "of_which_step_slowdown_ms": server_step - offline_step,
-        "of_which_gap_between_steps_ms": interval - server_step}
+        "of_which_gap_between_steps_ms": interval - server_step,
+        "frontend_cpu_us_per_streamed_token": per_token_us,
+        "frontend_cpu_ms_per_step_at_full_width": per_token_us * args.clients / 1e3}
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:

@@ -35,8 +35,8 @@ class ServingStats:
     them one step stale, which is fine for counters."""
     prompt_tokens: int = 0  # prompt tokens of requests the engine accepted
     generation_tokens: int = 0
-    # Sequences that ended, by the engine's finish reason. (A stop string is an abort
-    # to the engine, so it counts as "abort" here.)
+    # Sequences that ended, by finish reason (a stop string found by the front end
+    # counts as "stop").
     finished: dict[str, int] = field(default_factory=dict)
 
 
@@ -182,8 +182,9 @@ class AsyncEngine:
         """Raises ValueError for a prompt the engine can never run."""
         self.engine.validate(prompt_token_ids)
 
-    def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """reason "stop": the front end found a stop string (counted as a stop)."""
+        self._commands.put(("abort", (request_id, reason)))
 
     def abort_all(self) -> int:
         """Aborts every request a generate() is waiting on (they end with finish
@@ -228,7 +229,7 @@ class AsyncEngine:
             if kind == "add":
                 self._add(*arg)
             elif kind == "abort":
-                self._publish(self.engine.abort_request(arg))
+                self._publish(self.engine.abort_request(*arg))
                 self._snapshot()
 
     def _add(self, request_id, prompt, params, cache_salt, priority) -> None:
@@ -243,12 +244,20 @@ class AsyncEngine:
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         stats = self.stats
-        for out in outputs:
-            stats.generation_tokens += len(out.new_token_ids)
-            if out.finished:
-                reason = out.finish_reason or "unknown"
-                stats.finished[reason] = stats.finished.get(reason, 0) + 1
-            self._deliver(out.request_id, out)
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        with self._lock:
+            for out in outputs:
+                stats.generation_tokens += len(out.new_token_ids)
+                if out.finished:
+                    reason = out.finish_reason or "unknown"
+                    stats.finished[reason] = stats.finished.get(reason, 0) + 1
+                target = self._streams.get(out.request_id)
+                if target is not None:
+                    batches.setdefault(target[0], []).append((target[1], out))
+        # One wake-up of each event loop per step, not one per output: at hundreds
+        # of streams, per-output wake-ups cost the loop (and the GIL) a lot.
+        for loop, items in batches.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _deliver(self, request_id: str, item) -> None:
         with self._lock:
@@ -262,3 +271,8 @@ class AsyncEngine:
             targets = list(self._streams.values())
         for loop, stream in targets:
             loop.call_soon_threadsafe(stream.put_nowait, exc)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for stream, item in items:
+        stream.put_nowait(item)

@@ -100,9 +100,9 @@ class Engine:
             raise ValueError(f"logit_bias: token id {bad} is out of the vocabulary "
                              f"(0..{vocab - 1})")
 
-    def abort_request(self, request_id: str) -> list[RequestOutput]:
+    def abort_request(self, request_id: str, reason: str = "abort") -> list[RequestOutput]:
         """Ends the request and any siblings not yet forked from it; [] if unknown."""
-        return [self._output(req, []) for req in self.scheduler.abort(request_id)]
+        return [self._output(req, []) for req in self.scheduler.abort(request_id, reason)]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

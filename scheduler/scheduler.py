@@ -48,8 +48,10 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.push(request)
 
-    def abort(self, request_id: str) -> list[Request]:
-        """Ends the request (and any siblings still waiting to fork from it)."""
+    def abort(self, request_id: str, reason: str = "abort") -> list[Request]:
+        """Ends the request (and any siblings still waiting to fork from it).
+        reason: the finish reason to record; "stop" when the front end ended it at a
+        stop string, so metrics count it as the stop it is."""
         req = self.requests.get(request_id)
         if req is None:
             return []
@@ -57,7 +59,7 @@ class Scheduler:
             self.waiting.remove(req)
         else:
             self.running.remove(req)
-        req.finish("abort")
+        req.finish(reason)
         self._release(req)
         siblings, req.pending_forks = req.pending_forks, []
         for child in siblings:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Sequence
 
@@ -12,9 +13,11 @@ from fastapi.responses import Response
 from engine.async_engine import AsyncEngine
 from server.chat import ChatService
 from server.completions import CompletionService
-from server.errors import install_error_handlers
+from server.errors import APIError, error_response, install_error_handlers
 from server.ops import install_ops
 from server.protocol import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger("kvserve.server")
 
 VERSION = "0.1.0"
 
@@ -78,8 +81,21 @@ async def _cancel_on_disconnect(request: Request, coro):
         if not work.done():
             work.cancel()
     if work in done:
-        return work.result()
+        return _result_or_500(work)
     await asyncio.wait({work})  # let it finish aborting its engine requests
     if not work.cancelled():
         work.exception()  # mark it retrieved: there is nobody left to tell
     return Response(status_code=499)  # the client is gone; nobody reads this
+
+
+def _result_or_500(work: asyncio.Future):
+    """A bug while serving one request answers it with a 500 here rather than in
+    Starlette's last-resort handler, which re-raises and makes uvicorn drop the
+    keep-alive connection the client would reuse."""
+    try:
+        return work.result()
+    except APIError:
+        raise
+    except Exception as exc:
+        log.exception("internal error while serving a request")
+        return error_response(500, f"internal error: {type(exc).__name__}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -15,6 +16,8 @@ from engine.async_engine import AsyncEngine, EngineDeadError
 from scheduler.sampling_params import SamplingParams
 from server.detokenizer import IncrementalDetokenizer
 from server.errors import APIError
+
+log = logging.getLogger("kvserve.server")
 
 
 @dataclass
@@ -119,7 +122,7 @@ async def run_group(engine: AsyncEngine, rid: str, group: PromptGroup, opts: Tex
                 continue
             delta.index = group.choice_index(out.index)
             if seq.done and not out.finished:
-                engine.abort(out.request_id)
+                engine.abort(out.request_id, reason="stop")
             await emit(delta)
 
 
@@ -143,9 +146,11 @@ async def collect(engine: AsyncEngine, rid: str, groups: list[PromptGroup],
 
 
 async def stream(engine: AsyncEngine, rid: str, groups: list[PromptGroup],
-                 opts: TextOptions) -> AsyncIterator[ChoiceDelta | APIError]:
-    """Deltas of all choices as they come; an error ends the stream as an APIError
-    item (the HTTP status is already sent). Closing it aborts what still runs."""
+                 opts: TextOptions) -> AsyncIterator[list[ChoiceDelta | APIError]]:
+    """Deltas of all choices as they come, in batches of whatever is ready, so a
+    front end that fell behind the engine catches up with one write per batch. An
+    error ends the stream as an APIError item (the HTTP status is already sent).
+    Closing it aborts what still runs."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(group: PromptGroup):
@@ -155,19 +160,34 @@ async def stream(engine: AsyncEngine, rid: str, groups: list[PromptGroup],
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
+            if not isinstance(exc, (ValueError, EngineDeadError)):
+                log.error("internal error in a streaming request", exc_info=exc)
             await queue.put(exc)
 
     tasks = [asyncio.create_task(pump(g)) for g in groups]
+    running = len(groups)
     try:
-        for _ in range(len(groups)):
-            while (item := await queue.get()) is not None:
-                if isinstance(item, BaseException):
-                    yield APIError(*status_of(item))
+        while running:
+            batch = []
+            for item in _ready(await queue.get(), queue):
+                if item is None:
+                    running -= 1
+                elif isinstance(item, BaseException):
+                    yield batch + [APIError(*status_of(item))]
                     return
-                yield item
+                else:
+                    batch.append(item)
+            if batch:
+                yield batch
     finally:
         for t in tasks:  # a client that went away: abort whatever still runs
             t.cancel()
+
+
+def _ready(first, queue: asyncio.Queue):
+    yield first
+    while not queue.empty():
+        yield queue.get_nowait()
 
 
 def status_of(exc: BaseException) -> tuple[int, str]:

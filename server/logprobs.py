@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 
+from server.detokenizer import fast_decoder
+
 _FLOOR = -9999.0
 
 
@@ -18,13 +20,13 @@ class TokenText:
     """Caches id -> text, since the same ids recur in top-k lists."""
 
     def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
+        self._decode = fast_decoder(tokenizer)
         self._cache: dict[int, str] = {}
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
         if text is None:
-            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            text = self._decode([token_id], False)
             self._cache[token_id] = text
         return text
 

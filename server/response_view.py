@@ -45,15 +45,21 @@ class ResponseView:
         return self.envelope(self.body_object, choices, generation.usage(self.groups, last))
 
     async def sse(self, events):
+        """events: batches of deltas; each batch goes out as one write."""
         last: dict[int, ChoiceDelta] = {}
         async with contextlib.aclosing(events):  # closing it aborts what still runs
-            async for item in events:
-                if isinstance(item, APIError):
-                    yield sse_error(item.status, item.message)
+            async for batch in events:
+                error = batch.pop() if isinstance(batch[-1], APIError) else None
+                parts = []
+                for item in batch:
+                    last[item.index] = item
+                    parts.extend(sse_data(self.envelope(self.chunk_object, [choice]))
+                                 for choice in self.chunk_choices(item))
+                if error is not None:  # only ever the last item: the stream ends here
+                    parts.append(sse_error(error.status, error.message))
+                yield "".join(parts)
+                if error is not None:
                     break
-                last[item.index] = item
-                for choice in self.chunk_choices(item):
-                    yield sse_data(self.envelope(self.chunk_object, [choice]))
             else:
                 if self.req.include_usage:
                     usage = generation.usage(self.groups, last)

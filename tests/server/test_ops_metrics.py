@@ -1,6 +1,8 @@
 """GET /metrics: Prometheus text with the engine's load gauges and serving counters."""
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -68,3 +70,20 @@ def test_two_apps_in_one_process_have_their_own_registries(tiny_engine_factory):
     would raise 'Duplicated timeseries' if it did)."""
     apps = [build_app(AsyncEngine(tiny_engine_factory("llama")), [MODEL]) for _ in range(2)]
     assert apps[0] is not apps[1]
+
+
+def test_a_stop_string_counts_as_stop_not_abort(http):
+    common = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 12, "ignore_eos": True,
+              "temperature": 0}
+    text = http.post("/v1/completions", json=common).json()["choices"][0]["text"]
+    stop = text[2:4]
+    before = _samples(http)
+    r = http.post("/v1/completions", json={**common, "stop": [stop]})
+    assert r.json()["choices"][0]["finish_reason"] == "stop"
+    for _ in range(50):  # the engine records the finish when it handles the abort
+        after = _samples(http)
+        if _success(after, "stop") > _success(before, "stop"):
+            break
+        time.sleep(0.02)
+    assert _success(after, "stop") - _success(before, "stop") == 1
+    assert _success(after, "abort") == _success(before, "abort")
