@@ -133,7 +133,7 @@ def main() -> None:
     log.reset()
     load = _serve_and_load(engine, args.clients, args.max_tokens)
     server_step, interval = log.step_ms(), log.interval_ms()
-    per_token_us = 1e6 * load["frontend_cpu_s"] / load["chunks"]
+    per_token_us = 1e6 * load["frontend_cpu_s"] / (args.clients * args.max_tokens)
     result = {
         **provenance(), "model": args.model, "dtype": args.dtype, "clients": args.clients,
         "max_tokens": args.max_tokens, "client_load": load,
