@@ -242,6 +242,20 @@ def test_stream_text_equals_non_streaming_text(srv, prompt):
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
 
 
+def test_multibyte_output_streams_whole_characters(srv, offline):
+    """The tiny model's byte-level output splits characters like é across tokens; the
+    stream must carry exactly the text a whole decode gives, character for character."""
+    seen_multibyte = False
+    for prompt in (PROMPTS[3], PROMPTS[7]):
+        expected, ids = offline(prompt, 40)
+        seen_multibyte |= any(ord(c) > 127 and c != "\ufffd" for c in expected)
+        _, raw = srv.stream_raw(prompt=prompt, max_tokens=40, temperature=0, ignore_eos=True)
+        texts = [c["choices"][0]["text"] for c in content_chunks(parse_sse(raw))]
+        assert "".join(texts) == expected
+        assert len(texts) < len(ids)  # some tokens waited for the rest of a character
+    assert seen_multibyte
+
+
 def test_stream_include_usage(srv):
     prompt = PROMPTS[2]
     n_prompt = len(srv.engine.tokenizer.encode(prompt))
