@@ -39,11 +39,14 @@ class CompletionService:
 
     def _group(self, index: int, prompt: str | list[int], req: CompletionRequest):
         ids = prompt_token_ids(self.engine, prompt)
-        max_tokens = output_budget(req.max_tokens, len(ids), self.engine.max_model_len)
+        # The engine always generates; for echo_only its one token is left out.
+        max_tokens = 1 if req.echo_only else output_budget(req.max_tokens, len(ids),
+                                                             self.engine.max_model_len)
         prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
         params = sampling_params(req, max_tokens, self.vocab_size, req.logprobs,
                                  prompt_logprobs)
-        return PromptGroup(index, ids, params, prompt if isinstance(prompt, str) else None)
+        return PromptGroup(index, ids, params, prompt if isinstance(prompt, str) else None,
+                           count_output=not req.echo_only)
 
 
 class _CompletionView(ResponseView):
@@ -64,21 +67,23 @@ class _CompletionView(ResponseView):
 
     def _render(self, d: ChoiceDelta) -> dict:
         """A delta as a choice; on the first delta, the echoed prompt goes first."""
-        text, logprobs = d.text, None
+        # echo_only: the engine's one token is not part of the answer
+        generated, entries = ("", []) if self.req.echo_only else (d.text, d.logprobs)
+        text, logprobs = generated, None
         offset = self.offsets.get(d.index, 0)
         echo = d.first and self.req.echo
         if echo:
             prefix = self._echo_text(self._group_of(d.index))
             text, offset = prefix + text, len(prefix)
         if self.req.logprobs is not None:
-            logprobs = completion_logprobs(d.logprobs, self.token_text, offset)
+            logprobs = completion_logprobs(entries, self.token_text, offset)
             if echo:
                 g = self._group_of(d.index)
                 prompt = prompt_completion_logprobs(
                     g.prompt_ids, d.prompt_logprobs or [None] * len(g.prompt_ids),
                     self.token_text)
                 logprobs = merge_completion_logprobs(prompt, logprobs)
-        self.offsets[d.index] = offset + len(d.text)
+        self.offsets[d.index] = offset + len(generated)
         return {"index": d.index, "text": text, "logprobs": logprobs,
                 "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
 

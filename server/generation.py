@@ -27,6 +27,7 @@ class PromptGroup:
     prompt_ids: list[int]
     params: SamplingParams
     prompt_text: str | None = None  # the prompt as the client sent it, when text
+    count_output: bool = True  # False: echo of the prompt only, its token not counted
 
     def choice_index(self, seq_index: int) -> int:
         return self.index * self.params.n + seq_index
@@ -201,7 +202,9 @@ def status_of(exc: BaseException) -> tuple[int, str]:
 def usage(groups: list[PromptGroup], deltas: dict[int, ChoiceDelta]) -> dict:
     """deltas: the last delta of every choice."""
     prompt_tokens = sum(len(g.prompt_ids) for g in groups)
-    completion_tokens = sum(d.num_tokens for d in deltas.values())
+    counted = {i for g in groups if g.count_output
+               for i in range(g.choice_index(0), g.choice_index(g.params.n))}
+    completion_tokens = sum(d.num_tokens for i, d in deltas.items() if i in counted)
     cached = {}
     for g in groups:  # one figure per prompt, from any of its choices
         d = next((deltas[i] for i in range(g.choice_index(0), g.choice_index(g.params.n))

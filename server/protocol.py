@@ -75,9 +75,21 @@ class SamplingFields(OpenAIRequest):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | TokenIds | list[TokenIds]
-    max_tokens: int | None = Field(default=16, ge=1)
+    # 0 only with echo: score the prompt without generating (lm-eval-harness does it)
+    max_tokens: int | None = Field(default=16, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+
+    @model_validator(mode="after")
+    def _zero_max_tokens_needs_echo(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be at least 1 (0 only with echo)")
+        return self
+
+    @property
+    def echo_only(self) -> bool:
+        """The prompt back, with its logprobs, and nothing generated."""
+        return self.echo and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field in its four OpenAI forms, as a list of single prompts."""

@@ -261,3 +261,27 @@ def test_vllm_bench_serve_request_shape(srv):
 
 def test_nothing_leaks(srv):
     assert wait_idle(srv.engine)
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_only(srv, ref_logprobs):
+    """lm-eval-harness's loglikelihood request: the prompt's logprobs, nothing more."""
+    prompt = ids_of(srv, PROMPT)
+    body = post(srv, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    choice = body["choices"][0]
+    assert choice["text"] == PROMPT
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(prompt)
+    ref = ref_logprobs(prompt)
+    assert all(math.isclose(lp["token_logprobs"][i], float(ref[i - 1, prompt[i]]),
+                            abs_tol=1e-4) for i in range(1, len(prompt)))
+    assert body["usage"]["completion_tokens"] == 0
+    assert body["usage"]["prompt_tokens"] == len(prompt)
+    with srv.stream("POST", "/v1/completions", json=dict(
+            model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, stream=True)) as r:
+        chunks = parse_sse(r.read())
+    assert "".join(c["choices"][0]["text"] for c in chunks) == PROMPT
+
+
+def test_max_tokens_0_without_echo_is_400(srv):
+    r = srv.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 0})
+    assert_error(r, 400)
