@@ -6,7 +6,8 @@ import logging
 import uuid
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, field_validator,
+                      model_validator)
 
 log = logging.getLogger("kvserve.server")
 
@@ -75,16 +76,17 @@ class SamplingFields(OpenAIRequest):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | TokenIds | list[TokenIds]
+    echo: bool = False  # before max_tokens: its validator reads it
     # 0 only with echo: score the prompt without generating (lm-eval-harness does it)
     max_tokens: int | None = Field(default=16, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
 
-    @model_validator(mode="after")
-    def _zero_max_tokens_needs_echo(self):
-        if self.max_tokens == 0 and not self.echo:
+    @field_validator("max_tokens")
+    @classmethod
+    def _zero_max_tokens_needs_echo(cls, value, info: ValidationInfo):
+        if value == 0 and not info.data.get("echo"):
             raise ValueError("max_tokens must be at least 1 (0 only with echo)")
-        return self
+        return value
 
     @property
     def echo_only(self) -> bool:

@@ -133,7 +133,8 @@ def test_concurrent_requests_match_sequential(server):
     for b, a, t in zip(bodies, alone, together):
         assert t["usage"]["completion_tokens"] == b["max_tokens"]
         assert t["choices"][0]["finish_reason"] == "length"
-        assert t["usage"] == a["usage"]
+        for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            assert t["usage"][key] == a["usage"][key]  # cached_tokens may differ
         assert t["choices"][0]["text"] == a["choices"][0]["text"], b
 
 
