@@ -78,11 +78,20 @@ class _EnvDefaults:
                                  help=f"{help} [env {env}; default: {default}]", **kw)
 
 
+CLIENT_TOOLS = {"bench": "load-test an OpenAI-compatible server (bench serve|plot)",
+                "estimate": "roofline: memory, KV capacity, speed and cost on a GPU"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the OpenAI-compatible server")
     add_serve_args(_EnvDefaults(serve))
+    # Client tools that kvbench parses: with "\0" as the only prefix character every
+    # flag passes through unparsed, and kvbench is imported only when one runs.
+    for name, what in CLIENT_TOOLS.items():
+        tool = sub.add_parser(name, help=what, add_help=False, prefix_chars="\0")
+        tool.add_argument("argv", nargs="*")
     return parser
 
 
@@ -176,8 +185,12 @@ def serve(args) -> None:
     GracefulServer(config, app.state.admission, args.shutdown_timeout).run()
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int | None:
     args = build_parser().parse_args(argv)
+    if args.command in CLIENT_TOOLS:
+        from kvbench.cli import main as kvbench_main
+
+        return kvbench_main([args.command, *args.argv])
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":

@@ -32,3 +32,28 @@ def test_no_upward_imports(package):
 def test_pure_python_packages_do_not_import_torch(package):
     for path in (ROOT / package).rglob("*.py"):
         assert "torch" not in imported_top_levels(path), path
+
+
+def test_kvbench_is_a_client_of_the_http_api_only():
+    """kvbench runs on machines without torch: it talks to servers over HTTP."""
+    forbidden = set(LAYERS) | {"torch", "transformers"}
+    for path in (ROOT / "kvbench").rglob("*.py"):
+        assert not imported_top_levels(path) & forbidden, path
+
+
+def module_level_imports(path: Path) -> set[str]:
+    names = set()
+    for stmt in ast.parse(path.read_text()).body:
+        if isinstance(stmt, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in stmt.names)
+        elif isinstance(stmt, ast.ImportFrom) and stmt.level == 0 and stmt.module:
+            names.add(stmt.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("package", LAYERS)
+def test_layers_import_kvbench_only_lazily(package):
+    """server/cli.py hands `bench`/`estimate` to kvbench from inside a function, so
+    `kvserve serve` never loads it."""
+    for path in (ROOT / package).rglob("*.py"):
+        assert "kvbench" not in module_level_imports(path), path
