@@ -12,7 +12,7 @@ from collections.abc import Callable
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from engine.async_engine import AsyncEngine
+from engine.engine_client import EngineClient
 from server.errors import error_response
 
 # Routes that put work on the engine. Everything else (models, tokenize, health,
@@ -22,7 +22,7 @@ RETRY_AFTER_S = 1
 
 
 class Admission:
-    def __init__(self, engine: AsyncEngine, max_waiting_requests: int = 0):
+    def __init__(self, engine: EngineClient, max_waiting_requests: int = 0):
         if max_waiting_requests < 0:
             raise ValueError("max_waiting_requests must be >= 0 (0: no limit)")
         self.engine = engine

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from engine.async_engine import AsyncEngine
+from engine.engine_client import EngineClient
 from server.chat import ChatService
 from server.completions import CompletionService
 from server.errors import APIError, error_response, install_error_handlers
@@ -22,7 +22,7 @@ log = logging.getLogger("kvserve.server")
 VERSION = "0.1.0"
 
 
-def build_app(engine: AsyncEngine, model_names: list[str], model_root: str = "", *,
+def build_app(engine: EngineClient, model_names: list[str], model_root: str = "", *,
               api_keys: Sequence[str] = (), max_waiting_requests: int = 0) -> FastAPI:
     """`engine` must not be started yet: the app starts it at startup and stops it at
     shutdown, so a test server and a real one live the same way. For `api_keys` and

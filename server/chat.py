@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from engine.async_engine import AsyncEngine
+from engine.engine_client import EngineClient
 from server import generation
 from server.chat_template import render_chat
 from server.errors import APIError
@@ -16,10 +16,10 @@ from server.validation import check_model, check_prompt, output_budget, sampling
 
 
 class ChatService:
-    def __init__(self, engine: AsyncEngine, model_names: list[str]):
+    def __init__(self, engine: EngineClient, model_names: list[str]):
         self.engine = engine
         self.model_names = model_names
-        self.vocab_size = engine.engine.model_config.vocab_size
+        self.vocab_size = engine.vocab_size
 
     async def create(self, req: ChatCompletionRequest):
         model = check_model(req.model, self.model_names)

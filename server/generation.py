@@ -12,7 +12,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
-from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.engine_client import EngineClient, EngineDeadError
 from scheduler.sampling_params import SamplingParams
 from server.detokenizer import IncrementalDetokenizer
 from server.errors import APIError
@@ -105,7 +105,7 @@ class _Sequence:
 Emit = Callable[[ChoiceDelta], Awaitable[None]]
 
 
-async def run_group(engine: AsyncEngine, rid: str, group: PromptGroup, opts: TextOptions,
+async def run_group(engine: EngineClient, rid: str, group: PromptGroup, opts: TextOptions,
                     emit: Emit) -> None:
     """Drive one prompt's n sequences to the end, calling emit(delta) as text becomes
     final. A stop string ends its sequence early (aborted in the engine); leaving
@@ -127,7 +127,7 @@ async def run_group(engine: AsyncEngine, rid: str, group: PromptGroup, opts: Tex
             await emit(delta)
 
 
-async def collect(engine: AsyncEngine, rid: str, groups: list[PromptGroup],
+async def collect(engine: EngineClient, rid: str, groups: list[PromptGroup],
                   opts: TextOptions) -> dict[int, list[ChoiceDelta]]:
     """Every choice's deltas, in order, once all are finished."""
     results: dict[int, list[ChoiceDelta]] = {}
@@ -146,7 +146,7 @@ async def collect(engine: AsyncEngine, rid: str, groups: list[PromptGroup],
     return results
 
 
-async def stream(engine: AsyncEngine, rid: str, groups: list[PromptGroup],
+async def stream(engine: EngineClient, rid: str, groups: list[PromptGroup],
                  opts: TextOptions) -> AsyncIterator[list[ChoiceDelta | APIError]]:
     """Deltas of all choices as they come, in batches of whatever is ready, so a
     front end that fell behind the engine catches up with one write per batch. An

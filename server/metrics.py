@@ -2,20 +2,20 @@
 
 Each app gets its own CollectorRegistry, so several apps in one process (tests) never
 collide in prometheus-client's global registry. Values are read at scrape time from
-numbers the engine thread publishes (see AsyncEngine), so nothing here runs per token."""
+numbers the engine reports (see EngineClient), so nothing here runs per token."""
 from __future__ import annotations
 
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from engine.async_engine import AsyncEngine
+from engine.engine_client import EngineClient
 
 PREFIX = "kvserve:"
 
 
 class _EngineCollector:
-    def __init__(self, engine: AsyncEngine):
+    def __init__(self, engine: EngineClient):
         self.engine = engine
 
     def collect(self):
@@ -39,7 +39,7 @@ class _EngineCollector:
                                   value=stats.generation_tokens)
 
 
-def metrics_registry(engine: AsyncEngine) -> CollectorRegistry:
+def metrics_registry(engine: EngineClient) -> CollectorRegistry:
     registry = CollectorRegistry()
     registry.register(_EngineCollector(engine))
     return registry

@@ -9,14 +9,14 @@ from collections.abc import Sequence
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from engine.async_engine import AsyncEngine
+from engine.engine_client import EngineClient
 from server.admission import Admission, AdmissionMiddleware
 from server.auth import ApiKeyMiddleware
 from server.metrics import metrics_registry, metrics_response
 from server.tokenize_api import tokenize_router
 
 
-def install_ops(app: FastAPI, engine: AsyncEngine, model_names: list[str], version: str, *,
+def install_ops(app: FastAPI, engine: EngineClient, model_names: list[str], version: str, *,
                 api_keys: Sequence[str] = (), max_waiting_requests: int = 0) -> Admission:
     admission = Admission(engine, max_waiting_requests)
     app.state.admission = admission  # the shutdown drain finds it here

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import Field, ValidationError
 
-from engine.async_engine import AsyncEngine
+from engine.engine_client import EngineClient
 from server.chat_template import render_chat, render_chat_text
 from server.errors import APIError
 from server.protocol import ChatMessage, OpenAIRequest
@@ -39,7 +39,7 @@ class DetokenizeRequest(OpenAIRequest):
     tokens: list[int]
 
 
-def tokenize_router(engine: AsyncEngine, model_names: list[str]) -> APIRouter:
+def tokenize_router(engine: EngineClient, model_names: list[str]) -> APIRouter:
     router = APIRouter()
     tok = engine.tokenizer
 

@@ -2,7 +2,7 @@
 model names; each failure is an APIError with OpenAI's status and wording."""
 from __future__ import annotations
 
-from engine.async_engine import AsyncEngine
+from engine.engine_client import EngineClient
 from scheduler.sampling_params import SamplingParams
 from server.errors import APIError
 from server.protocol import SamplingFields
@@ -17,7 +17,7 @@ def check_model(requested: str | None, names: list[str]) -> str:
     return requested
 
 
-def check_prompt(engine: AsyncEngine, ids: list[int]) -> list[int]:
+def check_prompt(engine: EngineClient, ids: list[int]) -> list[int]:
     if not ids:
         raise APIError(400, "the prompt is empty", "prompt")
     try:
@@ -27,7 +27,7 @@ def check_prompt(engine: AsyncEngine, ids: list[int]) -> list[int]:
     return ids
 
 
-def prompt_token_ids(engine: AsyncEngine, prompt: str | list[int]) -> list[int]:
+def prompt_token_ids(engine: EngineClient, prompt: str | list[int]) -> list[int]:
     ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     return check_prompt(engine, ids)
 

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.support.http import assert_error, parse_sse
 from tests.support.server import free_port
@@ -117,9 +118,11 @@ def _exit_code(proc: subprocess.Popen, timeout: float, log_path: Path) -> int:
         raise AssertionError("did not exit:\n" + log_path.read_text()) from None
 
 
-def test_sigterm_lets_in_flight_requests_finish_and_exits_0(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("engine_mode", ["thread", "process"])
+def test_sigterm_lets_in_flight_requests_finish_and_exits_0(tiny_model_dir, tmp_path,
+                                                            engine_mode):
     log = tmp_path / "server.log"
-    with serving(tiny_model_dir("llama"), log) as (proc, url):
+    with serving(tiny_model_dir("llama"), log, "--engine-mode", engine_mode) as (proc, url):
         results, late, busy = asyncio.run(
             _signal_while_busy(proc, url, signal.SIGTERM, IN_FLIGHT, TOKENS))
         assert busy, "every request ended before the late one was answered"
@@ -129,6 +132,8 @@ def test_sigterm_lets_in_flight_requests_finish_and_exits_0(tiny_model_dir, tmp_
         done = time.monotonic()
         assert _exit_code(proc, 30, log) == 0, log.read_text()
         assert time.monotonic() - done < 10  # nothing left to wait for
+    if engine_mode == "process":
+        assert "[engine]" in log.read_text()  # the engine process logged its own start
 
 
 def test_past_the_shutdown_timeout_the_rest_is_aborted(tiny_model_dir, tmp_path):

@@ -1,0 +1,242 @@
+"""What the server holds: an async client of an engine that runs elsewhere (a thread,
+AsyncEngine, or a process, ProcessEngine). Each request gets an asyncio queue of
+outputs; commands (add, abort) go to the engine through the subclass's transport;
+the engine answers with one StepReport per loop iteration.
+
+Load counts (waiting, running) and serving counters come from those reports, so the
+event loop reads plain numbers and never walks the scheduler's structures."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+
+from engine.engine_loop import Command, StepReport
+from engine.outputs import RequestOutput
+from engine.request_checks import check_request
+from scheduler.sampling_params import SamplingParams
+
+log = logging.getLogger("kvserve.engine_client")
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass
+class ServingStats:
+    """Counters for /metrics, updated from the engine's reports."""
+    prompt_tokens: int = 0  # prompt tokens of requests the engine accepted
+    generation_tokens: int = 0
+    # Sequences that ended, by finish reason (a stop string found by the front end
+    # counts as "stop").
+    finished: dict[str, int] = field(default_factory=dict)
+
+
+class _Reservation:
+    """A request admitted by the server but not yet handed to the engine."""
+    __slots__ = ("held",)
+
+    def __init__(self):
+        self.held = True
+
+
+# The reservation of the HTTP request whose context this is: generate() turns it into
+# a queued add, so the request is counted once, without a gap, all the way from
+# admission to its first scheduling.
+_reservation: contextvars.ContextVar[_Reservation | None] = contextvars.ContextVar(
+    "kvserve_reservation", default=None)
+
+
+class EngineClient:
+    """Subclasses provide start(), shutdown(), is_alive and _submit(command), and
+    call _on_report / _on_dead as the engine answers."""
+
+    def __init__(self, tokenizer, max_model_len: int, vocab_size: int):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.stats = ServingStats()
+        # Guarded by _lock: reservations, adds not yet taken by the engine, and the
+        # scheduler's queue lengths as of its last report.
+        self._reserved = self._queued_adds = self._sched_waiting = self._sched_running = 0
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self.error: BaseException | None = None
+        # Called with every report, on the thread that receives it (benchmarks and
+        # step-level metrics listen here); they must be quick.
+        self.report_listeners: list[Callable[[StepReport], None]] = []
+
+    # -- the transport (subclasses) --------------------------------------------------
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        raise NotImplementedError
+
+    @property
+    def is_alive(self) -> bool:
+        raise NotImplementedError
+
+    def _submit(self, command: Command) -> None:
+        raise NotImplementedError
+
+    # -- load ----------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return self._sched_running if self.error is None else 0
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet scheduled: queued adds plus the scheduler's waiting queue."""
+        with self._lock:
+            return self._engine_waiting()
+
+    @property
+    def queue_depth(self) -> int:
+        """num_waiting plus requests reserved by the server but not yet added: what an
+        admission limit must count, or a burst would all pass before any is added."""
+        with self._lock:
+            return self._reserved + self._engine_waiting()
+
+    def _engine_waiting(self) -> int:
+        # A dead engine schedules nothing more: its last counts would hold a queue
+        # that can never drain.
+        return self._queued_adds + self._sched_waiting if self.error is None else 0
+
+    @contextlib.contextmanager
+    def reserve(self) -> Iterator[None]:
+        """Counts the request run inside this block as waiting from now on; the first
+        generate() in this context takes the reservation over."""
+        slot = _Reservation()
+        with self._lock:
+            self._reserved += 1
+        token = _reservation.set(slot)
+        try:
+            yield
+        finally:
+            _reservation.reset(token)
+            with self._lock:
+                if slot.held:
+                    slot.held = False
+                    self._reserved -= 1
+
+    # -- the API used by the server ---------------------------------------------
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams, cache_salt: str | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Yields one output per step in which a sequence got tokens (for n > 1 the
+        n sequences interleave; `index` tells them apart), until all n finished.
+        Leaving the iteration early aborts whatever is unfinished."""
+        if not self.is_alive:
+            raise EngineDeadError("the engine is not running")
+        self.validate(prompt_token_ids, params)  # ValueError before anything is queued
+        ids = [request_id] + [f"{request_id}#{i}" for i in range(1, params.n)]
+        stream: asyncio.Queue = asyncio.Queue()
+        self._register(ids, stream)
+        self._queue_add((request_id, prompt_token_ids, params, cache_salt, priority))
+        unfinished = set(ids)
+        try:
+            while unfinished:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    unfinished.discard(item.request_id)
+                yield item
+        finally:
+            for rid in unfinished:
+                self.abort(rid)
+            with self._lock:
+                for rid in ids:
+                    self._streams.pop(rid, None)
+
+    def _register(self, ids: list[str], stream: asyncio.Queue) -> None:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if any(rid in self._streams for rid in ids):
+                raise ValueError(f"duplicate request id {ids[0]!r}")
+            for rid in ids:
+                self._streams[rid] = (loop, stream)
+        if self.error is not None:  # died after the first check: _on_dead missed us
+            with self._lock:
+                for rid in ids:
+                    self._streams.pop(rid, None)
+            raise EngineDeadError("the engine is not running")
+
+    def _queue_add(self, args: tuple) -> None:
+        with self._lock:  # one step from reserved to queued: never counted twice
+            self._queued_adds += 1
+            slot = _reservation.get()
+            if slot is not None and slot.held:
+                slot.held = False
+                self._reserved -= 1
+        self._submit(("add", args))
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams | None = None
+                 ) -> None:
+        """Raises ValueError for a request the engine can never run."""
+        check_request(prompt_token_ids, params, self.max_model_len, self.vocab_size)
+
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """reason "stop": the front end found a stop string (counted as a stop)."""
+        self._submit(("abort", (request_id, reason)))
+
+    def abort_all(self) -> int:
+        """Aborts every request a generate() is waiting on (they end with finish
+        reason "abort"); returns how many."""
+        with self._lock:
+            ids = list(self._streams)
+        for rid in ids:
+            self.abort(rid)
+        return len(ids)
+
+    # -- what the engine reports ------------------------------------------------------
+    def _on_report(self, rep: StepReport) -> None:
+        for listener in self.report_listeners:
+            listener(rep)
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        with self._lock:
+            self._queued_adds -= rep.added
+            self._sched_waiting, self._sched_running = rep.waiting, rep.running
+            self._count(rep)
+            for rid, why in rep.rejected:
+                self._route(batches, rid, ValueError(why))
+            for out in rep.outputs:
+                self._route(batches, out.request_id, out)
+        # One wake-up of each event loop per step, not one per output: at hundreds
+        # of streams, per-output wake-ups cost the loop (and the GIL) a lot.
+        for loop, items in batches.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
+    def _count(self, rep: StepReport) -> None:
+        stats = self.stats
+        stats.prompt_tokens += rep.prompt_tokens
+        for out in rep.outputs:
+            stats.generation_tokens += len(out.new_token_ids)
+            if out.finished:
+                reason = out.finish_reason or "unknown"
+                stats.finished[reason] = stats.finished.get(reason, 0) + 1
+
+    def _route(self, batches: dict, request_id: str, item) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            batches.setdefault(target[0], []).append((target[1], item))
+
+    def _on_dead(self, exc: BaseException) -> None:
+        """The engine is gone: fail every open request, never let one hang."""
+        self.error = exc
+        with self._lock:
+            targets = list(self._streams.values())
+        dead = EngineDeadError(f"engine loop died: {exc!r}")
+        for loop, stream in targets:
+            loop.call_soon_threadsafe(stream.put_nowait, dead)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for stream, item in items:
+        stream.put_nowait(item)

@@ -1,0 +1,135 @@
+"""The engine in a process of its own (vLLM v1 splits its EngineCore off the same
+way). The server's event loop then never competes with the engine for the GIL: at
+hundreds of streams the front end's per-token work (SSE, JSON, detokenizing) takes
+as long as a GPU decode step, and in one process it would stretch every step.
+
+Parent and child share one duplex pipe: commands go down, one StepReport per loop
+iteration comes up, read by a thread in the parent that hands outputs to the event
+loops. The child is spawned (not forked: torch and CUDA do not survive a fork)."""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import signal
+import threading
+from multiprocessing.connection import Connection
+
+from engine.config import EngineConfig
+from engine.engine_client import EngineClient
+from engine.engine_loop import Command
+
+log = logging.getLogger("kvserve.process_engine")
+
+STARTUP_TIMEOUT_S = 600.0  # loading an 8B checkpoint can take minutes
+
+
+class EngineStartError(RuntimeError):
+    pass
+
+
+class _PipeSource:
+    def __init__(self, conn: Connection):
+        self.conn = conn
+
+    def take(self, block: bool) -> list[Command]:
+        commands = []
+        if block or self.conn.poll():
+            commands.append(self.conn.recv())
+        while self.conn.poll():
+            commands.append(self.conn.recv())
+        return commands
+
+
+def _child_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
+    """The engine process: load, say ready, loop until told to stop."""
+    # Ctrl-C reaches the whole process group, docker stop only the parent: either
+    # way the parent drains and then stops us, so the signals are its business.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=log_level,
+                        format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
+    from engine.engine import Engine
+    from engine.engine_loop import EngineLoop
+
+    try:
+        engine = Engine(config)
+    except BaseException as exc:
+        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", {"max_model_len": engine.max_model_len,
+                         "vocab_size": engine.model_config.vocab_size}))
+    try:
+        EngineLoop(engine, _PipeSource(conn), lambda rep: conn.send(("report", rep))).run()
+    except BaseException as exc:
+        logging.getLogger("kvserve.engine").exception("engine loop died")
+        conn.send(("dead", f"{type(exc).__name__}: {exc}"))
+
+
+class ProcessEngine(EngineClient):
+    """Blocks in the constructor until the child has loaded the model, as building
+    an Engine in-process would."""
+
+    def __init__(self, config: EngineConfig, tokenizer):
+        ctx = mp.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe(duplex=True)
+        self._process = ctx.Process(target=_child_main, name="kvserve-engine-core",
+                                    args=(config, child_conn, logging.getLogger().level),
+                                    daemon=True)
+        self._process.start()
+        child_conn.close()
+        info = self._await_ready()
+        super().__init__(tokenizer, info["max_model_len"], info["vocab_size"])
+        self._send_lock = threading.Lock()
+        self._reader = threading.Thread(target=self._read, name="kvserve-engine-reader",
+                                        daemon=True)
+
+    def _await_ready(self) -> dict:
+        if not self._conn.poll(STARTUP_TIMEOUT_S):
+            self._process.kill()
+            raise EngineStartError("the engine process did not start in time")
+        try:
+            kind, payload = self._conn.recv()
+        except EOFError:  # it died without a word (killed, or a crash in C)
+            self._process.join(5)
+            kind, payload = "failed", f"exit code {self._process.exitcode}"
+        if kind != "ready":
+            raise EngineStartError(f"the engine process failed to start: {payload}")
+        return payload
+
+    def start(self) -> None:
+        self._reader.start()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        if self._process.is_alive():
+            try:
+                self._submit(("stop", None))
+            except OSError:
+                pass
+            self._process.join(timeout)
+        if self._process.is_alive():
+            self._process.kill()
+        self._reader.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._process.is_alive() and self.error is None
+
+    def _submit(self, command: Command) -> None:
+        with self._send_lock:  # the event loop and shutdown may both send
+            self._conn.send(command)
+
+    def _read(self) -> None:
+        while True:
+            try:
+                kind, payload = self._conn.recv()
+            except (EOFError, OSError):  # the process is gone, stopped or killed
+                self._process.join(1)
+                if self.error is None:
+                    self._on_dead(RuntimeError(
+                        f"engine process exited (code {self._process.exitcode})"))
+                return
+            if kind == "report":
+                self._on_report(payload)
+            elif kind == "dead":
+                self._on_dead(RuntimeError(payload))
+                return
