@@ -58,7 +58,13 @@ class ModelConfig:
 
     @staticmethod
     def from_pretrained(model_dir: str | Path) -> "ModelConfig":
-        path = Path(model_dir)
+        """`model_dir` is a model directory or `preset:NAME` (engine/presets)."""
+        from engine.presets import resolve_model_path
+
+        try:
+            path = resolve_model_path(model_dir)
+        except ValueError as exc:
+            raise ModelConfigError(str(exc)) from exc
         if not (path / "config.json").is_file():
             raise ModelConfigError(f"no config.json in model directory {path}")
         from transformers import AutoConfig

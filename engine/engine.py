@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig, ModelConfig
-from engine.loader import (ModelLoadError, check_fits, load_model, load_tokenizer,
-                           resolve_device, resolve_dtype)
+from engine.loader import (ModelLoadError, check_fits, has_tokenizer, load_model,
+                           load_tokenizer, resolve_device, resolve_dtype)
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.sampling import StepResult
@@ -36,7 +36,13 @@ class Engine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         cfg = self.model_config
         self.max_model_len = min(config.max_model_len or cfg.max_model_len, cfg.max_model_len)
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
+        # A preset or a config-only directory has no tokenizer: the engine then takes
+        # and returns token ids only, and stops on the config's eos ids.
+        if tokenizer is None and has_tokenizer(config.model):
+            tokenizer = load_tokenizer(config.model)
+        self.tokenizer = tokenizer
+        if tokenizer is None:
+            log.info("%s has no tokenizer: token ids only", config.model)
         self.eos_token_ids = self._eos_ids()
         torch.manual_seed(config.seed)
         model = load_model(config.model, cfg, self.dtype, self.device, self.max_model_len,

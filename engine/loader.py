@@ -14,6 +14,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
+from engine.presets import resolve_model_path
 
 log = logging.getLogger("kvserve.loader")
 
@@ -42,7 +43,10 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def available_memory(device: torch.device) -> int | None:
-    """Bytes free for new allocations on `device`, or None when unknown."""
+    """Bytes free for new allocations on `device`, or None when unknown (or when
+    nothing is allocated: the meta device, used to count parameters)."""
+    if device.type == "meta":
+        return None
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     try:
@@ -98,23 +102,32 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
 def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
                device: torch.device, max_positions: int,
                load_format: str = "safetensors", seed: int = 0) -> LlamaForCausalLM:
+    """`model_dir` may be `preset:NAME`; `random` never reads it (no checkpoint)."""
+    if load_format not in ("random", "safetensors"):
+        raise ModelLoadError(f"unknown load format {load_format!r}")
     model = build_model(cfg, dtype, device, max_positions)
     if load_format == "random":
         init_random(model, seed)
-    elif load_format == "safetensors":
-        load_safetensors(model, Path(model_dir))
     else:
-        raise ModelLoadError(f"unknown load format {load_format!r}")
+        load_safetensors(model, resolve_model_path(model_dir))
     return model
 
 
 def init_random(model: nn.Module, seed: int, std: float = 0.02) -> None:
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    """In place, on the parameters' own device and dtype: no float32 or host copy of
+    the model is ever made (an 8B model is 16 GB in bf16, 32 GB in fp32). A seed gives
+    the same float32 CPU weights as `torch.randn(...) * std`; other dtypes and CUDA
+    draw their own streams."""
+    gens: dict[torch.device, torch.Generator] = {}
     for name, p in model.named_parameters():
+        if p.device.type == "meta":
+            continue  # no storage to fill
         if name.endswith("norm.weight"):
             p.data.fill_(1.0)
-        else:
-            p.data.copy_(torch.randn(p.shape, generator=gen) * std)
+            continue
+        if p.device not in gens:
+            gens[p.device] = torch.Generator(device=p.device).manual_seed(seed)
+        p.data.normal_(0.0, std, generator=gens[p.device])
 
 
 def load_safetensors(model: LlamaForCausalLM, model_dir: Path) -> None:
@@ -122,7 +135,8 @@ def load_safetensors(model: LlamaForCausalLM, model_dir: Path) -> None:
 
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        raise ModelLoadError(f"no *.safetensors weights in {model_dir}")
+        raise ModelLoadError(f"no *.safetensors weights in {model_dir} (for random "
+                             "weights of this shape, use --load-format random)")
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[tuple[str, int | None]] = set()
     for file in files:
@@ -179,6 +193,20 @@ def _expected_weights(model, params: dict) -> set[tuple[str, int | None]]:
         else:
             expected.add((name, None))
     return expected
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+                    "vocab.json")
+
+
+def has_tokenizer(model_dir: str | Path) -> bool:
+    """False for a preset or a directory with only config.json (and maybe weights):
+    such a model is served token ids only."""
+    try:
+        path = resolve_model_path(model_dir)
+    except ValueError:
+        return False
+    return any((path / f).is_file() for f in _TOKENIZER_FILES)
 
 
 def load_tokenizer(model_dir: str | Path):

@@ -96,8 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_serve_args(p: _EnvDefaults) -> None:
-    p.add("--model", None, help="Hugging Face model directory (default: the embedded "
-          "SmolLM2-135M-Instruct, converted once into the cache)")
+    p.add("--model", None, help="Hugging Face model directory, or preset:NAME for a "
+          "shipped model shape with --load-format random (llama-3.2-1b, llama-3.1-8b, "
+          "llama-tiny) (default: the embedded SmolLM2-135M-Instruct, converted once "
+          "into the cache)")
     p.add("--served-model-name", None, help="name(s) clients use, comma-separated")
     p.add("--host", "127.0.0.1", help="address to bind")
     p.add("--port", 8000, type=int, help="port to bind")
@@ -151,12 +153,27 @@ def resolve_model(args) -> tuple[str, list[str]]:
         path, names = str(ensure_default_model()), [DEFAULT_MODEL_NAME]
     else:
         path, names = args.model, [args.model]
-        if not os.path.isdir(path):
-            raise SystemExit(f"kvserve: model directory not found: {path} (kvserve loads "
-                             "local Hugging Face model directories; it downloads nothing)")
+        _check_model_arg(path, args.load_format)
     if args.served_model_name:
         names = [n.strip() for n in args.served_model_name.split(",") if n.strip()]
     return path, names
+
+
+def _check_model_arg(model: str, load_format: str) -> None:
+    from engine.presets import is_preset, resolve_model_path
+
+    if not is_preset(model):
+        if not os.path.isdir(model):
+            raise SystemExit(f"kvserve: model directory not found: {model} (kvserve loads "
+                             "local Hugging Face model directories; it downloads nothing)")
+        return
+    try:
+        resolve_model_path(model)
+    except ValueError as exc:
+        raise SystemExit(f"kvserve: {exc}") from None
+    if load_format != "random":
+        raise SystemExit(f"kvserve: {model} is a model shape without weights; "
+                         "add --load-format random")
 
 
 def serve(args) -> None:

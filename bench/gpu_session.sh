@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One device-tool call on a lent GPU machine: the engine tests on CUDA, then
+# bench/gpu_decode.py on the Llama-3.2-1B and Llama-3.1-8B presets (random weights,
+# nothing downloaded). The machine has torch, triton and transformers but no package
+# registry and no kvserve install, so everything runs from this source tree.
+#
+#   run(command="COMMIT=<short sha> bash bench/gpu_session.sh", timeout_s=600)
+#
+# COMMIT is optional: the copy sent to the machine may have no .git, so say which
+# commit it is. Results land in $OUT (at most 8 files come back): summary.txt, env.txt,
+# tests.log, bench_<preset>.log and gpu_decode_<preset>.json. Each stage has its own
+# time limit, so a hang in one still leaves the others' results, all inside the
+# tool's 600 s. Overrides: TESTS (test paths), TESTS_S (their limit), RUNS ("preset:
+# seconds" pairs), BENCH_ARGS (flags for every bench run, e.g. "--attention-backend
+# torch"). A CPU dry run of the mechanics:
+#   RUNS=llama-tiny:120 BENCH_ARGS="--prompt-len 64 --decode-tokens 8" TESTS=tests/bench \
+#     OUT=/tmp/out bash bench/gpu_session.sh
+set -u
+OUT=${OUT:-/tmp/kvserve-gpu-session}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# Nothing outside the machine can be reached: fail fast instead of waiting on it.
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 KVSERVE_CACHE=/tmp/kvserve-cache
+export KVSERVE_COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+
+# stage NAME SECONDS CMD...: log to $OUT/NAME.log, one line per stage in summary.txt.
+stage() {
+  local name=$1 limit=$2 start rc
+  shift 2
+  start=$(date +%s)
+  timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  rc=$?
+  echo "$name: exit $rc after $(($(date +%s) - start)) s (limit $limit s)" | tee -a "$OUT/summary.txt"
+}
+
+{
+  echo "commit $KVSERVE_COMMIT"
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+  $PY -c 'import sys, torch, transformers; print(sys.version); print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available()); print("transformers", transformers.__version__)'
+  $PY -c 'import triton; print("triton", triton.__version__)'
+} >"$OUT/env.txt" 2>&1
+
+# Not `slow`: those need the default model, which comes from a package registry.
+stage tests "${TESTS_S:-120}" $PY -m pytest -q -p no:cacheprovider --maxfail=10 \
+  -m "not slow" ${TESTS:-tests/engine tests/bench}
+for run in ${RUNS:-llama-3.2-1b:150 llama-3.1-8b:280}; do
+  preset=${run%%:*}
+  stage "bench_$preset" "${run##*:}" $PY bench/gpu_decode.py --preset "$preset" \
+    --json "$OUT/gpu_decode_$preset.json" ${BENCH_ARGS:-}
+done
+
+tail -n 3 "$OUT/tests.log" >>"$OUT/summary.txt"
+$PY bench/gpu_summary.py "$OUT"/gpu_decode_*.json | tee -a "$OUT/summary.txt"
