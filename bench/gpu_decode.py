@@ -157,18 +157,31 @@ def ours_split(engine: Engine, clock: Clock, args) -> dict:
 
 def run_ours(args, device: torch.device, dtype: torch.dtype) -> dict:
     clock = Clock(device)
+    reset_peak_memory(device)
     t0 = clock.now()
     engine = build_engine(args, device)
     load_s = clock.now() - t0
+    load_peak = peak_memory(device)
     vocab = engine.model_config.vocab_size
     run_request(engine, clock, make_prompt(vocab, args.prompt_len, 1), 4)  # warm-up
-    row = {"load_s": load_s,
+    row = {"load_s": load_s, "load_peak_bytes": load_peak,
            "attention_backend": getattr(engine.config, "attention_backend", None),
            "decode": ours_decode(engine, clock, args, dtype),
            "ttft": ours_ttft(engine, clock, args), "split": ours_split(engine, clock, args)}
     del engine
     free_device_memory(device)
     return row
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(device: torch.device) -> int | None:
+    """Most bytes allocated on CUDA since the reset: loading weights of N bytes should
+    peak near N plus the KV cache, never at a float32 copy (2N for bf16)."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
 
 def free_device_memory(device: torch.device) -> None:
@@ -258,9 +271,11 @@ def run_hf(args, device: torch.device, dtype: torch.dtype, cfg: ModelConfig,
     import transformers
 
     clock = Clock(device)
+    reset_peak_memory(device)
     t0 = clock.now()
     model = build_hf(args, device, dtype)
     row = {"version": transformers.__version__, "load_s": clock.now() - t0,
+           "load_peak_bytes": peak_memory(device),
            **hf_workloads(model, clock, args, cfg, dtype)}
     checkpoint(row)
     if not want_generate_batch(args, device):

@@ -12,6 +12,8 @@ from pathlib import Path
 
 COLUMNS = [  # (header, path into the result, scale)
     ("copy GB/s", "copy_bandwidth.gbps", 1),
+    ("weights GB", "weight_bytes", 1e-9),
+    ("ours load peak GB", "kvserve.load_peak_bytes", 1e-9),
     ("ours tok/s", "kvserve.decode.tok_s", 1),
     ("ours MBU", "kvserve.decode.mbu", 1),
     ("ours TTFT ms", "kvserve.ttft.median_s", 1e3),

@@ -49,3 +49,14 @@ def test_tiny_preset_on_cpu(tmp_path):
     positive(r["ratios_kvserve_over_transformers"], "decode_tok_s", "ttft",
              "split_prefill", "split_decode")
 
+
+
+def test_summary_table_reads_full_and_missing_results(tmp_path, capsys):
+    from bench.gpu_summary import main
+
+    partial = tmp_path / "partial.json"  # as left by a run killed after kvserve's part
+    partial.write_text('{"preset": "llama-3.1-8b", "kvserve": {"decode": {"tok_s": 80.0}}}')
+    main([str(partial), str(tmp_path / "missing.json")])
+    out = capsys.readouterr().out
+    assert "llama-3.1-8b" in out and "ours tok/s: 80" in out and "hf tok/s: -" in out
+    assert "missing.json: no result" in out
