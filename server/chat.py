@@ -56,17 +56,29 @@ class _ChatView(ResponseView):
         return chat_logprobs(entries, self.token_text, self.req.top_logprobs or 0)
 
     def choice(self, index: int, deltas: list[ChoiceDelta]) -> dict:
-        return {"index": index,
-                "message": {"role": "assistant", "content": "".join(d.text for d in deltas)},
-                "logprobs": self._logprobs(deltas),
-                "finish_reason": deltas[-1].finish_reason,
-                "stop_reason": deltas[-1].stop_reason}
+        choice = {"index": index,
+                  "message": {"role": "assistant",
+                              "content": "".join(d.text for d in deltas)},
+                  "logprobs": self._logprobs(deltas),
+                  "finish_reason": deltas[-1].finish_reason,
+                  "stop_reason": deltas[-1].stop_reason}
+        if self.req.return_token_ids:
+            choice["token_ids"] = [t for d in deltas for t in d.token_ids]
+        return choice
+
+    def body(self, results: dict[int, list[ChoiceDelta]]) -> dict:
+        body = super().body(results)
+        if self.req.return_token_ids:
+            body["prompt_token_ids"] = self.groups[0].prompt_ids
+        return body
 
     def chunk_choices(self, d: ChoiceDelta) -> list[dict]:
         choice = {"index": d.index, "delta": {"content": d.text},
                   "logprobs": self._logprobs([d]), "finish_reason": d.finish_reason}
         if d.finish_reason is not None:
             choice["stop_reason"] = d.stop_reason
+        if self.req.return_token_ids:
+            choice["token_ids"] = d.token_ids
         if not d.first:
             return [choice]
         # As OpenAI and vLLM do: the role comes first, in a chunk of its own.

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from server.errors import APIError
+from server.errors import APIError, no_tokenizer
 
 
 def message_text(content: Any) -> str:
@@ -29,6 +29,8 @@ def render_chat_text(tokenizer, messages: list[dict], add_generation_prompt: boo
                      continue_final_message: bool = False,
                      chat_template: str | None = None,
                      chat_template_kwargs: dict | None = None) -> str:
+    if tokenizer is None:
+        raise no_tokenizer("messages")
     if add_generation_prompt and continue_final_message:
         raise APIError(400, "add_generation_prompt and continue_final_message cannot both "
                        "be true", "continue_final_message")

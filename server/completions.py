@@ -84,8 +84,13 @@ class _CompletionView(ResponseView):
                     self.token_text)
                 logprobs = merge_completion_logprobs(prompt, logprobs)
         self.offsets[d.index] = offset + len(generated)
-        return {"index": d.index, "text": text, "logprobs": logprobs,
-                "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+        choice = {"index": d.index, "text": text, "logprobs": logprobs,
+                  "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+        if self.req.return_token_ids:
+            choice["token_ids"] = [] if self.req.echo_only else d.token_ids
+            if d.first:
+                choice["prompt_token_ids"] = self._group_of(d.index).prompt_ids
+        return choice
 
     def chunk_choices(self, d: ChoiceDelta) -> list[dict]:
         return [self._render(d)]
@@ -93,6 +98,9 @@ class _CompletionView(ResponseView):
     def choice(self, index: int, deltas: list[ChoiceDelta]) -> dict:
         parts = [self._render(d) for d in deltas]
         whole = parts[-1] | {"text": "".join(p["text"] for p in parts)}
+        if self.req.return_token_ids:
+            whole["token_ids"] = [t for p in parts for t in p["token_ids"]]
+            whole["prompt_token_ids"] = parts[0]["prompt_token_ids"]
         if self.req.logprobs is not None:
             merged = parts[0]["logprobs"]
             for p in parts[1:]:

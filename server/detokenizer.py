@@ -15,6 +15,8 @@ def fast_decoder(tokenizer):
     """(ids, skip_special_tokens) -> text. Straight to the Rust tokenizer when that
     gives the same text as transformers' decode (no clean-up of spaces): the Python
     wrapper costs more than the decoding itself, twice per streamed token."""
+    if tokenizer is None:  # a model without one: token ids only, no text
+        return lambda ids, skip: ""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
         return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)

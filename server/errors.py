@@ -24,6 +24,13 @@ class APIError(Exception):
         self.headers = headers
 
 
+def no_tokenizer(param: str | None = None) -> APIError:
+    """A model served without a tokenizer (a preset with random weights) takes and
+    returns token ids only."""
+    return APIError(400, "this model has no tokenizer: send token ids as the prompt "
+                    "(and read `token_ids` with return_token_ids)", param)
+
+
 def error_body(status: int, message: str, param: str | None = None,
                code: str | None = None) -> dict:
     return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),

@@ -51,6 +51,7 @@ class ChoiceDelta:
     stop_reason: int | str | None = None
     num_tokens: int = 0  # tokens generated so far for this choice
     logprobs: list = field(default_factory=list)  # engine TokenLogprobs behind `text`
+    token_ids: list[int] = field(default_factory=list)  # the tokens behind `text`
     prompt_logprobs: list | None = None  # on a choice's first delta, when asked for
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -65,8 +66,11 @@ class _Sequence:
                                             opts.include_stop_str_in_output,
                                             opts.skip_special_tokens)
         self.include_stop = opts.include_stop_str_in_output
+        # Without a tokenizer there is no text to wait for: every output is a delta.
+        self.text_gates = tokenizer is not None
         self.num_tokens = 0
         self.pending_logprobs: list = []  # tokens whose text is still held back
+        self.pending_ids: list[int] = []
         self.prompt_logprobs = None
         self.started = False
         self.done = False
@@ -75,6 +79,7 @@ class _Sequence:
         """Feed one engine output; the delta that is now final, if any."""
         self.num_tokens += len(out.new_token_ids)
         self.pending_logprobs.extend(out.logprobs or ())
+        self.pending_ids.extend(out.new_token_ids)
         if getattr(out, "prompt_logprobs", None) is not None:
             self.prompt_logprobs = out.prompt_logprobs
         new = out.new_token_ids
@@ -86,13 +91,14 @@ class _Sequence:
         else:
             finish = out.finish_reason if out.finished else None
             delta = ChoiceDelta(0, self.detok.flush(out.finished), finish, out.stop_reason)
-            if not (delta.text or finish):
+            if self.text_gates and not (delta.text or finish):
                 return None  # nothing final yet: its logprobs wait for the text
         return self._fill(delta, out)
 
     def _fill(self, delta: ChoiceDelta, out) -> ChoiceDelta:
         delta.num_tokens, delta.first = self.num_tokens, not self.started
         delta.logprobs, self.pending_logprobs = self.pending_logprobs, []
+        delta.token_ids, self.pending_ids = self.pending_ids, []
         delta.num_prompt_tokens, delta.num_cached_tokens = (out.num_prompt_tokens,
                                                             out.num_cached_tokens)
         if not self.started:

@@ -53,6 +53,9 @@ class SamplingFields(OpenAIRequest):
     skip_special_tokens: bool = True
     user: str | None = None
     cache_salt: str | None = None
+    # vLLM's: each choice also carries its token ids (and the prompt's); the only
+    # output of a model served without a tokenizer
+    return_token_ids: bool = False
     priority: int = 0  # lower is sooner, with --scheduling-policy priority
 
     @field_validator("logit_bias")

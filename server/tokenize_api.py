@@ -10,7 +10,7 @@ from pydantic import Field, ValidationError
 
 from engine.engine_client import EngineClient
 from server.chat_template import render_chat, render_chat_text
-from server.errors import APIError
+from server.errors import APIError, no_tokenizer
 from server.protocol import ChatMessage, OpenAIRequest
 from server.validation import check_model
 
@@ -47,6 +47,8 @@ def tokenize_router(engine: EngineClient, model_names: list[str]) -> APIRouter:
     async def tokenize(request: Request):
         req = await _parse_tokenize(request)
         check_model(req.model, model_names)
+        if tok is None:
+            raise no_tokenizer()
         ids = (_chat_ids(tok, req) if isinstance(req, TokenizeChatRequest)
                else tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
         body: dict[str, Any] = {"count": len(ids), "max_model_len": engine.max_model_len,
@@ -62,6 +64,8 @@ def tokenize_router(engine: EngineClient, model_names: list[str]) -> APIRouter:
         if bad is not None:
             raise APIError(400, f"token id {bad} is out of the vocabulary "
                            f"(0..{engine.vocab_size - 1})", "tokens")
+        if tok is None:
+            raise no_tokenizer()
         return {"prompt": tok.decode(req.tokens)}
 
     return router

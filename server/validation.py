@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine.engine_client import EngineClient
 from scheduler.sampling_params import SamplingParams
-from server.errors import APIError
+from server.errors import APIError, no_tokenizer
 from server.protocol import SamplingFields
 
 
@@ -28,6 +28,8 @@ def check_prompt(engine: EngineClient, ids: list[int]) -> list[int]:
 
 
 def prompt_token_ids(engine: EngineClient, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, str) and engine.tokenizer is None:
+        raise no_tokenizer("prompt")
     ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     return check_prompt(engine, ids)
 
