@@ -166,3 +166,5 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     load_format: str = "safetensors"  # safetensors | random
     seed: int = 0
+    # auto (triton on CUDA, torch elsewhere) | triton | flash-attn | torch
+    attention_backend: str = "auto"

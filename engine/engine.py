@@ -48,7 +48,8 @@ class Engine:
         model = load_model(config.model, cfg, self.dtype, self.device, self.max_model_len,
                            config.load_format, config.seed)
         num_blocks = self._num_kv_blocks()
-        self.runner = ModelRunner(model, num_blocks, config.block_size, self.device, self.dtype)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, self.device, self.dtype,
+                                  config.attention_backend)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  model_key=str(config.model))
         # A request longer than the whole cache could never run.

@@ -120,6 +120,9 @@ def add_serve_args(p: _EnvDefaults) -> None:
     p.add("--load-format", "safetensors", choices=["safetensors", "random"],
           help="read the checkpoint, or random weights of its shape")
     p.add("--seed", 0, type=int, help="global random seed")
+    p.add("--attention-backend", "auto", choices=["auto", "triton", "flash-attn", "torch"],
+          help="attention kernels (auto: triton on CUDA, torch on CPU; flash-attn needs "
+          "the flash_attn package and a --block-size multiple of 256)")
     p.add("--log-level", "info", help="debug|info|warning|error")
     p.add_secret_list("--api-key", help="require `Authorization: Bearer <key>` on /v1 "
                       "routes; comma-separated and/or repeated for several keys")
@@ -142,7 +145,7 @@ def engine_config_from_args(args, model_path: str):
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         scheduling_policy=args.scheduling_policy,
         enable_prefix_caching=args.enable_prefix_caching, load_format=args.load_format,
-        seed=args.seed)
+        seed=args.seed, attention_backend=args.attention_backend)
 
 
 def resolve_model(args) -> tuple[str, list[str]]:
@@ -180,6 +183,7 @@ def serve(args) -> None:
     import uvicorn
 
     from engine.async_engine import AsyncEngine
+    from engine.attention import AttentionBackendError
     from engine.config import ModelConfigError
     from engine.engine import Engine
     from engine.loader import ModelLoadError
@@ -189,7 +193,7 @@ def serve(args) -> None:
     path, names = resolve_model(args)
     try:
         engine = Engine(engine_config_from_args(args, path))
-    except (ModelLoadError, ModelConfigError) as exc:
+    except (ModelLoadError, ModelConfigError, AttentionBackendError) as exc:
         raise SystemExit(f"kvserve: {exc}") from None
     app = build_app(AsyncEngine(engine), names, model_root=path, api_keys=args.api_key,
                     max_waiting_requests=args.max_waiting_requests)

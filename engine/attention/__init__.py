@@ -1,3 +1,10 @@
-from engine.attention.context import AttentionMetadata, get_attention_metadata, set_attention_metadata
+from engine.attention.backend import AttentionBackend
+from engine.attention.context import (AttentionMetadata, clear_attention_context,
+                                      get_attention_metadata, paged_attention,
+                                      set_attention_context)
+from engine.attention.selector import (BACKEND_NAMES, AttentionBackendError, make_backend,
+                                       resolve_backend_name)
 
-__all__ = ["AttentionMetadata", "get_attention_metadata", "set_attention_metadata"]
+__all__ = ["AttentionBackend", "AttentionBackendError", "AttentionMetadata", "BACKEND_NAMES",
+           "clear_attention_context", "get_attention_metadata", "make_backend",
+           "paged_attention", "resolve_backend_name", "set_attention_context"]

@@ -1,49 +1,71 @@
 """One global attention context per forward pass (as nano-vllm does), so the model
-code does not thread batch metadata through every layer. The model runner builds it
-once per step; every attention layer reads it."""
+code does not thread batch metadata through every layer. The model runner builds the
+backend-agnostic metadata once per step, hands it to the attention backend's
+`prepare`, and sets the backend and the result here; every attention layer calls
+`paged_attention`, which reads them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 
 @dataclass
-class PrefillSpan:
-    """A request computing more than one token this step (a prompt or a chunk of it)."""
-
-    query_start: int  # first row of this request in the flat batch
-    query_len: int
-    context_slots: torch.Tensor  # [context_len] cache slots of the whole context, in order
-    mask: torch.Tensor | None  # [query_len, context_len] bool, None when plain causal
-
-
-@dataclass
-class DecodeBatch:
-    """Requests computing exactly one token this step, attended to in one padded call."""
-
-    rows: torch.Tensor  # [B] rows of these requests in the flat batch
-    context_slots: torch.Tensor  # [B, max_context_len] cache slots, padded with 0
-    mask: torch.Tensor  # [B, 1, 1, max_context_len] bool: True where a real key is
-
-
-@dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V is written
-    prefills: list[PrefillSpan]
-    decodes: DecodeBatch | None
+    """What every backend needs about one step, on the model's device.
+
+    Requests are ordered decodes first: requests [0, num_decodes) compute exactly one
+    token each (rows 0..num_decodes-1 of the flat batch), the rest compute more. A
+    request's query tokens are the last `query_len` tokens of its `seq_len` context,
+    so query i sits at position seq_len - query_len + i and sees keys 0..that one."""
+
+    slot_mapping: torch.Tensor  # [T] int64 cache slot of each new token (-1: padding, skip)
+    query_start_loc: torch.Tensor  # [R + 1] int32 first row of each request, then T
+    seq_lens: torch.Tensor  # [R] int32 context length, this step's tokens included
+    block_tables: torch.Tensor  # [R, max_blocks] int32, padded with 0
+    # Host copies of the two small vectors, for backends that plan on the host
+    # without waiting for the device.
+    query_start_loc_cpu: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    num_decodes: int
+    num_prefills: int
     num_tokens: int
+    block_size: int
+
+    @property
+    def num_reqs(self) -> int:
+        return self.num_decodes + self.num_prefills
 
 
-_current: AttentionMetadata | None = None
+_current: tuple[Any, Any] | None = None  # (backend, what its prepare returned)
 
 
-def set_attention_metadata(meta: AttentionMetadata | None) -> None:
+def set_attention_context(backend: Any, meta: Any) -> None:
     global _current
-    _current = meta
+    _current = (backend, meta)
 
 
-def get_attention_metadata() -> AttentionMetadata:
+def clear_attention_context() -> None:
+    global _current
+    _current = None
+
+
+def get_attention_metadata() -> Any:
+    """What the step's backend `prepare` returned."""
     if _current is None:
         raise RuntimeError("attention called outside a model runner step")
-    return _current
+    return _current[1]
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """The attention call of every layer: stores the new tokens' K/V and attends,
+    through the step's backend. q: [T, Hq, D]; k, v: [T, Hkv, D]; returns [T, Hq, D]."""
+    if _current is None:
+        raise RuntimeError("attention called outside a model runner step")
+    backend, meta = _current
+    return backend.forward(q, k, v, k_cache, v_cache, meta, scale)

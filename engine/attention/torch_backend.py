@@ -3,40 +3,99 @@ is the oracle for faster backends.
 
 The cache of one layer is a pair of tensors [num_blocks, block_size, kv_heads,
 head_dim]; flattened over the first two dims a token's K/V lives at its "slot"
-(block_id * block_size + offset)."""
+(block_id * block_size + offset). `prepare` turns the common metadata into gather
+indices and masks once per step; every layer then gathers its context with them."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from engine.attention.backend import AttentionBackend
 from engine.attention.context import AttentionMetadata
+from engine.attention.step_metadata import context_slots
+
+
+@dataclass
+class PrefillSpan:
+    """A request computing more than one token this step (a prompt or a chunk of it)."""
+
+    query_start: int  # first row of this request in the flat batch
+    query_len: int
+    context_slots: torch.Tensor  # [context_len] cache slots of the whole context, in order
+    mask: torch.Tensor | None  # [query_len, context_len] bool, None when plain causal
+
+
+@dataclass
+class TorchAttentionMetadata:
+    store_rows: torch.Tensor  # rows of the batch whose K/V are stored (slot != -1)
+    store_slots: torch.Tensor  # their slots
+    prefills: list[PrefillSpan]
+    # The decodes (rows 0..B-1) in one padded call: [B, max_context] slots padded
+    # with 0, and [B, 1, 1, max_context] True where a real key is.
+    decode_slots: torch.Tensor | None
+    decode_mask: torch.Tensor | None
+
+
+class TorchBackend(AttentionBackend):
+    name = "torch"
+
+    def prepare(self, common: AttentionMetadata) -> TorchAttentionMetadata:
+        rows = torch.nonzero(common.slot_mapping >= 0).squeeze(1)
+        slots, mask = self._decodes(common) if common.num_decodes else (None, None)
+        return TorchAttentionMetadata(rows, common.slot_mapping[rows],
+                                      self._prefills(common), slots, mask)
+
+    @staticmethod
+    def _decodes(c: AttentionMetadata):
+        nd = c.num_decodes
+        max_ctx = int(c.seq_lens_cpu[:nd].max())
+        key_pos = torch.arange(max_ctx, device=c.seq_lens.device).expand(nd, max_ctx)
+        seq_lens = c.seq_lens[:nd].unsqueeze(1).long()
+        # Padding repeats the last real key (masked out): it never reads a slot the
+        # request does not own.
+        slots = context_slots(c.block_tables[:nd], key_pos.minimum(seq_lens - 1), c.block_size)
+        return slots, (key_pos < seq_lens)[:, None, None, :]
+
+    @staticmethod
+    def _prefills(c: AttentionMetadata) -> list[PrefillSpan]:
+        spans = []
+        starts, seq_lens = c.query_start_loc_cpu.tolist(), c.seq_lens_cpu.tolist()
+        dev = c.seq_lens.device
+        for i in range(c.num_decodes, c.num_reqs):
+            q_len, ctx_len = starts[i + 1] - starts[i], seq_lens[i]
+            key_pos = torch.arange(ctx_len, device=dev)
+            slots = context_slots(c.block_tables[i], key_pos, c.block_size)
+            mask = None
+            if ctx_len > q_len:  # a cached prefix: causal with an offset
+                q_pos = torch.arange(ctx_len - q_len, ctx_len, device=dev).unsqueeze(1)
+                mask = key_pos.unsqueeze(0) <= q_pos
+            spans.append(PrefillSpan(starts[i], q_len, slots, mask))
+        return spans
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: TorchAttentionMetadata, scale):
+        store_kv(k[meta.store_rows], v[meta.store_rows], k_cache, v_cache, meta.store_slots)
+        kv_heads, head_dim = k_cache.shape[-2:]
+        k_flat = k_cache.view(-1, kv_heads, head_dim)
+        v_flat = v_cache.view(-1, kv_heads, head_dim)
+        out = torch.empty_like(q)
+        for span in meta.prefills:
+            rows = slice(span.query_start, span.query_start + span.query_len)
+            out[rows] = _prefill(q[rows], k_flat[span.context_slots],
+                                 v_flat[span.context_slots], span.mask, scale)
+        if meta.decode_slots is not None:
+            nd = meta.decode_slots.shape[0]
+            out[:nd] = _decode(q[:nd], k_flat[meta.decode_slots],
+                               v_flat[meta.decode_slots], meta.decode_mask, scale)
+        return out
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+             v_cache: torch.Tensor, slots: torch.Tensor) -> None:
     kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
-
-
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, Hq, D]; k, v: [T, Hkv, D] for the step's new tokens. Returns [T, Hq, D]."""
-    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    kv_heads, head_dim = k_cache.shape[-2:]
-    k_flat = k_cache.view(-1, kv_heads, head_dim)
-    v_flat = v_cache.view(-1, kv_heads, head_dim)
-    out = torch.empty_like(q)
-    for span in meta.prefills:
-        rows = slice(span.query_start, span.query_start + span.query_len)
-        out[rows] = _prefill(q[rows], k_flat[span.context_slots],
-                             v_flat[span.context_slots], span.mask, scale)
-    if meta.decodes is not None:
-        d = meta.decodes
-        out[d.rows] = _decode(q[d.rows], k_flat[d.context_slots],
-                              v_flat[d.context_slots], d.mask, scale)
-    return out
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
 
 
 def _prefill(q, k, v, mask, scale):

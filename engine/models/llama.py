@@ -9,8 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import get_attention_metadata
-from engine.attention.torch_backend import paged_attention
+from engine.attention import paged_attention
 from engine.config import ModelConfig
 from engine.models.layers import PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary
 
@@ -40,8 +39,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        o = paged_attention(q, k, v, self.k_cache, self.v_cache,
-                            get_attention_metadata(), self.scale)
+        o = paged_attention(q, k, v, self.k_cache, self.v_cache, self.scale)
         return self.o_proj(o.reshape(n, q_size))
 
 

@@ -1,0 +1,30 @@
+"""The interface every attention backend implements.
+
+A backend sees one layer's query and new keys/values of a flat batch, the layer's
+paged cache, and the step's metadata. `prepare` runs once per step (before the
+first layer), so per-step work such as index building or split planning is shared
+by all layers."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from engine.attention.context import AttentionMetadata
+
+
+class AttentionBackend(ABC):
+    name: str = ""
+
+    def prepare(self, common: AttentionMetadata) -> Any:
+        """Per-step metadata of this backend; by default the common one as is."""
+        return common
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: Any,
+                scale: float) -> torch.Tensor:
+        """Writes k, v [T, Hkv, D] into the cache at meta's slots (skipping slot -1),
+        then returns attention of q [T, Hq, D] over each request's context: [T, Hq, D].
+        The caches are [num_blocks, block_size, Hkv, D]."""

@@ -1,0 +1,94 @@
+"""Builds a step's flat-batch tensors on the host, vectorised (no per-token Python
+loop), and moves them to the device with one copy per dtype."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.context import AttentionMetadata
+
+
+@dataclass
+class HostStep:
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    query_start_loc: torch.Tensor  # [R + 1] int32
+    seq_lens: torch.Tensor  # [R] int32
+    block_tables: torch.Tensor  # [R, max_blocks] int32
+    max_query_len: int
+    max_seq_len: int
+    num_decodes: int
+    block_size: int
+
+    def to_device(self, device: torch.device, extra: Sequence[torch.Tensor] = ()
+                  ) -> tuple[torch.Tensor, AttentionMetadata, list[torch.Tensor]]:
+        """(positions, the common attention metadata, `extra`) on `device`, moved
+        together with one copy per dtype."""
+        positions, slots, qsl, seq_lens, tables, *extra = upload(
+            [self.positions, self.slot_mapping, self.query_start_loc, self.seq_lens,
+             self.block_tables, *extra], device)
+        num_reqs = len(self.seq_lens)
+        meta = AttentionMetadata(
+            slot_mapping=slots, query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables,
+            query_start_loc_cpu=self.query_start_loc, seq_lens_cpu=self.seq_lens,
+            max_query_len=self.max_query_len, max_seq_len=self.max_seq_len,
+            num_decodes=self.num_decodes, num_prefills=num_reqs - self.num_decodes,
+            num_tokens=len(self.positions), block_size=self.block_size)
+        return positions, meta, extra
+
+
+def build_host_step(starts: list[int], lens: list[int], tables: list[list[int]],
+                    block_size: int) -> HostStep:
+    """starts[i]: tokens request i already has in the cache; lens[i]: tokens it
+    computes now; tables[i]: its block table. Requests that compute one token must
+    come first (they are the decodes)."""
+    starts_t = torch.tensor(starts, dtype=torch.long)
+    lens_t = torch.tensor(lens, dtype=torch.long)
+    query_start = torch.zeros(len(lens) + 1, dtype=torch.long)
+    torch.cumsum(lens_t, 0, out=query_start[1:])
+    req_index = torch.repeat_interleave(torch.arange(len(lens)), lens_t)
+    offsets = torch.arange(int(query_start[-1])) - query_start[req_index]
+    positions = starts_t[req_index] + offsets
+    table = pad_tables(tables)
+    slots = context_slots(table[req_index], positions.unsqueeze(1), block_size).squeeze(1)
+    seq_lens = starts_t + lens_t
+    num_decodes = lens.count(1)
+    if lens[:num_decodes] != [1] * num_decodes:
+        raise ValueError("requests computing one token (decodes) must come first")
+    return HostStep(positions, slots, query_start.int(), seq_lens.int(), table.int(),
+                    max(lens), int(seq_lens.max()), num_decodes, block_size)
+
+
+def context_slots(block_tables: torch.Tensor, positions: torch.Tensor,
+                  block_size: int) -> torch.Tensor:
+    """Cache slots of token positions. block_tables: [..., max_blocks]; positions:
+    same leading dims, any last dim."""
+    tables = block_tables.long()
+    idx = (positions // block_size).clamp(max=tables.shape[-1] - 1)
+    return tables.gather(-1, idx) * block_size + positions % block_size
+
+
+def pad_tables(tables: list[list[int]]) -> torch.Tensor:
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+
+
+def upload(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """The tensors on `device`. On CUDA those of one dtype are packed into one pinned
+    host buffer and copied with one non-blocking transfer (the caching host
+    allocator keeps the buffer alive until the copy is done)."""
+    if device.type == "cpu":
+        return list(tensors)
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    for dtype in dict.fromkeys(t.dtype for t in tensors):
+        idx = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+        flat = [tensors[i].reshape(-1) for i in idx]
+        buf = torch.empty(sum(f.numel() for f in flat), dtype=dtype,
+                          pin_memory=device.type == "cuda")
+        torch.cat(flat, out=buf)
+        pieces = buf.to(device, non_blocking=True).split([f.numel() for f in flat])
+        for i, piece in zip(idx, pieces):
+            out[i] = piece.view(tensors[i].shape)
+    return out

@@ -1,0 +1,126 @@
+"""Split-K flash decoding: one query token per request over its paged context.
+
+Stage 1 (grid: requests x kv heads x splits): a program reads one split of one
+request's keys for one kv head, once, for all the query heads that share that kv
+head (GQA packing: the group's heads are the rows of the tl.dot tile, padded to
+16), and writes a partial output and its log-sum-exp per query head.
+Stage 2 (grid: requests x query heads): merges the partials by log-sum-exp."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.attention.triton.common import (LOG2E, check_cache, check_head_layout,
+                                            dot_precision, dot_tile, parallelism,
+                                            upcast_on_load)
+from engine.attention.triton.paged_tile import attend_paged
+
+BLOCK_N = 64
+MIN_PARTITION = 256  # fewest keys per split: shorter ones cost more to merge than they save
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr,
+                         seq_lens_ptr, block_tables_ptr, scale_log2, partition_size,
+                         stride_qb, stride_qh, stride_block, stride_slot, stride_head,
+                         stride_table, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                         UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    req = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + req)
+    kv_start = split * partition_size
+    if kv_start >= seq_len:  # the merge reads only the splits a request fills
+        return
+    kv_end = tl.minimum(kv_start + partition_size, seq_len)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + offs_g
+    mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + req * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    q_pos = tl.zeros([BLOCK_G], tl.int32) + seq_len  # past every key: no causal mask
+    acc, l_i, m_i = attend_paged(
+        q, q_pos, kv_start, kv_end, block_tables_ptr + req * stride_table,
+        k_cache_ptr, v_cache_ptr, kv_head, scale_log2, stride_block, stride_slot,
+        stride_head, HEAD_DIM, BLOCK_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, UPCAST, DOT_PRECISION)
+    part = part_out_ptr + req * stride_pb + heads * stride_ph + split * stride_ps
+    tl.store(part[:, None] + offs_d[None, :], acc / l_i[:, None], mask=mask)
+    lse_ptr = part_lse_ptr + req * stride_lb + heads * stride_lh + split
+    tl.store(lse_ptr, m_i + tl.log2(l_i), mask=offs_g < GROUP)
+
+
+@triton.jit
+def _merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, seq_lens_ptr, partition_size,
+                  stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+                  HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    req = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    num_splits = tl.cdiv(tl.load(seq_lens_ptr + req), partition_size)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < num_splits
+    lse = tl.load(part_lse_ptr + req * stride_lb + head * stride_lh + offs_s, mask=s_ok,
+                  other=float("-inf"))
+    weight = tl.exp2(lse - tl.max(lse, 0))  # split 0 always has keys: max is finite
+    mask = s_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    base = req * stride_pb + head * stride_ph + offs_s * stride_ps
+    parts = tl.load(part_out_ptr + base[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
+    tl.store(out_ptr + req * stride_ob + head * stride_oh + offs_d,
+             out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+def plan_partition(num_reqs: int, kv_heads: int, max_seq_len: int,
+                   device: torch.device) -> int:
+    """Keys per split: enough splits for about two programs per SM, none shorter
+    than MIN_PARTITION keys, a multiple of BLOCK_N."""
+    programs = max(1, num_reqs * kv_heads)
+    wanted = triton.cdiv(2 * parallelism(device), programs)
+    splits = max(1, min(wanted, MAX_SPLITS, triton.cdiv(max_seq_len, MIN_PARTITION)))
+    per_split = triton.cdiv(max_seq_len, splits)
+    return triton.cdiv(per_split, BLOCK_N) * BLOCK_N
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     out: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                     scale: float, max_seq_len: int,
+                     partition_size: int | None = None) -> None:
+    """q, out: [B, Hq, D], one query per request at its last position; seq_lens [B]
+    and block_tables [B, max_blocks] int32; max_seq_len: max of seq_lens (host)."""
+    check_cache(k_cache, v_cache)
+    check_head_layout(q, out)
+    num_reqs, num_heads, head_dim = q.shape
+    if num_reqs == 0:
+        return
+    _, block_size, kv_heads, _ = k_cache.shape
+    group = num_heads // kv_heads
+    partition = partition_size or plan_partition(num_reqs, kv_heads, max_seq_len, q.device)
+    splits = triton.cdiv(max_seq_len, partition)
+    block_d = dot_tile(head_dim)
+    # fp32 partials: the merge must not round what it weighs.
+    part_out = torch.empty(num_reqs, num_heads, splits, head_dim, dtype=torch.float32,
+                           device=q.device)
+    part_lse = torch.empty(num_reqs, num_heads, splits, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(num_reqs, kv_heads, splits)](
+        q, k_cache, v_cache, part_out, part_lse, seq_lens, block_tables,
+        scale * LOG2E, partition,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=dot_tile(group),
+        BLOCK_N=BLOCK_N, BLOCK_D=block_d, UPCAST=upcast_on_load(q),
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=4, num_stages=2)
+    _merge_kernel[(num_reqs, num_heads)](
+        part_out, part_lse, out, seq_lens, partition,
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
+        num_warps=4)

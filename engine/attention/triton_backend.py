@@ -1,0 +1,41 @@
+"""Attention through our Triton kernels (engine/attention/triton/): the store, then
+the split-K decode kernel for the decodes (rows 0..B-1) and the prefix-aware
+prefill kernel for every longer span, each over the paged cache."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.backend import AttentionBackend
+from engine.attention.context import AttentionMetadata
+from engine.attention.triton import decode_attention, prefill_attention, store_kv_cache
+
+
+@dataclass
+class TritonAttentionMetadata:
+    common: AttentionMetadata
+    max_decode_seq_len: int  # sizes the decode kernel's splits; 0 without decodes
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+
+    def prepare(self, common: AttentionMetadata) -> TritonAttentionMetadata:
+        nd = common.num_decodes
+        longest = int(common.seq_lens_cpu[:nd].max()) if nd else 0
+        return TritonAttentionMetadata(common, longest)
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: TritonAttentionMetadata, scale):
+        c = meta.common
+        store_kv_cache(k, v, k_cache, v_cache, c.slot_mapping)
+        out = torch.empty_like(q)
+        nd = c.num_decodes
+        if nd:
+            decode_attention(q[:nd], k_cache, v_cache, out[:nd], c.seq_lens[:nd],
+                             c.block_tables[:nd], scale, meta.max_decode_seq_len)
+        if c.num_prefills:
+            prefill_attention(q, k_cache, v_cache, out, c.query_start_loc, c.seq_lens,
+                              c.block_tables, scale, first_req=nd, num_reqs=c.num_prefills,
+                              max_query_len=c.max_query_len)
+        return out
