@@ -5,12 +5,21 @@ Every cache slot no request owns holds a poison value, so a kernel that reads
 outside a request's context gives NaN."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from engine.attention import AttentionMetadata
 from engine.attention.step_metadata import build_host_step, context_slots
+
+# Interpreted on the CPU (tests/conftest.py sets TRITON_INTERPRET=1 unless told
+# otherwise); with TRITON_INTERPRET=0 on a GPU host the same tests run on the GPU.
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+needs_kernel_device = pytest.mark.skipif(
+    DEVICE == "cuda" and not torch.cuda.is_available(),
+    reason="Triton kernels need TRITON_INTERPRET=1 or a CUDA device")
 
 
 @dataclass
@@ -34,7 +43,7 @@ class PagedBatch:
 
 def make_batch(q_lens: list[int], seq_lens: list[int], num_heads: int, kv_heads: int,
                head_dim: int, block_size: int, dtype=torch.float32, seed: int = 0,
-               device: str = "cpu", poison: float = float("nan")) -> PagedBatch:
+               device: str = DEVICE, poison: float = float("nan")) -> PagedBatch:
     """Request i computes q_lens[i] new tokens at the end of a seq_lens[i] context;
     decodes (q_len 1) must come first."""
     g = torch.Generator().manual_seed(seed)

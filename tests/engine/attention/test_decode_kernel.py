@@ -10,8 +10,11 @@ import torch
 from engine.attention.triton import decode_attention, plan_partition
 from engine.attention.triton import decode
 from engine.attention.triton.decode import BLOCK_N, MIN_PARTITION
-from tests.engine.attention.paged_batch import make_batch, reference
+from tests.engine.attention.paged_batch import (DEVICE, make_batch, needs_kernel_device,
+                                               reference)
 from tests.engine.attention.tolerances import assert_close
+
+pytestmark = needs_kernel_device
 
 # (seq_lens, q heads, kv heads, head_dim, block_size, dtype, keys per split or None)
 CASES = {
@@ -39,7 +42,7 @@ def test_decode_kernel_matches_reference(case):
 def test_decode_writes_only_its_rows():
     b = make_batch([1, 1], [40, 90], 4, 1, 64, 16).with_new_tokens_cached()
     m = b.meta
-    out = torch.full((4, 4, 64), float("nan"))
+    out = torch.full((4, 4, 64), float("nan"), device=DEVICE)
     decode_attention(b.q, b.k_cache, b.v_cache, out[:2], m.seq_lens, m.block_tables, b.scale,
                      m.max_seq_len, partition_size=64)
     assert_close(out[:2], reference(b))

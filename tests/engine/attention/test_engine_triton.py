@@ -8,7 +8,10 @@ from __future__ import annotations
 import torch
 
 from scheduler.sampling_params import SamplingParams
+from tests.engine.attention.paged_batch import DEVICE, needs_kernel_device
 from tests.support.reference import varied_prompts
+
+pytestmark = needs_kernel_device
 
 VOCAB = 300  # below the tiny tokenizer's vocabulary
 
@@ -36,7 +39,7 @@ def record_logits(engine) -> list[torch.Tensor]:
 
 
 def run(factory, backend: str, arch: str, waves, params, **config):
-    engine = factory(arch, attention_backend=backend, device="cpu", **config)
+    engine = factory(arch, attention_backend=backend, device=DEVICE, dtype="float32", **config)
     steps = record_logits(engine)
     tokens = [engine.generate(wave, params) for wave in waves]
     return tokens, steps, engine

@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from engine.attention.triton import prefill_attention
-from tests.engine.attention.paged_batch import make_batch, reference
+from tests.engine.attention.paged_batch import make_batch, needs_kernel_device, reference
 from tests.engine.attention.tolerances import assert_close
+
+pytestmark = needs_kernel_device
 
 # (q_lens, seq_lens, q heads, kv heads, head_dim, block_size, dtype); decodes first.
 CASES = {

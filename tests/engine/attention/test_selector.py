@@ -26,7 +26,8 @@ def test_auto_on_cuda_without_triton_falls_back_to_torch(monkeypatch):
     assert make_backend("auto", CUDA, 16, torch.bfloat16).name == "torch"
 
 
-def test_explicit_torch_and_triton():
+def test_explicit_torch_and_triton(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert make_backend("torch", CUDA, 16, torch.bfloat16).name == "torch"
     assert make_backend("triton", CPU, 16, torch.float32).name == "triton"  # interpreted
 

@@ -10,8 +10,10 @@ import torch
 
 from engine.attention.torch_backend import TorchBackend
 from engine.attention.triton_backend import TritonBackend
-from tests.engine.attention.paged_batch import PagedBatch, make_batch
+from tests.engine.attention.paged_batch import PagedBatch, make_batch, needs_kernel_device
 from tests.engine.attention.tolerances import assert_close
+
+pytestmark = needs_kernel_device
 
 PAD = 3  # padded tokens after the real ones
 
@@ -20,8 +22,9 @@ def with_padding(b: PagedBatch) -> PagedBatch:
     """The batch plus PAD tokens that belong to no request and have slot -1, as a
     runner padding a batch to a fixed size would make."""
     def grow(t):
-        return torch.cat([t, torch.randn(PAD, *t.shape[1:]).to(t.dtype)])
-    slots = torch.cat([b.meta.slot_mapping, torch.full((PAD,), -1, dtype=torch.long)])
+        return torch.cat([t, torch.randn(PAD, *t.shape[1:]).to(t)])
+    pad_slots = torch.full((PAD,), -1, dtype=torch.long, device=b.q.device)
+    slots = torch.cat([b.meta.slot_mapping, pad_slots])
     meta = dataclasses.replace(b.meta, slot_mapping=slots, num_tokens=b.meta.num_tokens + PAD)
     return PagedBatch(grow(b.q), grow(b.k), grow(b.v), b.k_cache, b.v_cache, meta, b.scale)
 
