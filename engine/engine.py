@@ -12,6 +12,7 @@ from engine.loader import (ModelLoadError, check_fits, has_tokenizer, load_model
                            load_tokenizer, resolve_device, resolve_dtype)
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
+from engine.request_checks import check_request
 from engine.sampling import StepResult
 from kvcache import KVCacheManager
 from scheduler.request import Request
@@ -92,20 +93,8 @@ class Engine:
                  params: SamplingParams | None = None) -> None:
         """Raises ValueError for a prompt (or sampling parameters: token ids in
         logit_bias) this engine can never run."""
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens but this model's "
-                             f"maximum context length is {self.max_model_len} tokens")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is out of the vocabulary (0..{vocab - 1})")
-        bias = params.logit_bias if params is not None else None
-        bad = next((t for t in bias or () if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"logit_bias: token id {bad} is out of the vocabulary "
-                             f"(0..{vocab - 1})")
+        check_request(prompt_token_ids, params, self.max_model_len,
+                      self.model_config.vocab_size)
 
     def abort_request(self, request_id: str, reason: str = "abort") -> list[RequestOutput]:
         """Ends the request and any siblings not yet forked from it; [] if unknown."""

@@ -123,6 +123,9 @@ def add_serve_args(p: _EnvDefaults) -> None:
     p.add("--attention-backend", "auto", choices=["auto", "triton", "flash-attn", "torch"],
           help="attention kernels (auto: triton on CUDA, torch on CPU; flash-attn needs "
           "the flash_attn package and a --block-size multiple of 256)")
+    p.add("--engine-mode", "auto", choices=["auto", "thread", "process"],
+          help="where the engine runs: a thread of the server, or a process of its own "
+          "(auto: process on CUDA, thread on CPU)")
     p.add("--log-level", "info", help="debug|info|warning|error")
     p.add_secret_list("--api-key", help="require `Authorization: Bearer <key>` on /v1 "
                       "routes; comma-separated and/or repeated for several keys")
@@ -182,20 +185,20 @@ def _check_model_arg(model: str, load_format: str) -> None:
 def serve(args) -> None:
     import uvicorn
 
-    from engine.async_engine import AsyncEngine
     from engine.attention import AttentionBackendError
     from engine.config import ModelConfigError
-    from engine.engine import Engine
+    from engine.launch import start_engine
     from engine.loader import ModelLoadError
+    from engine.process_engine import EngineStartError
     from server.app import build_app
     from server.shutdown import GracefulServer
 
     path, names = resolve_model(args)
     try:
-        engine = Engine(engine_config_from_args(args, path))
-    except (ModelLoadError, ModelConfigError, AttentionBackendError) as exc:
+        engine = start_engine(engine_config_from_args(args, path), args.engine_mode)
+    except (ModelLoadError, ModelConfigError, AttentionBackendError, EngineStartError) as exc:
         raise SystemExit(f"kvserve: {exc}") from None
-    app = build_app(AsyncEngine(engine), names, model_root=path, api_keys=args.api_key,
+    app = build_app(engine, names, model_root=path, api_keys=args.api_key,
                     max_waiting_requests=args.max_waiting_requests)
     log.info("serving %s on http://%s:%d%s", ", ".join(names), args.host, args.port,
              f" ({len(args.api_key)} API key(s) required on /v1)" if args.api_key else "")
