@@ -11,7 +11,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.loader import (ModelLoadError, check_fits, has_tokenizer, load_model,
                            load_tokenizer, resolve_device, resolve_dtype)
 from engine.model_runner import ModelRunner
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, RequestTimes
 from engine.request_checks import check_request
 from engine.sampling import StepResult
 from kvcache import KVCacheManager
@@ -137,7 +137,8 @@ class Engine:
             finished=req.finished,
             finish_reason=req.finish_reason, stop_reason=req.stop_reason,
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            times=RequestTimes.of(req) if req.finished else None)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
                  ) -> list[list[int]]:

@@ -35,6 +35,10 @@ class ServingStats:
     # Sequences that ended, by finish reason (a stop string found by the front end
     # counts as "stop").
     finished: dict[str, int] = field(default_factory=dict)
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0  # of those, tokens found cached
+    preemptions: int = 0
+    kv_usage: float = 0.0  # as of the last report (0..1)
 
 
 class _Reservation:
@@ -216,6 +220,10 @@ class EngineClient:
     def _count(self, rep: StepReport) -> None:
         stats = self.stats
         stats.prompt_tokens += rep.prompt_tokens
+        stats.prefix_queries += rep.prefix_queries
+        stats.prefix_hits += rep.prefix_hits
+        stats.preemptions += rep.preemptions
+        stats.kv_usage = rep.kv_usage
         for out in rep.outputs:
             stats.generation_tokens += len(out.new_token_ids)
             if out.finished:

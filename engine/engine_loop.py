@@ -36,6 +36,13 @@ class StepReport:
     step_start: float | None = None
     step_seconds: float = 0.0
     prompt_tokens_computed: int = 0
+    step_tokens: int = 0  # prompt tokens computed plus tokens sampled in the step
+    # Engine counters since the previous report: deltas, so the receiver only adds
+    # them up and no report is counted twice or lost between steps.
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0  # of those, tokens found cached
+    preemptions: int = 0
+    kv_usage: float = 0.0  # fraction of the KV cache's blocks in use, after it (0..1)
 
 
 class EngineLoop:
@@ -43,6 +50,7 @@ class EngineLoop:
                  report: Callable[[StepReport], None]):
         self.engine, self.commands, self.report = engine, commands, report
         self.stopped = False
+        self._counters = self._engine_counters()
 
     def run(self) -> None:
         """Until a stop command; exceptions propagate (the engine is then dead)."""
@@ -53,16 +61,32 @@ class EngineLoop:
                 self._handle(kind, arg, rep)
             if engine.has_unfinished_requests() and not self.stopped:
                 self._step(rep)
-            sched = engine.scheduler
-            rep.waiting, rep.running = len(sched.waiting), len(sched.running)
+            self._snapshot(rep)
             self.report(rep)
 
     def _step(self, rep: StepReport) -> None:
-        computed = self.engine.stats.prompt_tokens_computed
+        stats = self.engine.stats
+        computed, sampled = stats.prompt_tokens_computed, stats.generated_tokens
         rep.step_start = time.monotonic()
         rep.outputs.extend(self.engine.step())
         rep.step_seconds = time.monotonic() - rep.step_start
-        rep.prompt_tokens_computed = self.engine.stats.prompt_tokens_computed - computed
+        rep.prompt_tokens_computed = stats.prompt_tokens_computed - computed
+        rep.step_tokens = rep.prompt_tokens_computed + stats.generated_tokens - sampled
+
+    def _engine_counters(self) -> tuple[int, int, int]:
+        kv_stats = self.engine.kv.stats
+        return (kv_stats.prefix_queries, kv_stats.prefix_hits,
+                self.engine.scheduler.num_preemptions)
+
+    def _snapshot(self, rep: StepReport) -> None:
+        """Queue lengths and KV usage as they are now; counters since the last report."""
+        engine = self.engine
+        rep.waiting, rep.running = len(engine.scheduler.waiting), len(engine.scheduler.running)
+        rep.kv_usage = engine.kv.usage
+        now = self._engine_counters()
+        rep.prefix_queries, rep.prefix_hits, rep.preemptions = (
+            a - b for a, b in zip(now, self._counters))
+        self._counters = now
 
     def _handle(self, kind: str, arg, rep: StepReport) -> None:
         if kind == "add":

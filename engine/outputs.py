@@ -16,6 +16,23 @@ class TokenLogprob:
 
 
 @dataclass
+class RequestTimes:
+    """A finished sequence's timings in the engine (seconds, from the scheduler's
+    timestamps; None for a phase it never reached, e.g. aborted while waiting) and
+    how many tokens it generated. Plain data: it crosses the pipe in process mode."""
+
+    queue: float | None = None  # arrival in the engine -> first scheduled
+    prefill: float | None = None  # first scheduled -> first token
+    decode: float | None = None  # first token -> last token
+    num_generation_tokens: int = 0
+
+    @classmethod
+    def of(cls, req) -> RequestTimes:
+        """From a scheduler Request."""
+        return cls(req.queue_time, req.prefill_time, req.decode_time, req.num_output_tokens)
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     index: int = 0  # which of the prompt's n sequences (0 for the request itself)
@@ -34,3 +51,5 @@ class RequestOutput:
     # one per prompt token, the first None (nothing precedes it). Every one of the n
     # sequences of a prompt gets the same list.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # Only on a sequence's finishing output: its timings, for the request histograms.
+    times: RequestTimes | None = None

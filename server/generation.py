@@ -16,6 +16,7 @@ from engine.engine_client import EngineClient, EngineDeadError
 from scheduler.sampling_params import SamplingParams
 from server.detokenizer import IncrementalDetokenizer
 from server.errors import APIError
+from server.metrics_frontend import current_clock
 
 log = logging.getLogger("kvserve.server")
 
@@ -137,9 +138,13 @@ async def collect(engine: EngineClient, rid: str, groups: list[PromptGroup],
                   opts: TextOptions) -> dict[int, list[ChoiceDelta]]:
     """Every choice's deltas, in order, once all are finished."""
     results: dict[int, list[ChoiceDelta]] = {}
+    clock = current_clock()
 
     async def keep(d: ChoiceDelta):
         results.setdefault(d.index, []).append(d)
+        # Ready to send: timing the body's one write instead would make every
+        # token's latency the whole request's (vLLM times it here too).
+        clock.sent((d,))
 
     tasks = [asyncio.create_task(run_group(engine, rid, g, opts, keep)) for g in groups]
     try:

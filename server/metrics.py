@@ -1,49 +1,38 @@
-"""GET /metrics: Prometheus text exposition of the engine's load and counters.
+"""GET /metrics: Prometheus text exposition under vLLM's metric names with the
+`kvserve:` prefix, so a vLLM dashboard translates one to one (vllm: -> kvserve:).
+Every series carries `model_name`, the first served model name.
 
-Each app gets its own CollectorRegistry, so several apps in one process (tests) never
-collide in prometheus-client's global registry. Values are read at scrape time from
-numbers the engine reports (see EngineClient), so nothing here runs per token."""
+Where each value comes from:
+  - gauges and counters (metrics_engine): read at scrape time from the totals that
+    EngineClient sums from the engine's StepReports;
+  - per-sequence engine timings and lengths, tokens per step (metrics_requests): a
+    report listener, once per step;
+  - TTFT, inter-token and e2e latency (metrics_frontend): the front end, when
+    tokens are sent;
+  - the periodic log line (metrics_log): another report listener.
+
+Each app gets its own CollectorRegistry, so several apps in one process (tests)
+never collide in prometheus-client's global registry."""
 from __future__ import annotations
 
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.engine_client import EngineClient
-
-PREFIX = "kvserve:"
-
-
-class _EngineCollector:
-    def __init__(self, engine: EngineClient):
-        self.engine = engine
-
-    def collect(self):
-        e, stats = self.engine, self.engine.stats
-        yield GaugeMetricFamily(PREFIX + "num_requests_running",
-                                "Requests running in the engine (scheduled).",
-                                value=e.num_running)
-        yield GaugeMetricFamily(PREFIX + "num_requests_waiting",
-                                "Requests waiting to be scheduled.", value=e.num_waiting)
-        success = CounterMetricFamily(PREFIX + "request_success",
-                                      "Finished sequences, by finish reason.",
-                                      labels=["finished_reason"])
-        # The usual reasons start at 0, so rate() works before the first one happens.
-        counts = {**dict.fromkeys(("stop", "length", "abort"), 0), **stats.finished}
-        for reason, count in sorted(counts.items()):
-            success.add_metric([reason], count)
-        yield success
-        yield CounterMetricFamily(PREFIX + "prompt_tokens", "Prompt tokens accepted.",
-                                  value=stats.prompt_tokens)
-        yield CounterMetricFamily(PREFIX + "generation_tokens", "Tokens generated.",
-                                  value=stats.generation_tokens)
+from server.metrics_engine import EngineCollector
+from server.metrics_frontend import FrontendHistograms
+from server.metrics_log import StatsLogger
+from server.metrics_requests import EngineHistograms
 
 
-def metrics_registry(engine: EngineClient) -> CollectorRegistry:
-    registry = CollectorRegistry()
-    registry.register(_EngineCollector(engine))
-    return registry
+class ServerMetrics:
+    def __init__(self, engine: EngineClient, model_name: str, log_interval: float = 10.0):
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(engine, model_name))
+        self.frontend = FrontendHistograms(self.registry, model_name)
+        self.requests = EngineHistograms(self.registry, model_name, engine.max_model_len)
+        self.stats_logger = StatsLogger(log_interval)
+        engine.report_listeners.extend([self.requests, self.stats_logger])
 
-
-def metrics_response(registry: CollectorRegistry) -> Response:
-    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+    def response(self) -> Response:
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)

@@ -12,7 +12,8 @@ from fastapi.responses import JSONResponse
 from engine.engine_client import EngineClient
 from server.admission import Admission, AdmissionMiddleware
 from server.auth import ApiKeyMiddleware
-from server.metrics import metrics_registry, metrics_response
+from server.metrics import ServerMetrics
+from server.metrics_frontend import ArrivalMiddleware
 from server.tokenize_api import tokenize_router
 
 
@@ -21,10 +22,12 @@ def install_ops(app: FastAPI, engine: EngineClient, model_names: list[str], vers
     admission = Admission(engine, max_waiting_requests)
     app.state.admission = admission  # the shutdown drain finds it here
     app.add_middleware(AdmissionMiddleware, admission=admission)
-    if api_keys:  # added last, so outermost: a request without a key is never admitted
+    if api_keys:  # added after admission, so outside it: no key, never admitted
         app.add_middleware(ApiKeyMiddleware, keys=list(api_keys))
+    server_metrics = ServerMetrics(engine, model_names[0] if model_names else "")
+    # Outermost: a request's latency counts from its arrival, auth and admission included.
+    app.add_middleware(ArrivalMiddleware, hist=server_metrics.frontend)
     app.include_router(tokenize_router(engine, model_names))
-    registry = metrics_registry(engine)
 
     @app.get("/health")
     async def health():
@@ -40,6 +43,6 @@ def install_ops(app: FastAPI, engine: EngineClient, model_names: list[str], vers
 
     @app.get("/metrics")
     async def metrics():
-        return metrics_response(registry)
+        return server_metrics.response()
 
     return admission

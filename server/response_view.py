@@ -10,6 +10,7 @@ from server import generation
 from server.errors import APIError, sse_data, sse_error
 from server.generation import ChoiceDelta, PromptGroup
 from server.logprobs import TokenText
+from server.metrics_frontend import current_clock
 
 
 class ResponseView:
@@ -21,6 +22,7 @@ class ResponseView:
         self.tokenizer = tokenizer
         self.token_text = TokenText(tokenizer)
         self.created = int(time.time())
+        self.clock = current_clock()  # TTFT / ITL / e2e of what sse() sends
 
     # -- what a subclass defines ---------------------------------------------
     def choice(self, index: int, deltas: list[ChoiceDelta]) -> dict:
@@ -58,6 +60,7 @@ class ResponseView:
                 if error is not None:  # only ever the last item: the stream ends here
                     parts.append(sse_error(error.status, error.message))
                 yield "".join(parts)
+                self.clock.sent(batch)  # resumed only once the server has sent it
                 if error is not None:
                     break
             else:

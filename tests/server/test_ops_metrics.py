@@ -1,14 +1,16 @@
-"""GET /metrics: Prometheus text with the engine's load gauges and serving counters."""
+"""GET /metrics: Prometheus text with the engine's load gauges and serving counters
+(every series labelled with the served model's name; test_metrics_values.py checks
+the histograms and the values in depth)."""
 from __future__ import annotations
 
 import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from engine.async_engine import AsyncEngine
 from server.app import build_app
+from tests.support.prom_text import parse_samples
 from tests.support.server import running_server
 
 MODEL = "tiny"
@@ -25,8 +27,7 @@ def _samples(http: httpx.Client) -> dict[tuple, float]:
     r = http.get("/metrics")
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("text/plain")
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+    return parse_samples(r.text, MODEL)
 
 
 def _success(samples: dict, reason: str) -> float:
@@ -38,7 +39,7 @@ def test_exposes_the_required_series(http):
     for name in ("kvserve:num_requests_running", "kvserve:num_requests_waiting",
                  "kvserve:prompt_tokens_total", "kvserve:generation_tokens_total"):
         assert (name, ()) in samples, sorted(samples)
-    for reason in ("stop", "length", "abort"):
+    for reason in ("stop", "length", "abort", "error"):
         assert ("kvserve:request_success_total", (("finished_reason", reason),)) in samples
     text = http.get("/metrics").text
     assert "# TYPE kvserve:num_requests_running gauge" in text

@@ -83,8 +83,8 @@ async def _poll(check, timeout: float = 30.0) -> None:
 
 async def _running(c: httpx.AsyncClient) -> int:
     text = (await c.get("/metrics")).text
-    name = "kvserve:num_requests_running "
-    line = next(ln for ln in text.splitlines() if ln.startswith(name))
+    names = ("kvserve:num_requests_running ", "kvserve:num_requests_running{")
+    line = next(ln for ln in text.splitlines() if ln.startswith(names))
     return int(float(line.split()[-1]))
 
 

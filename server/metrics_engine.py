@@ -1,0 +1,60 @@
+"""Gauges and counters of /metrics, read at scrape time from the numbers the engine
+reports (EngineClient.stats and its queue counts): nothing here runs per token.
+
+Counters are plain families rather than prometheus_client.Counter objects because
+their totals already live in ServingStats, summed from the engine's reports."""
+from __future__ import annotations
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from engine.engine_client import EngineClient
+
+PREFIX = "kvserve:"
+LABEL = "model_name"
+# vLLM's finish reasons. Each starts at 0 so that rate() and the dashboard's panels
+# have a series before the first one happens.
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class EngineCollector:
+    def __init__(self, engine: EngineClient, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self):
+        e, stats = self.engine, self.engine.stats
+        yield self._one(GaugeMetricFamily, "num_requests_running",
+                        "Requests in the engine's running batch.", e.num_running)
+        yield self._one(GaugeMetricFamily, "num_requests_waiting",
+                        "Requests waiting to be scheduled.", e.num_waiting)
+        yield self._one(GaugeMetricFamily, "kv_cache_usage_perc",
+                        "KV-cache usage. 1 means 100 percent usage.", stats.kv_usage)
+        yield self._one(CounterMetricFamily, "prompt_tokens",
+                        "Prompt tokens of the requests the engine accepted.",
+                        stats.prompt_tokens)
+        yield self._one(CounterMetricFamily, "generation_tokens", "Tokens generated.",
+                        stats.generation_tokens)
+        yield self._one(CounterMetricFamily, "prefix_cache_queries",
+                        "Prefix cache queries, in prompt tokens looked up.",
+                        stats.prefix_queries)
+        yield self._one(CounterMetricFamily, "prefix_cache_hits",
+                        "Prefix cache hits, in prompt tokens found cached.",
+                        stats.prefix_hits)
+        yield self._one(CounterMetricFamily, "num_preemptions",
+                        "Requests preempted (their KV freed, to be recomputed).",
+                        stats.preemptions)
+        yield self._success()
+
+    def _one(self, family, name: str, doc: str, value: float):
+        metric = family(PREFIX + name, doc, labels=[LABEL])
+        metric.add_metric([self.model_name], value)
+        return metric
+
+    def _success(self) -> CounterMetricFamily:
+        metric = CounterMetricFamily(PREFIX + "request_success",
+                                     "Finished sequences, by finish reason.",
+                                     labels=[LABEL, "finished_reason"])
+        counts = {**dict.fromkeys(FINISH_REASONS, 0), **self.engine.stats.finished}
+        for reason, count in sorted(counts.items()):
+            metric.add_metric([self.model_name, reason], count)
+        return metric
