@@ -22,6 +22,8 @@ PY=${PYTHON:-python3}
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # Nothing outside the machine can be reached: fail fast instead of waiting on it.
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 KVSERVE_CACHE=/tmp/kvserve-cache
+# Real kernels on the GPU (tests/conftest.py turns the interpreter on when unset).
+export TRITON_INTERPRET=0
 export KVSERVE_COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 
 # stage NAME SECONDS CMD...: log to $OUT/NAME.log, one line per stage in summary.txt.

@@ -168,3 +168,6 @@ class EngineConfig:
     seed: int = 0
     # auto (triton on CUDA, torch elsewhere) | triton | flash-attn | torch
     attention_backend: str = "auto"
+    # Decode-only steps on CUDA replay CUDA graphs (one per batch-size bucket) unless
+    # this is set; mixed steps always run eagerly.
+    enforce_eager: bool = False

@@ -62,6 +62,20 @@ class Engine:
         log.info("KV cache: %d blocks of %d tokens (%d tokens, %.1fx concurrency at %d)",
                  num_blocks, config.block_size, num_blocks * config.block_size,
                  num_blocks * config.block_size / self.max_model_len, self.max_model_len)
+        self._capture_decode_graphs()
+
+    def _capture_decode_graphs(self) -> None:
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return
+        if not self.runner.attn_backend.graph_safe:
+            log.info("CUDA graphs off: the %s attention backend cannot be captured",
+                     self.runner.attn_backend.name)
+            return
+        t0 = time.perf_counter()
+        self.runner.use_decode_graphs(self.config.max_num_seqs, self.max_model_len,
+                                      capture=True)
+        log.info("captured CUDA graphs for decode batch sizes %s in %.1f s",
+                 self.runner.decode_graphs.buckets, time.perf_counter() - t0)
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.model_config.eos_token_ids)

@@ -10,6 +10,7 @@ import torch
 
 from engine.attention import clear_attention_context, make_backend, set_attention_context
 from engine.attention.step_metadata import build_host_step
+from engine.cuda_graphs import DecodeGraphs
 from engine.models.llama import LlamaForCausalLM
 from engine.sampling import Sampler, StepResult
 from engine.sampling.logprobs import MAX_EXACT_ID
@@ -32,6 +33,7 @@ class FlatBatch:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, attention_backend: str = "auto"):
+        self.decode_graphs: DecodeGraphs | None = None  # see use_decode_graphs
         self.model, self.device, self.block_size = model, device, block_size
         self.attn_backend = make_backend(attention_backend, device, block_size, dtype)
         cfg = model.config
@@ -49,16 +51,47 @@ class ModelRunner:
     def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
         return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
+    def use_decode_graphs(self, max_num_seqs: int, max_model_len: int,
+                          capture: bool) -> None:
+        """Decode-only steps go through padded static buffers from now on, captured
+        as CUDA graphs when `capture` (CUDA and a graph-safe backend only)."""
+        if capture and not (self.device.type == "cuda" and self.attn_backend.graph_safe):
+            raise ValueError("CUDA graphs need CUDA and a graph-safe attention backend")
+        self.decode_graphs = DecodeGraphs(self.model, self.attn_backend, self.block_size,
+                                          max_num_seqs, max_model_len, self.device, capture)
+        if capture:
+            self.decode_graphs.capture_all()
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Runs the step: the sampled token of every request that samples (a forking
         parent's siblings included) and the logprobs asked for."""
         self.copy_blocks(out.block_copies)
+        if self._graph_step(out.scheduled):
+            return self._execute_decode(out.scheduled)
         batch = self.prepare(out.scheduled)
         logits = self.forward_logits(batch)
         if not batch.sampling and not batch.prompt_spans:
             return StepResult()
         return self.sampler.run(logits, batch.sampling, batch.prompt_spans)
+
+    def _graph_step(self, scheduled: list[ScheduledRequest]) -> bool:
+        g = self.decode_graphs
+        return (g is not None and g.fits(len(scheduled))
+                and all(s.num_new_tokens == 1 for s in scheduled)
+                and not any(s.request.needs_prompt_logits for s in scheduled))
+
+    def _execute_decode(self, scheduled: list[ScheduledRequest]) -> StepResult:
+        """A decode-only step through the padded (captured) forward pass."""
+        host = build_host_step([s.start for s in scheduled], [1] * len(scheduled),
+                               [s.block_table for s in scheduled], self.block_size)
+        ids = torch.tensor([s.request.token_ids[s.start] for s in scheduled])
+        logits = self.decode_graphs.run(host, ids)
+        rows = [i for i, s in enumerate(scheduled) if s.samples]
+        if len(rows) != len(scheduled):  # a one-token prompt chunk samples nothing
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        sampling = [scheduled[i] for i in rows]
+        return self.sampler.run(logits, sampling, []) if sampling else StepResult()
 
     def forward_logits(self, batch: FlatBatch) -> torch.Tensor:
         set_attention_context(self.attn_backend, batch.attention)

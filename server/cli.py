@@ -123,6 +123,8 @@ def add_serve_args(p: _EnvDefaults) -> None:
     p.add("--attention-backend", "auto", choices=["auto", "triton", "flash-attn", "torch"],
           help="attention kernels (auto: triton on CUDA, torch on CPU; flash-attn needs "
           "the flash_attn package and a --block-size multiple of 256)")
+    p.add("--enforce-eager", False, type=_bool,
+          help="no CUDA graphs for decode steps (they are captured on CUDA otherwise)")
     p.add("--engine-mode", "auto", choices=["auto", "thread", "process"],
           help="where the engine runs: a thread of the server, or a process of its own "
           "(auto: process on CUDA, thread on CPU)")
@@ -148,7 +150,8 @@ def engine_config_from_args(args, model_path: str):
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         scheduling_policy=args.scheduling_policy,
         enable_prefix_caching=args.enable_prefix_caching, load_format=args.load_format,
-        seed=args.seed, attention_backend=args.attention_backend)
+        seed=args.seed, attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager)
 
 
 def resolve_model(args) -> tuple[str, list[str]]:

@@ -16,6 +16,10 @@ from engine.attention.context import AttentionMetadata
 
 class AttentionBackend(ABC):
     name: str = ""
+    # True when prepare() works from device tensors and max_seq_len alone (no host
+    # copies of the lengths) and forward() never syncs: decode steps can then be
+    # captured in a CUDA graph.
+    graph_safe: bool = False
 
     def prepare(self, common: AttentionMetadata) -> Any:
         """Per-step metadata of this backend; by default the common one as is."""

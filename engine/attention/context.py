@@ -25,9 +25,10 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [R] int32 context length, this step's tokens included
     block_tables: torch.Tensor  # [R, max_blocks] int32, padded with 0
     # Host copies of the two small vectors, for backends that plan on the host
-    # without waiting for the device.
+    # without waiting for the device. seq_lens_cpu is None inside a CUDA graph
+    # capture (the graph must hold for any lengths up to max_seq_len).
     query_start_loc_cpu: torch.Tensor
-    seq_lens_cpu: torch.Tensor
+    seq_lens_cpu: torch.Tensor | None
     max_query_len: int
     max_seq_len: int
     num_decodes: int

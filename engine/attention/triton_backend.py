@@ -21,9 +21,14 @@ class TritonAttentionMetadata:
 class TritonBackend(AttentionBackend):
     name = "triton"
 
+    graph_safe = True  # prepare reads no device data; forward only launches kernels
+
     def prepare(self, common: AttentionMetadata) -> TritonAttentionMetadata:
         nd = common.num_decodes
-        longest = int(common.seq_lens_cpu[:nd].max()) if nd else 0
+        if common.seq_lens_cpu is None:  # a CUDA graph: plan for any context length
+            longest = common.max_seq_len if nd else 0
+        else:
+            longest = int(common.seq_lens_cpu[:nd].max()) if nd else 0
         return TritonAttentionMetadata(common, longest)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TritonAttentionMetadata, scale):
