@@ -158,7 +158,9 @@ class EngineConfig:
     block_size: int = 16
     # KV cache size: an explicit block count wins; else bytes on CPU.
     num_kv_blocks: int | None = None
-    kv_cache_memory: int = 1 << 30
+    # bytes; None: on CUDA what gpu_memory_utilization leaves, on CPU 1 GiB
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     long_prefill_token_threshold: int = 0  # 0: a request may use the whole budget

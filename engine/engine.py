@@ -10,6 +10,7 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.loader import (ModelLoadError, check_fits, has_tokenizer, load_model,
                            load_tokenizer, resolve_device, resolve_dtype)
+from engine.memory_budget import profile_kv_budget
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput, RequestTimes
 from engine.request_checks import check_request
@@ -20,6 +21,8 @@ from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger("kvserve.engine")
+
+DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
 @dataclass
@@ -48,7 +51,7 @@ class Engine:
         torch.manual_seed(config.seed)
         model = load_model(config.model, cfg, self.dtype, self.device, self.max_model_len,
                            config.load_format, config.seed)
-        num_blocks = self._num_kv_blocks()
+        num_blocks = self._num_kv_blocks(model)
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.device, self.dtype,
                                   config.attention_backend)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
@@ -83,10 +86,17 @@ class Engine:
             ids.add(self.tokenizer.eos_token_id)
         return tuple(sorted(ids))
 
-    def _num_kv_blocks(self) -> int:
+    def _num_kv_blocks(self, model) -> int:
+        """--num-kv-blocks, else --kv-cache-memory, else on CUDA what
+        --gpu-memory-utilization leaves after a profile step, else 1 GiB (CPU)."""
         c = self.config
         per_block = ModelRunner.kv_bytes_per_block(self.model_config, c.block_size, self.dtype)
-        num = c.num_kv_blocks or c.kv_cache_memory // per_block
+        if c.num_kv_blocks or c.kv_cache_memory is not None:
+            num = c.num_kv_blocks or c.kv_cache_memory // per_block
+        elif self.device.type == "cuda":
+            num = profile_kv_budget(model, c, self.device, self.dtype) // per_block
+        else:
+            num = DEFAULT_CPU_KV_BYTES // per_block
         if num < 1:
             raise ModelLoadError("the KV cache budget is smaller than one block")
         check_fits(num * per_block, self.device, "the KV cache")

@@ -75,6 +75,23 @@ class ModelRunner:
             return StepResult()
         return self.sampler.run(logits, batch.sampling, batch.prompt_spans)
 
+    @torch.inference_mode()
+    def profile_step(self, num_tokens: int, num_sampling_rows: int) -> None:
+        """The largest step the engine will run, for its peak memory: one prompt of
+        num_tokens through blocks 0.., and logits plus sampling probabilities for
+        num_sampling_rows rows (the last hidden row repeated)."""
+        blocks = list(range(-(-num_tokens // self.block_size)))
+        host = build_host_step([0], [num_tokens], [blocks], self.block_size)
+        ids = torch.zeros(num_tokens, dtype=torch.long)
+        positions, common, (input_ids,) = host.to_device(self.device, [ids])
+        set_attention_context(self.attn_backend, self.attn_backend.prepare(common))
+        try:
+            hidden = self.model(input_ids, positions)
+        finally:
+            clear_attention_context()
+        logits = self.model.compute_logits(hidden[-1:].expand(num_sampling_rows, -1))
+        logits.softmax(dim=-1).sort(dim=-1)  # top-p sorts the probabilities
+
     def _graph_step(self, scheduled: list[ScheduledRequest]) -> bool:
         g = self.decode_graphs
         return (g is not None and g.fits(len(scheduled))

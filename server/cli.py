@@ -108,7 +108,11 @@ def add_serve_args(p: _EnvDefaults) -> None:
     p.add("--device", "auto", help="auto|cpu|cuda")
     p.add("--max-model-len", None, type=int, help="context length cap")
     p.add("--block-size", 16, type=int, help="tokens per KV-cache block")
-    p.add("--kv-cache-memory", "1GiB", type=parse_size, help="KV cache size")
+    p.add("--kv-cache-memory", None, type=parse_size,
+          help="KV cache size (default: on CUDA what --gpu-memory-utilization leaves "
+          "after weights and a profiled peak step; on CPU 1GiB)")
+    p.add("--gpu-memory-utilization", 0.9, type=float,
+          help="share of the GPU's memory kvserve may use (weights, activations, KV)")
     p.add("--num-kv-blocks", None, type=int, help="KV cache size in blocks (overrides memory)")
     p.add("--max-num-seqs", 64, type=int, help="most requests running at once")
     p.add("--max-num-batched-tokens", 512, type=int, help="token budget of one step")
@@ -151,7 +155,8 @@ def engine_config_from_args(args, model_path: str):
         scheduling_policy=args.scheduling_policy,
         enable_prefix_caching=args.enable_prefix_caching, load_format=args.load_format,
         seed=args.seed, attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager)
+        enforce_eager=args.enforce_eager,
+        gpu_memory_utilization=args.gpu_memory_utilization)
 
 
 def resolve_model(args) -> tuple[str, list[str]]:
