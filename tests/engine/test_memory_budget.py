@@ -40,8 +40,8 @@ def test_cuda_cache_fills_the_utilization(tiny_model_dir):
     from engine.engine import Engine
 
     engine = Engine(EngineConfig(model=str(tiny_model_dir("llama")), device="cuda",
-                                 gpu_memory_utilization=0.3, enforce_eager=True))
+                                 gpu_memory_utilization=0.05, enforce_eager=True))
     total = torch.cuda.mem_get_info()[1]
     used = torch.cuda.memory_allocated()
-    assert 0.2 * total < used <= 0.3 * total
+    assert 0.03 * total < used <= 0.05 * total
     assert engine.kv.num_blocks > 1000
