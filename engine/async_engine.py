@@ -10,7 +10,7 @@ import queue
 import threading
 
 from engine.engine import Engine
-from engine.engine_client import EngineClient, EngineDeadError, ServingStats  # noqa: F401
+from engine.engine_client import EngineClient
 from engine.engine_loop import Command, EngineLoop
 
 log = logging.getLogger("kvserve.async_engine")

@@ -2,29 +2,18 @@
 with n choices, answered as a chat.completion or streamed chat.completion.chunks."""
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse, StreamingResponse
-
-from engine.engine_client import EngineClient
-from server import generation
 from server.chat_template import render_chat
-from server.errors import APIError
-from server.generation import ChoiceDelta, PromptGroup, TextOptions
+from server.generation import ChoiceDelta, PromptGroup
 from server.logprobs import chat_logprobs
 from server.protocol import ChatCompletionRequest, chat_completion_id
 from server.response_view import ResponseView
-from server.validation import check_model, check_prompt, output_budget, sampling_params
+from server.service import GenerationService
+from server.validation import check_prompt, output_budget, sampling_params
 
 
-class ChatService:
-    def __init__(self, engine: EngineClient, model_names: list[str]):
-        self.engine = engine
-        self.model_names = model_names
-        self.vocab_size = engine.vocab_size
-
+class ChatService(GenerationService):
     async def create(self, req: ChatCompletionRequest):
-        model = check_model(req.model, self.model_names)
-        if not self.engine.is_alive:
-            raise APIError(503, "the engine is not running")
+        model = self.served_model(req.model)
         ids = check_prompt(self.engine, render_chat(
             self.engine.tokenizer, req.message_dicts(), req.add_generation_prompt,
             req.continue_final_message, chat_template=req.chat_template,
@@ -35,14 +24,8 @@ class ChatService:
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         groups = [PromptGroup(0, ids, sampling_params(req, max_tokens, self.vocab_size,
                                                       num_logprobs))]
-        opts = TextOptions(req.stop_strings(), req.include_stop_str_in_output,
-                           req.skip_special_tokens, req.cache_salt, req.priority)
         view = _ChatView(chat_completion_id(), model, req, groups, self.engine.tokenizer)
-        if req.stream:
-            events = generation.stream(self.engine, view.rid, groups, opts)
-            return StreamingResponse(view.sse(events), media_type="text/event-stream")
-        results = await generation.collect(self.engine, view.rid, groups, opts)
-        return JSONResponse(view.body(results))
+        return await self.respond(view, groups, req)
 
 
 class _ChatView(ResponseView):

@@ -1,41 +1,25 @@
 """POST /v1/completions: prompts -> engine requests -> text, whole or streamed (SSE)."""
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse, StreamingResponse
-
-from engine.engine_client import EngineClient
-from server import generation
 from server.errors import APIError
-from server.generation import ChoiceDelta, PromptGroup, TextOptions
+from server.generation import ChoiceDelta, PromptGroup
 from server.logprobs import (completion_logprobs, merge_completion_logprobs,
                              prompt_completion_logprobs)
 from server.protocol import CompletionRequest, completion_id
 from server.response_view import ResponseView
-from server.validation import check_model, output_budget, prompt_token_ids, sampling_params
+from server.service import GenerationService
+from server.validation import output_budget, prompt_token_ids, sampling_params
 
 
-class CompletionService:
-    def __init__(self, engine: EngineClient, model_names: list[str]):
-        self.engine = engine
-        self.model_names = model_names
-        self.vocab_size = engine.vocab_size
-
+class CompletionService(GenerationService):
     async def create(self, req: CompletionRequest):
-        model = check_model(req.model, self.model_names)
-        if not self.engine.is_alive:  # say so with a status, not inside a 200 stream
-            raise APIError(503, "the engine is not running")
+        model = self.served_model(req.model)
         prompts = req.prompts()
         if not prompts:  # prompt: []
             raise APIError(400, "the prompt is empty", "prompt")
         groups = [self._group(i, p, req) for i, p in enumerate(prompts)]
-        opts = TextOptions(req.stop_strings(), req.include_stop_str_in_output,
-                           req.skip_special_tokens, req.cache_salt, req.priority)
         view = _CompletionView(completion_id(), model, req, groups, self.engine.tokenizer)
-        if req.stream:
-            events = generation.stream(self.engine, view.rid, groups, opts)
-            return StreamingResponse(view.sse(events), media_type="text/event-stream")
-        results = await generation.collect(self.engine, view.rid, groups, opts)
-        return JSONResponse(view.body(results))
+        return await self.respond(view, groups, req)
 
     def _group(self, index: int, prompt: str | list[int], req: CompletionRequest):
         ids = prompt_token_ids(self.engine, prompt)

@@ -1,0 +1,37 @@
+"""What /v1/completions and /v1/chat/completions do around their own prompt handling:
+check the model and the engine first, then run the prompt groups and answer as a
+whole body or as a stream through the route's ResponseView."""
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from engine.engine_client import EngineClient
+from server import generation
+from server.errors import APIError
+from server.generation import PromptGroup, TextOptions
+from server.response_view import ResponseView
+from server.validation import check_model
+
+
+class GenerationService:
+    def __init__(self, engine: EngineClient, model_names: list[str]):
+        self.engine = engine
+        self.model_names = model_names
+        self.vocab_size = engine.vocab_size
+
+    def served_model(self, requested: str | None) -> str:
+        """The model name to answer with; 404 for an unknown one, 503 (a status, not
+        an error inside a 200 stream) when the engine is down."""
+        model = check_model(requested, self.model_names)
+        if not self.engine.is_alive:
+            raise APIError(503, "the engine is not running")
+        return model
+
+    async def respond(self, view: ResponseView, groups: list[PromptGroup], req):
+        opts = TextOptions(req.stop_strings(), req.include_stop_str_in_output,
+                           req.skip_special_tokens, req.cache_salt, req.priority)
+        if req.stream:
+            events = generation.stream(self.engine, view.rid, groups, opts)
+            return StreamingResponse(view.sse(events), media_type="text/event-stream")
+        results = await generation.collect(self.engine, view.rid, groups, opts)
+        return JSONResponse(view.body(results))
