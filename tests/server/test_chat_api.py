@@ -7,12 +7,10 @@ import httpx
 import openai
 import pytest
 
-from engine.async_engine import AsyncEngine
 from scheduler.sampling_params import SamplingParams
-from server.app import build_app
 from server.chat_template import render_chat
 from tests.support.http import assert_error, parse_sse, wait_idle
-from tests.support.server import running_server
+from tests.support.server import engine_http_client
 
 MODEL = "tiny-chat"
 TIMEOUT = 120.0
@@ -22,10 +20,7 @@ MESSAGES = [{"role": "system", "content": "Paged attention stores keys"},
 
 @pytest.fixture(scope="module")
 def srv(tiny_engine_factory):
-    engine = tiny_engine_factory("llama")
-    app = build_app(AsyncEngine(engine), [MODEL])
-    with running_server(app) as url, httpx.Client(base_url=url, timeout=TIMEOUT) as http:
-        http.engine = engine
+    with engine_http_client(tiny_engine_factory("llama"), MODEL, TIMEOUT) as http:
         yield http
 
 

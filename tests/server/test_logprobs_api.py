@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import math
 
-import httpx
 import openai
 import pytest
 import torch
 
-from engine.async_engine import AsyncEngine
-from server.app import build_app
 from tests.support.http import assert_error, parse_sse, wait_idle
 from tests.support.reference import load_reference
-from tests.support.server import running_server
+from tests.support.server import engine_http_client
 
 MODEL = "tiny"
 TIMEOUT = 120.0
@@ -23,10 +20,7 @@ PROMPT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def srv(tiny_engine_factory):
-    engine = tiny_engine_factory("llama", max_num_batched_tokens=32)
-    app = build_app(AsyncEngine(engine), [MODEL])
-    with running_server(app) as url, httpx.Client(base_url=url, timeout=TIMEOUT) as http:
-        http.engine = engine
+    with engine_http_client(tiny_engine_factory("llama", max_num_batched_tokens=32), MODEL, TIMEOUT) as http:
         yield http
 
 

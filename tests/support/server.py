@@ -34,3 +34,18 @@ def running_server(app, timeout: float = 60.0):
     finally:
         server.should_exit = True
         thread.join(timeout)
+
+
+@contextlib.contextmanager
+def engine_http_client(engine, model_name: str, timeout: float = 120.0):
+    """Serves `engine` (an in-process Engine) under `model_name` and yields an
+    httpx.Client on it, with the engine at `.engine` for leak checks."""
+    import httpx
+
+    from engine.async_engine import AsyncEngine
+    from server.app import build_app
+
+    app = build_app(AsyncEngine(engine), [model_name])
+    with running_server(app) as url, httpx.Client(base_url=url, timeout=timeout) as http:
+        http.engine = engine
+        yield http
