@@ -1,6 +1,7 @@
-"""A short table from bench/gpu_decode.py results (what bench/gpu_session.sh prints
-last, so it is what the device tool's reply shows). A result cut short by a time
-limit still has its earlier phases; missing numbers print as '-'.
+"""A short table from bench/gpu_decode.py (or `kvserve bench decode --json`) results:
+what bench/gpu_session.sh prints last, so it is what the device tool's reply shows. A
+result cut short by a time limit still has its earlier phases; missing numbers print
+as '-'.
 
 Usage: python bench/gpu_summary.py RESULT.json [RESULT.json ...]
 """
@@ -17,6 +18,7 @@ COLUMNS = [  # (header, path into the result, scale)
     ("ours tok/s", "kvserve.decode.tok_s", 1),
     ("ours MBU", "kvserve.decode.mbu", 1),
     ("ours TTFT ms", "kvserve.ttft.median_s", 1e3),
+    ("ours MFU", "kvserve.prefill.mfu", 1),
     ("ours prefill ms", "kvserve.split.prefill_s", 1e3),
     ("ours decode ms/tok", "kvserve.split.decode_ms_per_token", 1),
     ("hf tok/s", "transformers.decode.tok_s", 1),
@@ -45,7 +47,8 @@ def main(paths: list[str]) -> None:
         except (OSError, ValueError) as exc:
             print(f"{path}: no result ({exc})")
             continue
-        head = f"{r.get('preset', '?')} {r.get('dtype', '?')} on {r.get('device', '?')}"
+        name = r.get("preset") or r.get("model") or "?"
+        head = f"{name} {r.get('dtype', '?')} on {r.get('device', '?')}"
         rows.append((head, [lookup(r, p, s) for _, p, s in COLUMNS]))
     for head, cells in rows:
         print(head)

@@ -1,15 +1,8 @@
-"""Where a benchmark result came from: machine, commit and the exact command."""
+"""Where a benchmark result came from: machine, commit and the exact command. The
+logic lives in engine/benchmarks/provenance.py (so an installed `kvserve bench` has
+it); the scripts in bench/ keep importing it from here."""
 from __future__ import annotations
 
-import os
-import platform
-import subprocess
-import sys
+from engine.benchmarks.provenance import git_commit, provenance  # noqa: F401
 
-
-def provenance(device: str | None = None) -> dict:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
-    return {"device": device or f"cpu ({platform.machine()}, {os.cpu_count()} cores)",
-            "commit": commit, "command": " ".join(["python"] + sys.argv),
-            "python": platform.python_version()}
+__all__ = ["git_commit", "provenance"]

@@ -11,7 +11,10 @@ from kvbench.serve_args import add_serve_args
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve")
     top = parser.add_subparsers(dest="command", required=True)
-    bench = top.add_parser("bench", help="load-test an OpenAI-compatible server")
+    bench = top.add_parser("bench", help="load-test an OpenAI-compatible server",
+                           epilog="`kvserve bench offline` and `kvserve bench decode` "
+                           "run the engine in process instead (engine/benchmarks; "
+                           "see their --help).")
     tools = bench.add_subparsers(dest="tool", required=True)
     add_serve_args(tools.add_parser("serve", help="streaming load generator"))
     plot = tools.add_parser("plot", help="TTFT/ITL vs throughput from result JSONs")

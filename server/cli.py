@@ -78,8 +78,12 @@ class _EnvDefaults:
                                  help=f"{help} [env {env}; default: {default}]", **kw)
 
 
-CLIENT_TOOLS = {"bench": "load-test an OpenAI-compatible server (bench serve|plot)",
+CLIENT_TOOLS = {"bench": "benchmarks: bench serve|plot load-test an OpenAI-compatible "
+                         "server; bench offline|decode run the engine in process",
                 "estimate": "roofline: memory, KV capacity, speed and cost on a GPU"}
+# `kvserve bench TOOL` for these goes to engine/benchmarks (the engine in this process);
+# every other bench tool to kvbench, which is a client of the HTTP API only.
+ENGINE_BENCH_TOOLS = ("offline", "decode")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,8 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the OpenAI-compatible server")
     add_serve_args(_EnvDefaults(serve))
-    # Client tools that kvbench parses: with "\0" as the only prefix character every
-    # flag passes through unparsed, and kvbench is imported only when one runs.
+    # Tools parsed by kvbench or engine/benchmarks: with "\0" as the only prefix
+    # character every flag passes through unparsed, and neither package is imported
+    # unless one of its tools runs.
     for name, what in CLIENT_TOOLS.items():
         tool = sub.add_parser(name, help=what, add_help=False, prefix_chars="\0")
         tool.add_argument("argv", nargs="*")
@@ -219,6 +224,10 @@ def serve(args) -> None:
 
 def main(argv: list[str] | None = None) -> int | None:
     args = build_parser().parse_args(argv)
+    if args.command == "bench" and args.argv[:1] and args.argv[0] in ENGINE_BENCH_TOOLS:
+        from engine.benchmarks.cli import main as engine_bench_main
+
+        return engine_bench_main(args.argv)
     if args.command in CLIENT_TOOLS:
         from kvbench.cli import main as kvbench_main
 

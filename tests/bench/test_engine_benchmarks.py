@@ -1,0 +1,183 @@
+"""`kvserve bench offline` and `kvserve bench decode` (engine/benchmarks): both end to
+end in this process on the CPU with tiny sizes, the MFU/MBU arithmetic on numbers
+worked by hand, and the routing of `kvserve bench TOOL`."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.benchmarks.utilisation import (attention_flops, bytes_per_decode_step,
+                                           matmul_params, mbu, mfu, peak_tflops,
+                                           prefill_flops, table_peak_tflops)
+from engine.config import ModelConfig
+from server import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["--model", "preset:llama-tiny", "--load-format", "random", "--device", "cpu"]
+
+
+def positive(row: dict, *keys: str) -> None:
+    for key in keys:
+        assert row[key] > 0, (key, row)
+
+
+def test_bench_offline_end_to_end(tmp_path, capsys):
+    out = tmp_path / "offline.json"
+    assert cli.main(["bench", "offline", *TINY, "--num-prompts", "4", "--input-len", "16",
+                     "--output-len", "8", "--num-kv-blocks", "32", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert {"device", "commit", "command", "python"} <= set(r)
+    assert r["command"].startswith("kvserve bench offline --model preset:llama-tiny")
+    assert (r["model"], r["dtype"], r["device_type"]) == ("preset:llama-tiny", "float32",
+                                                          "cpu")
+    assert (r["num_requests"], r["input_tokens"], r["output_tokens"]) == (4, 64, 32)
+    positive(r, "elapsed_s", "requests_per_s", "output_tokens_per_s",
+             "total_tokens_per_s", "engine_steps")
+    assert r["total_tokens_per_s"] == pytest.approx(96 / r["elapsed_s"])
+    assert r["config"]["num_kv_blocks"] == 32 and r["config"]["seed"] == 0
+    table = capsys.readouterr().out
+    assert "requests/s" in table and "output tokens/s" in table
+
+
+def test_bench_decode_end_to_end(tmp_path, capsys):
+    out = tmp_path / "decode.json"
+    assert cli.main(["bench", "decode", *TINY, "--prompt-len", "32", "--decode-tokens", "4",
+                     "--split-decode-tokens", "4", "--repeats", "1", "--copy-mib", "4",
+                     "--matmul-size", "128", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert {"device", "commit", "command", "python"} <= set(r)
+    assert r["command"].startswith("kvserve bench decode")
+    assert (r["preset"], r["dtype"], r["device_type"]) == ("llama-tiny", "float32", "cpu")
+    positive(r["copy_bandwidth"], "gbps")
+    positive(r["peak_flops"], "tflops")
+    assert r["peak_flops"]["source"] == "measured: 128x128 float32 matmul"
+    ours = r["kvserve"]
+    positive(ours["decode"], "tok_s", "step_ms", "bytes_read_per_step", "mbu")
+    positive(ours["prefill"], "tok_s", "flops", "mfu")
+    assert ours["prefill"]["tokens"] == 32
+    positive(ours["split"], "prefill_s", "decode_s", "decode_ms_per_token")
+    assert 0 < ours["split"]["decode_share"] < 1
+    assert ours["decode"]["mbu"] == pytest.approx(
+        ours["decode"]["achieved_read_gbps"] / r["copy_bandwidth"]["gbps"])
+    assert "transformers" not in r  # --transformers is off unless asked for
+    # `kvserve estimate --calibrate` takes the first mbu/mfu it finds: kvserve's
+    from kvbench.estimate import find_number
+    assert find_number(r, "mbu") == ours["decode"]["mbu"]
+    assert find_number(r, "mfu") == ours["prefill"]["mfu"]
+    table = capsys.readouterr().out
+    assert "MBU" in table and "MFU" in table and "prefill tok/s (32 tokens)" in table
+
+
+def test_bench_offline_on_a_checkpoint_directory(tmp_path, tiny_model_dir):
+    out = tmp_path / "offline.json"
+    cli.main(["bench", "offline", "--model", str(tiny_model_dir()), "--device", "cpu",
+              "--num-prompts", "2", "--input-len", "8", "--output-len", "4",
+              "--num-kv-blocks", "16", "--temperature", "0", "--json", str(out)])
+    r = json.loads(out.read_text())
+    assert r["load_format"] == "safetensors" and r["output_tokens"] == 8
+
+
+def test_preset_without_random_weights_is_a_clear_error():
+    with pytest.raises(SystemExit, match="add --load-format random"):
+        cli.main(["bench", "decode", "--model", "preset:llama-tiny"])
+
+
+# -- the arithmetic ------------------------------------------------------------------
+def hand_config(tied: bool = False) -> ModelConfig:
+    return ModelConfig(architecture="LlamaForCausalLM", vocab_size=10, hidden_size=8,
+                       intermediate_size=16, num_layers=2, num_heads=2, num_kv_heads=1,
+                       head_dim=4, rms_norm_eps=1e-5, max_position_embeddings=64,
+                       tie_word_embeddings=tied)
+
+
+def test_prefill_flops_by_hand():
+    cfg = hand_config()
+    # per layer: q,k,v,o 8*4*(2*2 + 2*1) = 192, MLP 3*8*16 = 384
+    assert matmul_params(cfg) == 2 * (192 + 384) == 1152
+    # 4 layers-heads-widths: 4 * 2 layers * (2 heads * 4) = 64 FLOPs per key attended
+    assert attention_flops(cfg, 10) == 640
+    # 4 tokens: 2 * 1152 * 4 matmuls, the head once (2 * 10 * 8), keys 1+2+3+4 = 10
+    assert prefill_flops(cfg, 4) == 9216 + 160 + 640
+
+
+def test_matmul_params_of_llama_3_1_8b():
+    """With both embedding tables and the norms, the published 8,030,261,248."""
+    cfg = ModelConfig.from_pretrained("preset:llama-3.1-8b")
+    norms = cfg.num_layers * 2 * cfg.hidden_size + cfg.hidden_size
+    assert matmul_params(cfg) + 2 * cfg.vocab_size * cfg.hidden_size + norms == 8_030_261_248
+
+
+def test_bytes_per_decode_step_by_hand():
+    import torch
+
+    untied = bytes_per_decode_step(hand_config(), torch.bfloat16, context=10)
+    # weights: 1152 matmul + 2*2*8 layer norms + 8 final norm + head 80 + one embedding row 8
+    assert untied["weights"] == (1152 + 32 + 8 + 80 + 8) * 2
+    assert untied["kv"] == 2 * 2 * 1 * 4 * 2 * 10  # K and V, layers, kv heads, dim, bytes
+    tied = bytes_per_decode_step(hand_config(tied=True), torch.bfloat16, context=10)
+    # one table, read whole as the head (the embedding row is part of it)
+    assert tied["weights"] == (1152 + 32 + 8 + 80) * 2
+
+
+def test_mbu_and_mfu_by_hand():
+    # 1 GB read in 10 ms is 100 GB/s: half of a 200 GB/s copy bandwidth
+    assert mbu(1e9, 0.01, 200.0) == pytest.approx(0.5)
+    # 989 TFLOP/s peak, 1.4835e15 FLOPs in 3 s: 494.5 TFLOP/s achieved
+    assert mfu(1.4835e15, 3.0, 989.0) == pytest.approx(0.5)
+    assert mfu(2e12, 1.0, 4.0) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("NVIDIA H100 80GB HBM3", ("H100", 989.0)), ("NVIDIA H100 PCIe", ("H100", 989.0)),
+    ("NVIDIA H200", ("H200", 989.0)), ("NVIDIA A100-SXM4-80GB", ("A100", 312.0)),
+    ("NVIDIA L40S", ("L40S", 362.0)), ("NVIDIA A10G", ("A10G", 125.0)),
+    ("NVIDIA GeForce RTX 4090", ("RTX 4090", 165.0)), ("Tesla T4", None),
+])
+def test_gpu_peak_table(name, expected):
+    assert table_peak_tflops(name) == expected
+
+
+def test_cpu_peak_is_measured():
+    import torch
+
+    peak = peak_tflops(torch.device("cpu"), torch.float32, 64, repeats=2)
+    assert peak["tflops"] > 0 and peak["source"] == "measured: 64x64 float32 matmul"
+
+
+# -- routing -------------------------------------------------------------------------
+def test_bench_tools_are_routed(monkeypatch):
+    import engine.benchmarks.cli
+    import kvbench.cli
+
+    calls = []
+    monkeypatch.setattr(engine.benchmarks.cli, "main", lambda argv: calls.append(
+        ("engine", argv)) or 0)
+    monkeypatch.setattr(kvbench.cli, "main", lambda argv: calls.append(("kvbench", argv)) or 0)
+    for argv in (["bench", "decode", "--model", "x"], ["bench", "offline"],
+                 ["bench", "serve", "--base-url", "u"], ["bench", "plot", "a.json"],
+                 ["estimate", "--model", "m"]):
+        cli.main(argv)
+    assert calls == [("engine", ["decode", "--model", "x"]), ("engine", ["offline"]),
+                     ("kvbench", ["bench", "serve", "--base-url", "u"]),
+                     ("kvbench", ["bench", "plot", "a.json"]),
+                     ("kvbench", ["estimate", "--model", "m"])]
+
+
+def test_serve_imports_no_benchmark_package():
+    code = ("import sys, server.cli; server.cli.build_parser().parse_args(['serve']); "
+            "print(sorted(m for m in sys.modules if m.startswith(('engine', 'kvbench', "
+            "'torch'))))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_bench_provenance_still_importable():
+    from bench.provenance import provenance
+
+    info = provenance("some GPU")
+    assert info["device"] == "some GPU" and {"commit", "command", "python"} <= set(info)
