@@ -21,7 +21,7 @@ GPU_PEAK_BF16_TFLOPS = (
     ("H200", 989.0),
     ("A100", 312.0),
     ("L40S", 362.0),
-    ("A10G", 125.0),
+    ("A10G", 70.0),  # the A10 is 125; AWS's A10G has half-rate fp32-accumulate tensor math
     ("RTX 4090", 165.0),
 )
 

@@ -134,7 +134,7 @@ def test_mbu_and_mfu_by_hand():
 @pytest.mark.parametrize("name,expected", [
     ("NVIDIA H100 80GB HBM3", ("H100", 989.0)), ("NVIDIA H100 PCIe", ("H100", 989.0)),
     ("NVIDIA H200", ("H200", 989.0)), ("NVIDIA A100-SXM4-80GB", ("A100", 312.0)),
-    ("NVIDIA L40S", ("L40S", 362.0)), ("NVIDIA A10G", ("A10G", 125.0)),
+    ("NVIDIA L40S", ("L40S", 362.0)), ("NVIDIA A10G", ("A10G", 70.0)),
     ("NVIDIA GeForce RTX 4090", ("RTX 4090", 165.0)), ("Tesla T4", None),
 ])
 def test_gpu_peak_table(name, expected):
