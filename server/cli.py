@@ -5,24 +5,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import sys
 
+from engine.arg_types import parse_bool, parse_size  # light: imports no torch
+
 log = logging.getLogger("kvserve")
-
-_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-
-
-def parse_size(text: str) -> int:
-    """'1GiB', '512M', '2g', '1073741824' -> bytes."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(?:i?b)?\s*", str(text).lower())
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1GiB, 512MiB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2)])
-
-
-def _bool(text: str) -> bool:
-    return str(text).lower() in ("1", "true", "yes", "on")
 
 
 def _non_negative(type_):
@@ -125,14 +112,14 @@ def add_serve_args(p: _EnvDefaults) -> None:
           help="most tokens one request may compute in a step (0: no cap)")
     p.add("--scheduling-policy", "fcfs", choices=["fcfs", "priority"],
           help="admission order (priority: lower `priority` first)")
-    p.add("--enable-prefix-caching", True, type=_bool, help="share cached prompt prefixes")
+    p.add("--enable-prefix-caching", True, type=parse_bool, help="share cached prompt prefixes")
     p.add("--load-format", "safetensors", choices=["safetensors", "random"],
           help="read the checkpoint, or random weights of its shape")
     p.add("--seed", 0, type=int, help="global random seed")
     p.add("--attention-backend", "auto", choices=["auto", "triton", "flash-attn", "torch"],
           help="attention kernels (auto: triton on CUDA, torch on CPU; flash-attn needs "
           "the flash_attn package and a --block-size multiple of 256)")
-    p.add("--enforce-eager", False, type=_bool,
+    p.add("--enforce-eager", False, type=parse_bool,
           help="no CUDA graphs for decode steps (they are captured on CUDA otherwise)")
     p.add("--engine-mode", "auto", choices=["auto", "thread", "process"],
           help="where the engine runs: a thread of the server, or a process of its own "

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import shlex
 import sys
 
@@ -16,19 +15,7 @@ TOOLS = {"offline": "engine throughput without HTTP: N requests at once to "
          "decode": "batch-1 decode tok/s and MBU, prefill tok/s and MFU, prefill/decode "
                    "split of one long request"}
 
-_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-
-
-def _size(text: str) -> int:
-    """'1GiB', '512M', '1073741824' -> bytes (as `kvserve serve --kv-cache-memory`)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(?:i?b)?\s*", str(text).lower())
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1GiB, 512MiB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2)])
-
-
-def _bool(text: str) -> bool:
-    return str(text).lower() in ("1", "true", "yes", "on")
+from engine.arg_types import parse_bool, parse_size
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -44,7 +31,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto|cpu|cuda")
     p.add_argument("--attention-backend", default="auto",
                    choices=["auto", "triton", "flash-attn", "torch"])
-    p.add_argument("--enforce-eager", default=False, type=_bool,
+    p.add_argument("--enforce-eager", default=False, type=parse_bool,
                    help="no CUDA graphs for decode steps")
     p.add_argument("--seed", type=int, default=0,
                    help="random weights and (offline) the prompts' token ids")
@@ -63,7 +50,7 @@ def add_offline_args(p: argparse.ArgumentParser) -> None:
     # The engine's options, with `kvserve serve`'s defaults.
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-memory", type=_size, default=None,
+    p.add_argument("--kv-cache-memory", type=parse_size, default=None,
                    help="KV cache size (default: on CUDA what --gpu-memory-utilization "
                    "leaves; on CPU 1GiB)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -71,7 +58,7 @@ def add_offline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--long-prefill-token-threshold", type=int, default=0)
-    p.add_argument("--enable-prefix-caching", type=_bool, default=True)
+    p.add_argument("--enable-prefix-caching", type=parse_bool, default=True)
 
 
 def add_decode_args(p: argparse.ArgumentParser) -> None:
