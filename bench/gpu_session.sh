@@ -44,9 +44,9 @@ stage() {
 } >"$OUT/env.txt" 2>&1
 
 # Not `slow`: those need the default model, which comes from a package registry.
-stage tests "${TESTS_S:-120}" $PY -m pytest -q -p no:cacheprovider --maxfail=10 \
-  -m "not slow" ${TESTS:-tests/engine tests/bench}
-for run in ${RUNS:-llama-3.2-1b:150 llama-3.1-8b:280}; do
+stage tests "${TESTS_S:-180}" $PY -m pytest -q -p no:cacheprovider --maxfail=10 \
+  -m "not slow" ${TESTS:-tests/engine tests/bench tests/server/test_engine_process.py}
+for run in ${RUNS:-llama-3.2-1b:150 llama-3.1-8b:250}; do
   preset=${run%%:*}
   stage "bench_$preset" "${run##*:}" $PY bench/gpu_decode.py --preset "$preset" \
     --json "$OUT/gpu_decode_$preset.json" ${BENCH_ARGS:-}
