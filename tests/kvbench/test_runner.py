@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import math
 
 import pytest
 
@@ -44,9 +43,11 @@ def test_max_concurrency_caps_requests_in_flight():
 def test_request_rate_spreads_the_sends():
     server = FakeServer()
     spec = DatasetSpec("random", num_prompts=6, input_len=2, output_len=2)
-    _, fast = run(server, Target("/v1/completions", "m"), spec, Traffic(math.inf))
     _, paced = run(server, Target("/v1/completions", "m"), spec, Traffic(request_rate=50))
-    assert paced > fast and paced > 0.04  # five gaps of ~20 ms on average
+    # Five seeded gaps of ~20 ms on average: sleeping never makes them shorter, so a
+    # lower bound holds however busy the machine is (comparing with an unpaced run
+    # did not: a slow first run made it flaky).
+    assert paced > 0.04
 
 
 @pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
