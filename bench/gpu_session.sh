@@ -7,9 +7,9 @@
 #   run(command="COMMIT=<short sha> bash bench/gpu_session.sh", timeout_s=600)
 #
 # COMMIT is optional: the copy sent to the machine may have no .git, so say which
-# commit it is. Results land in $OUT (at most 8 files come back): summary.txt, env.txt,
-# tests.log, bench_<preset>.log and gpu_decode_<preset>.json. Each stage has its own
-# time limit, so a hang in one still leaves the others' results, all inside the
+# commit it is. Results land in $OUT (at most 8 files come back): summary.txt,
+# env.txt, tests.log, bench_<preset>.log, gpu_decode_<preset>.json and
+# step_overhead_1b.log. Each stage has its own time limit, so a hang in one still leaves the others' results, all inside the
 # tool's 600 s. Overrides: TESTS (test paths), TESTS_S (their limit), RUNS ("preset:
 # seconds" pairs), BENCH_ARGS (flags for every bench run, e.g. "--attention-backend
 # torch"). A CPU dry run of the mechanics:
@@ -45,14 +45,19 @@ stage() {
 
 # Not `slow`: those need the default model, which comes from a package registry. A
 # module whose imports are missing there (fastapi, httpx?) fails alone, not the stage.
-stage tests "${TESTS_S:-180}" $PY -m pytest -q -p no:cacheprovider --maxfail=10 \
+stage tests "${TESTS_S:-150}" $PY -m pytest -q -p no:cacheprovider --maxfail=10 \
   --continue-on-collection-errors \
   -m "not slow" ${TESTS:-tests/engine tests/bench tests/server/test_engine_process.py}
-for run in ${RUNS:-llama-3.2-1b:150 llama-3.1-8b:250}; do
+for run in ${RUNS:-llama-3.2-1b:150 llama-3.1-8b:230}; do
   preset=${run%%:*}
   stage "bench_$preset" "${run##*:}" $PY bench/gpu_decode.py --preset "$preset" \
     --json "$OUT/gpu_decode_$preset.json" ${BENCH_ARGS:-}
 done
+
+# Issue 4's denominator: one decode step of the 1B shape at 256 running requests, and
+# the scheduler's share of it. Its JSON is printed into the log (8 files come back).
+stage step_overhead_1b "${STEP_S:-60}" $PY bench/step_overhead.py \
+  --model preset:llama-3.2-1b --load-format random --running 256 --steps 20
 
 tail -n 3 "$OUT/tests.log" >>"$OUT/summary.txt"
 $PY bench/gpu_summary.py "$OUT"/gpu_decode_*.json | tee -a "$OUT/summary.txt"

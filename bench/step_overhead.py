@@ -30,6 +30,9 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--load-format", default="safetensors", choices=["safetensors", "random"],
+                    help="random with --model preset:llama-3.2-1b: the 1B shape, no download")
+    ap.add_argument("--device", default="auto")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if args.model is None:
@@ -37,7 +40,8 @@ def main() -> None:
         args.model = str(ensure_default_model())
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=args.running,
                                  max_num_batched_tokens=args.running * args.prompt_len,
-                                 kv_cache_memory=4 << 30))
+                                 kv_cache_memory=4 << 30, load_format=args.load_format,
+                                 device=args.device))
     rng = random.Random(0)
     params = SamplingParams(max_tokens=args.steps + 5, temperature=0.0, ignore_eos=True)
     for i in range(args.running):
@@ -54,7 +58,7 @@ def main() -> None:
             engine.step()
         step = (time.perf_counter() - t0) / args.steps
     result = {
-        **provenance(), "model": args.model, "dtype": args.dtype, "running": args.running,
+        **provenance(_device_name(engine.device)), "model": args.model, "dtype": args.dtype, "running": args.running,
         "step_ms": step * 1e3, "pool_ms_per_step": pool.total_ns / args.steps / 1e6,
         "scheduler_ms_per_step_incl_pool": sched.total_ns / args.steps / 1e6}
     result["pool_share_of_step"] = result["pool_ms_per_step"] / result["step_ms"]
@@ -62,6 +66,12 @@ def main() -> None:
     print(json.dumps(result, indent=1))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
+
+
+def _device_name(device) -> str | None:
+    import torch
+
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
 
 
 if __name__ == "__main__":
