@@ -9,8 +9,8 @@
 # COMMIT is optional: the copy sent to the machine may have no .git, so say which
 # commit it is. Results land in $OUT (at most 8 files come back): summary.txt,
 # env.txt, tests.log, bench_<preset>.log, gpu_decode_<preset>.json and
-# step_overhead_1b.log. Each stage has its own time limit, so a hang in one still leaves the others' results, all inside the
-# tool's 600 s. Overrides: TESTS (test paths), TESTS_S (their limit), RUNS ("preset:
+# step_overhead_1b.log. Each stage has its own time limit, so a hang in one still
+# leaves the others' results, all inside the tool's 600 s. Overrides: TESTS (test paths), TESTS_S (their limit), RUNS ("preset:
 # seconds" pairs), BENCH_ARGS (flags for every bench run, e.g. "--attention-backend
 # torch"). A CPU dry run of the mechanics:
 #   RUNS=llama-tiny:120 BENCH_ARGS="--prompt-len 64 --decode-tokens 8" TESTS=tests/bench \
