@@ -68,6 +68,9 @@ class EngineClient:
         # Guarded by _lock: reservations, adds not yet taken by the engine, and the
         # scheduler's queue lengths as of its last report.
         self._reserved = self._queued_adds = self._sched_waiting = self._sched_running = 0
+        # Prompt tokens of requests queued but not yet answered once (the first output
+        # comes after the prefill): what --max-waiting-tokens counts. Event loop only.
+        self.waiting_prompt_tokens = 0
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
         self.error: BaseException | None = None
@@ -144,15 +147,20 @@ class EngineClient:
         self._register(ids, stream)
         self._queue_add((request_id, prompt_token_ids, params, cache_salt, priority))
         unfinished = set(ids)
+        waiting = len(prompt_token_ids)  # counted until the first output
+        self.waiting_prompt_tokens += waiting
         try:
             while unfinished:
                 item = await stream.get()
+                self.waiting_prompt_tokens -= waiting
+                waiting = 0
                 if isinstance(item, BaseException):
                     raise item
                 if item.finished:
                     unfinished.discard(item.request_id)
                 yield item
         finally:
+            self.waiting_prompt_tokens -= waiting
             for rid in unfinished:
                 self.abort(rid)
             with self._lock:
@@ -188,7 +196,14 @@ class EngineClient:
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
         """reason "stop": the front end found a stop string (counted as a stop)."""
-        self._submit(("abort", (request_id, reason)))
+        if self.error is not None:
+            return  # nothing runs any more; the request already got EngineDeadError
+        try:
+            self._submit(("abort", (request_id, reason)))
+        except EngineDeadError:
+            # Called from cleanup (a generate() that ends): raising here would hide
+            # the engine's death behind this error. The reader reports the death.
+            pass
 
     def abort_all(self) -> int:
         """Aborts every request a generate() is waiting on (they end with finish

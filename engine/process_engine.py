@@ -15,7 +15,7 @@ import threading
 from multiprocessing.connection import Connection
 
 from engine.config import EngineConfig
-from engine.engine_client import EngineClient
+from engine.engine_client import EngineClient, EngineDeadError
 from engine.engine_loop import Command
 
 log = logging.getLogger("kvserve.process_engine")
@@ -103,7 +103,7 @@ class ProcessEngine(EngineClient):
         if self._process.is_alive():
             try:
                 self._submit(("stop", None))
-            except OSError:
+            except EngineDeadError:  # it died meanwhile
                 pass
             self._process.join(timeout)
         if self._process.is_alive():
@@ -116,7 +116,10 @@ class ProcessEngine(EngineClient):
 
     def _submit(self, command: Command) -> None:
         with self._send_lock:  # the event loop and shutdown may both send
-            self._conn.send(command)
+            try:
+                self._conn.send(command)
+            except OSError as exc:  # the process is gone: the pipe is broken
+                raise EngineDeadError(f"the engine process is gone ({exc!r})") from exc
 
     def _read(self) -> None:
         while True:

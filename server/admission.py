@@ -1,5 +1,6 @@
 """Who may start generating: nobody while the server drains for shutdown (503), and
-nobody once `--max-waiting-requests` requests wait to be scheduled (429). Refused
+nobody once `--max-waiting-requests` requests, or `--max-waiting-tokens` prompt
+tokens, wait to be scheduled (429). Refused
 requests get `Retry-After` and cost the engine nothing.
 
 It also counts generation requests in flight, so a drain knows when it is done."""
@@ -22,11 +23,13 @@ RETRY_AFTER_S = 1
 
 
 class Admission:
-    def __init__(self, engine: EngineClient, max_waiting_requests: int = 0):
-        if max_waiting_requests < 0:
-            raise ValueError("max_waiting_requests must be >= 0 (0: no limit)")
+    def __init__(self, engine: EngineClient, max_waiting_requests: int = 0,
+                 max_waiting_tokens: int = 0):
+        if max_waiting_requests < 0 or max_waiting_tokens < 0:
+            raise ValueError("admission limits must be >= 0 (0: no limit)")
         self.engine = engine
         self.max_waiting = max_waiting_requests
+        self.max_waiting_tokens = max_waiting_tokens
         self.draining = False
         self.in_flight = 0  # generation requests admitted whose response is not done
 
@@ -40,6 +43,11 @@ class Admission:
             return error_response(429, f"Too many requests waiting to be scheduled "
                                   f"(limit {self.max_waiting}); retry later.",
                                   headers=headers)
+        if (self.max_waiting_tokens
+                and self.engine.waiting_prompt_tokens >= self.max_waiting_tokens):
+            return error_response(429, f"Too many prompt tokens waiting to be scheduled "
+                                  f"(limit {self.max_waiting_tokens}, "
+                                  "--max-waiting-tokens); retry later.", headers=headers)
         return None
 
     async def wait_idle(self, timeout: float, give_up: Callable[[], bool] = lambda: False

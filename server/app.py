@@ -14,6 +14,7 @@ from engine.engine_client import EngineClient
 from server.chat import ChatService
 from server.completions import CompletionService
 from server.errors import APIError, error_response, install_error_handlers
+from server.limits import RequestLimits
 from server.ops import install_ops
 from server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -23,10 +24,14 @@ VERSION = "0.1.0"
 
 
 def build_app(engine: EngineClient, model_names: list[str], model_root: str = "", *,
-              api_keys: Sequence[str] = (), max_waiting_requests: int = 0) -> FastAPI:
+              api_keys: Sequence[str] = (), max_waiting_requests: int = 0,
+              max_waiting_tokens: int = 0, limits: RequestLimits = RequestLimits(),
+              request_timeout: float = 0.0) -> FastAPI:
     """`engine` must not be started yet: the app starts it at startup and stops it at
-    shutdown, so a test server and a real one live the same way. For `api_keys` and
-    `max_waiting_requests` (0: no limit) see server/ops.py."""
+    shutdown, so a test server and a real one live the same way. For `api_keys`,
+    `max_waiting_requests` and `max_waiting_tokens` (0: no limit) see server/ops.py,
+    for `limits` server/limits.py; `request_timeout` (seconds, 0: none) aborts a
+    generation that runs longer (its choices end with finish reason "abort")."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -39,15 +44,16 @@ def build_app(engine: EngineClient, model_names: list[str], model_root: str = ""
     app = FastAPI(title="kvserve", version=VERSION, lifespan=lifespan)
     install_error_handlers(app)
     install_ops(app, engine, model_names, VERSION, api_keys=api_keys,
-                max_waiting_requests=max_waiting_requests)
-    completions = CompletionService(engine, model_names)
+                max_waiting_requests=max_waiting_requests,
+                max_waiting_tokens=max_waiting_tokens, max_body_bytes=limits.max_body_bytes)
+    completions = CompletionService(engine, model_names, limits, request_timeout)
     created = int(time.time())
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, request: Request):
         return await _cancel_on_disconnect(request, completions.create(req))
 
-    chat = ChatService(engine, model_names)
+    chat = ChatService(engine, model_names, limits, request_timeout)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, request: Request):

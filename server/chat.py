@@ -13,7 +13,7 @@ from server.validation import check_prompt, output_budget, sampling_params
 
 class ChatService(GenerationService):
     async def create(self, req: ChatCompletionRequest):
-        model = self.served_model(req.model)
+        model = self.served_model(req)
         ids = check_prompt(self.engine, render_chat(
             self.engine.tokenizer, req.message_dicts(), req.add_generation_prompt,
             req.continue_final_message, chat_template=req.chat_template,

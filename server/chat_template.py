@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from server.errors import APIError, no_tokenizer
+from server.validation import encode_text
 
 
 def message_text(content: Any) -> str:
@@ -61,4 +62,4 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     """The prompt token ids of a conversation."""
     text = render_chat_text(tokenizer, messages, add_generation_prompt,
                             continue_final_message, **template_args)
-    return tokenizer.encode(text, add_special_tokens=False)
+    return encode_text(tokenizer, text, "messages", add_special_tokens=False)

@@ -22,6 +22,13 @@ def _non_negative(type_):
     return parse
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
+    return value
+
+
 def split_keys(values) -> list[str]:
     """['a,b', 'c'] -> ['a', 'b', 'c']; blanks dropped."""
     return [k.strip() for v in values for k in str(v).split(",") if k.strip()]
@@ -130,6 +137,18 @@ def add_serve_args(p: _EnvDefaults) -> None:
     p.add("--max-waiting-requests", 0, type=_non_negative(int),
           help="answer 429 to new generation requests while this many wait to be "
           "scheduled (0: no limit)")
+    p.add("--max-waiting-tokens", 0, type=_non_negative(int),
+          help="answer 429 to new generation requests while the prompts waiting to be "
+          "scheduled (queued, not yet prefilled) hold this many tokens (0: no limit)")
+    p.add("--max-request-body-bytes", 10 * 2**20, type=_non_negative(int),
+          help="answer 413 to a request body larger than this (0: no limit)")
+    p.add("--max-prompts-per-request", 1024, type=_non_negative(int),
+          help="most prompts in one /v1/completions list prompt (0: no limit)")
+    p.add("--max-n", 16, type=_positive_int, help="most choices (`n`) one request may ask for")
+    p.add("--request-timeout", 0.0, type=_non_negative(float),
+          help="seconds a generation request may run; then it is aborted and its "
+          "choices end with finish reason \"abort\", keeping the text made so far "
+          "(0: no limit)")
     p.add("--shutdown-timeout", 30.0, type=_non_negative(float),
           help="seconds in-flight requests may run after SIGTERM/SIGINT before they "
           "are aborted")
@@ -191,6 +210,7 @@ def serve(args) -> None:
     from engine.loader import ModelLoadError
     from engine.process_engine import EngineStartError
     from server.app import build_app
+    from server.limits import RequestLimits
     from server.shutdown import GracefulServer
 
     path, names = resolve_model(args)
@@ -198,15 +218,23 @@ def serve(args) -> None:
         engine = start_engine(engine_config_from_args(args, path), args.engine_mode)
     except (ModelLoadError, ModelConfigError, AttentionBackendError, EngineStartError) as exc:
         raise SystemExit(f"kvserve: {exc}") from None
+    limits = RequestLimits(args.max_request_body_bytes, args.max_prompts_per_request,
+                           args.max_n)
     app = build_app(engine, names, model_root=path, api_keys=args.api_key,
-                    max_waiting_requests=args.max_waiting_requests)
+                    max_waiting_requests=args.max_waiting_requests,
+                    max_waiting_tokens=args.max_waiting_tokens, limits=limits,
+                    request_timeout=args.request_timeout)
     log.info("serving %s on http://%s:%d%s", ", ".join(names), args.host, args.port,
              f" ({len(args.api_key)} API key(s) required on /v1)" if args.api_key else "")
     # The drain has already waited for responses in flight; uvicorn's own wait after
     # it only has to outlast stragglers, so it is short.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5)
-    GracefulServer(config, app.state.admission, args.shutdown_timeout).run()
+    server = GracefulServer(config, app.state.admission, args.shutdown_timeout)
+    server.run()
+    if server.engine_died:
+        # Non-zero, so a supervisor (systemd, Kubernetes) restarts the server.
+        raise SystemExit(f"kvserve: the engine died ({engine.error!r}); exiting")
 
 
 def main(argv: list[str] | None = None) -> int | None:

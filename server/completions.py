@@ -13,10 +13,14 @@ from server.validation import output_budget, prompt_token_ids, sampling_params
 
 class CompletionService(GenerationService):
     async def create(self, req: CompletionRequest):
-        model = self.served_model(req.model)
+        model = self.served_model(req)
         prompts = req.prompts()
         if not prompts:  # prompt: []
             raise APIError(400, "the prompt is empty", "prompt")
+        limit = self.limits.max_prompts
+        if limit and len(prompts) > limit:
+            raise APIError(400, f"too many prompts in one request: {len(prompts)} (limit "
+                           f"{limit}, --max-prompts-per-request)", "prompt")
         groups = [self._group(i, p, req) for i, p in enumerate(prompts)]
         view = _CompletionView(completion_id(), model, req, groups, self.engine.tokenizer)
         return await self.respond(view, groups, req)

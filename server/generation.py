@@ -42,6 +42,7 @@ class TextOptions:
     skip_special_tokens: bool = True
     cache_salt: str | None = None
     priority: int = 0
+    timeout: float = 0.0  # --request-timeout: seconds, 0: none
 
 
 @dataclass
@@ -118,20 +119,49 @@ async def run_group(engine: EngineClient, rid: str, group: PromptGroup, opts: Te
     final. A stop string ends its sequence early (aborted in the engine); leaving
     early aborts whatever still runs."""
     seqs = [_Sequence(engine.tokenizer, group, opts) for _ in range(group.params.n)]
-    gen = engine.generate(f"{rid}-{group.index}", group.prompt_ids, group.params,
+    engine_id = f"{rid}-{group.index}"
+    gen = engine.generate(engine_id, group.prompt_ids, group.params,
                           cache_salt=opts.cache_salt, priority=opts.priority)
     async with contextlib.aclosing(gen):
-        async for out in gen:
-            seq = seqs[out.index]
-            if seq.done:
-                continue  # the abort that follows a stop string
-            delta = seq.advance(out)
-            if delta is None:
-                continue
-            delta.index = group.choice_index(out.index)
-            if seq.done and not out.finished:
-                engine.abort(out.request_id, reason="stop")
-            await emit(delta)
+        with _deadline(engine, engine_id, group.params.n, opts.timeout):
+            await _relay(engine, gen, seqs, group, emit)
+
+
+async def _relay(engine: EngineClient, gen, seqs: list[_Sequence], group: PromptGroup,
+                 emit: Emit) -> None:
+    async for out in gen:
+        seq = seqs[out.index]
+        if seq.done:
+            continue  # the abort that follows a stop string
+        delta = seq.advance(out)
+        if delta is None:
+            continue
+        delta.index = group.choice_index(out.index)
+        if seq.done and not out.finished:
+            engine.abort(out.request_id, reason="stop")
+        await emit(delta)
+
+
+@contextlib.contextmanager
+def _deadline(engine: EngineClient, engine_id: str, n: int, timeout: float):
+    """Past `timeout` seconds, aborts the engine request's n sequences. As in vLLM,
+    an abort is an ordinary end: each choice finishes with reason "abort" and keeps
+    the text made so far (none, if it never got scheduled), and blocks are freed."""
+    if not timeout:
+        yield
+        return
+    ids = [engine_id] + [f"{engine_id}#{i}" for i in range(1, n)]
+
+    def expire():
+        log.info("request %s ran past --request-timeout (%gs): aborted", engine_id, timeout)
+        for rid in ids:
+            engine.abort(rid)
+
+    timer = asyncio.get_running_loop().call_later(timeout, expire)
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 async def collect(engine: EngineClient, rid: str, groups: list[PromptGroup],

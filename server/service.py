@@ -9,27 +9,35 @@ from engine.engine_client import EngineClient
 from server import generation
 from server.errors import APIError
 from server.generation import PromptGroup, TextOptions
+from server.limits import RequestLimits
 from server.response_view import ResponseView
 from server.validation import check_model
 
 
 class GenerationService:
-    def __init__(self, engine: EngineClient, model_names: list[str]):
+    def __init__(self, engine: EngineClient, model_names: list[str],
+                 limits: RequestLimits = RequestLimits(), request_timeout: float = 0.0):
         self.engine = engine
         self.model_names = model_names
         self.vocab_size = engine.vocab_size
+        self.limits = limits
+        self.request_timeout = request_timeout
 
-    def served_model(self, requested: str | None) -> str:
-        """The model name to answer with; 404 for an unknown one, 503 (a status, not
-        an error inside a 200 stream) when the engine is down."""
-        model = check_model(requested, self.model_names)
+    def served_model(self, req) -> str:
+        """The model name to answer with; 404 for an unknown one, 400 past --max-n,
+        503 (a status, not an error inside a 200 stream) when the engine is down."""
+        model = check_model(req.model, self.model_names)
+        if req.n > self.limits.max_n:
+            raise APIError(400, f"n must be at most {self.limits.max_n} (--max-n), got "
+                           f"{req.n}", "n")
         if not self.engine.is_alive:
             raise APIError(503, "the engine is not running")
         return model
 
     async def respond(self, view: ResponseView, groups: list[PromptGroup], req):
         opts = TextOptions(req.stop_strings(), req.include_stop_str_in_output,
-                           req.skip_special_tokens, req.cache_salt, req.priority)
+                           req.skip_special_tokens, req.cache_salt, req.priority,
+                           self.request_timeout)
         if req.stream:
             events = generation.stream(self.engine, view.rid, groups, opts)
             return StreamingResponse(view.sse(events), media_type="text/event-stream")

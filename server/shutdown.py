@@ -6,7 +6,10 @@ drain instead: new generation requests get 503 (the listener stays open so clien
 are told, not refused), /health turns 503, and requests in flight run to the end for
 up to `timeout` seconds. Then the rest are aborted (they end with finish reason
 "abort") and uvicorn's normal shutdown closes connections and stops the engine.
-A second signal skips the wait; a third exits without waiting for anything."""
+A second signal skips the wait; a third exits without waiting for anything.
+
+When the engine dies the server exits too (non-zero, see server/cli.py serve), after
+answering its open requests with errors, so that a supervisor restarts it."""
 from __future__ import annotations
 
 import asyncio
@@ -20,6 +23,9 @@ from server.admission import Admission
 log = logging.getLogger("kvserve.server")
 
 ABORT_GRACE_S = 5.0  # after aborting: time for the aborted responses to be sent
+# After the engine died: how long /health and new requests are answered 503 before
+# the exit, so probes and retrying clients are told why rather than refused.
+DEAD_ENGINE_LINGER_S = 1.0
 
 
 class GracefulServer(uvicorn.Server):
@@ -28,6 +34,7 @@ class GracefulServer(uvicorn.Server):
         self.admission = admission
         self.timeout = timeout
         self.signals = 0
+        self.engine_died = False  # seen while serving; serve() then exits non-zero
         self._drain_task: asyncio.Task | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -39,9 +46,24 @@ class GracefulServer(uvicorn.Server):
             self.should_exit = self.force_exit = True
 
     async def on_tick(self, counter: int) -> bool:
-        if self.signals and self._drain_task is None:
-            self._drain_task = asyncio.create_task(self._drain())
+        # Checked only while serving: the engine's normal stop comes after the last tick.
+        self.engine_died = self.engine_died or self.admission.engine.error is not None
+        if self._drain_task is None:
+            if self.signals:
+                self._drain_task = asyncio.create_task(self._drain())
+            elif self.engine_died:
+                self._drain_task = asyncio.create_task(self._engine_died())
         return await super().on_tick(counter)
+
+    async def _engine_died(self) -> None:
+        """A server whose engine is gone can serve nothing: its open requests have
+        already been failed (503); once they are answered it exits, and serve()
+        makes the exit code non-zero."""
+        log.error("the engine died (%r): exiting once %d open request(s) are answered",
+                  self.admission.engine.error, self.admission.in_flight)
+        await asyncio.gather(self.admission.wait_idle(ABORT_GRACE_S),
+                             asyncio.sleep(DEAD_ENGINE_LINGER_S))
+        self.should_exit = True
 
     async def _drain(self) -> None:
         adm = self.admission

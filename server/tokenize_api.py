@@ -12,7 +12,7 @@ from engine.engine_client import EngineClient
 from server.chat_template import render_chat, render_chat_text
 from server.errors import APIError, no_tokenizer
 from server.protocol import ChatMessage, OpenAIRequest
-from server.validation import check_model
+from server.validation import check_model, encode_text
 
 
 class TokenizeCompletionRequest(OpenAIRequest):
@@ -50,7 +50,7 @@ def tokenize_router(engine: EngineClient, model_names: list[str]) -> APIRouter:
         if tok is None:
             raise no_tokenizer()
         ids = (_chat_ids(tok, req) if isinstance(req, TokenizeChatRequest)
-               else tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+               else encode_text(tok, req.prompt, add_special_tokens=req.add_special_tokens))
         body: dict[str, Any] = {"count": len(ids), "max_model_len": engine.max_model_len,
                                 "tokens": ids}
         if req.return_token_strs:
@@ -94,4 +94,4 @@ def _chat_ids(tokenizer, req: TokenizeChatRequest) -> list[int]:
                            req.continue_final_message, **args)
     text = render_chat_text(tokenizer, messages, req.add_generation_prompt,
                             req.continue_final_message, **args)
-    return tokenizer.encode(text, add_special_tokens=True)
+    return encode_text(tokenizer, text, add_special_tokens=True)

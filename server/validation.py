@@ -30,8 +30,18 @@ def check_prompt(engine: EngineClient, ids: list[int]) -> list[int]:
 def prompt_token_ids(engine: EngineClient, prompt: str | list[int]) -> list[int]:
     if isinstance(prompt, str) and engine.tokenizer is None:
         raise no_tokenizer("prompt")
-    ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    ids = encode_text(engine.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
     return check_prompt(engine, ids)
+
+
+def encode_text(tokenizer, text: str, param: str = "prompt", **kw) -> list[int]:
+    """tokenizer.encode, but text it cannot take (JSON may carry a lone surrogate
+    such as "\\ud800", which is no UTF-8) is the client's 400, not our 500."""
+    try:
+        return tokenizer.encode(text, **kw)
+    except (TypeError, ValueError, UnicodeError) as exc:
+        raise APIError(400, f"{param}: text the tokenizer cannot encode "
+                       f"({type(exc).__name__})", param) from exc
 
 
 def output_budget(max_tokens: int | None, prompt_len: int, max_model_len: int,

@@ -8,6 +8,7 @@ import pytest
 
 from server import cli
 from server.cli import build_parser
+from server.limits import RequestLimits
 
 
 @pytest.fixture(autouse=True)
@@ -82,6 +83,8 @@ def test_serve_wires_the_flags_through(monkeypatch, tmp_path):
         return FakeApp
 
     class FakeServer:
+        engine_died = False
+
         def __init__(self, config, admission, timeout):
             seen["server"] = (config.app, admission, timeout)
 
@@ -93,7 +96,12 @@ def test_serve_wires_the_flags_through(monkeypatch, tmp_path):
     monkeypatch.setattr(server.app, "build_app", fake_build_app)
     monkeypatch.setattr(server.shutdown, "GracefulServer", FakeServer)
     cli.serve(_args("--model", str(tmp_path), "--api-key", "k1,k2",
-                    "--max-waiting-requests", "5", "--shutdown-timeout", "3"))
-    assert seen["app"] == {"api_keys": ["k1", "k2"], "max_waiting_requests": 5}
+                    "--max-waiting-requests", "5", "--shutdown-timeout", "3",
+                    "--max-waiting-tokens", "7", "--max-request-body-bytes", "100",
+                    "--max-prompts-per-request", "2", "--max-n", "4",
+                    "--request-timeout", "1.5"))
+    assert seen["app"] == {"api_keys": ["k1", "k2"], "max_waiting_requests": 5,
+                           "max_waiting_tokens": 7, "limits": RequestLimits(100, 2, 4),
+                           "request_timeout": 1.5}
     assert seen["server"] == (FakeApp, "the-admission", 3.0)
     assert seen["ran"]

@@ -1,0 +1,143 @@
+"""Per-request limits (body size 413, prompts per request, n, waiting prompt tokens
+429) and --request-timeout (choices end with finish reason "abort")."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from engine.async_engine import AsyncEngine
+from server.app import build_app
+from server.limits import RequestLimits
+from tests.support.http import assert_error, parse_sse, wait_idle
+from tests.support.server import running_server
+
+MODEL = "tiny"
+BODY_LIMIT, MAX_PROMPTS, MAX_N, MAX_WAITING_TOKENS = 2000, 3, 2, 40
+
+
+def _serve(aengine: AsyncEngine, **kw):
+    app = build_app(aengine, [MODEL], **kw)
+    return running_server(app)
+
+
+@pytest.fixture(scope="module")
+def limited(tiny_engine_factory):
+    # One request runs at a time, so what comes after a long one waits.
+    aengine = AsyncEngine(tiny_engine_factory("llama", max_num_seqs=1))
+    limits = RequestLimits(BODY_LIMIT, MAX_PROMPTS, MAX_N)
+    with _serve(aengine, limits=limits, max_waiting_tokens=MAX_WAITING_TOKENS) as url, \
+            httpx.Client(base_url=url, timeout=60) as http:
+        http.aengine = aengine
+        yield http
+    assert wait_idle(aengine.engine)
+
+
+def body(**kw) -> dict:
+    return {"model": MODEL, "prompt": "hello", "max_tokens": 2, **kw}
+
+
+def test_body_over_the_limit_by_content_length(limited):
+    err = assert_error(limited.post("/v1/completions", json=body(prompt="x" * BODY_LIMIT)),
+                       413)
+    assert "--max-request-body-bytes" in err["message"]
+
+
+def test_chunked_body_over_the_limit(limited):
+    def chunks():  # no Content-Length: the limit is found while reading
+        yield b'{"model": "tiny", "prompt": "'
+        for _ in range(BODY_LIMIT // 100):
+            yield b"x" * 100
+        yield b'"}'
+
+    r = limited.post("/v1/completions", content=chunks(),
+                     headers={"content-type": "application/json"})
+    assert_error(r, 413)
+
+
+def test_body_under_the_limit_is_served(limited):
+    assert limited.post("/v1/completions", json=body()).status_code == 200
+
+
+def test_too_many_prompts(limited):
+    err = assert_error(limited.post("/v1/completions", json=body(prompt=["a"] * 4)), 400,
+                       "prompt")
+    assert "--max-prompts-per-request" in err["message"]
+    r = limited.post("/v1/completions", json=body(prompt=["a"] * MAX_PROMPTS))
+    assert r.status_code == 200 and len(r.json()["choices"]) == MAX_PROMPTS
+
+
+@pytest.mark.parametrize("path,extra", [("/v1/completions", {"prompt": "x"}),
+                                        ("/v1/chat/completions",
+                                         {"messages": [{"role": "user", "content": "x"}]})])
+def test_n_over_max_n(limited, path, extra):
+    req = {"model": MODEL, "max_tokens": 2, **extra}
+    err = assert_error(limited.post(path, json={**req, "n": MAX_N + 1}), 400, "n")
+    assert "--max-n" in err["message"]
+    assert limited.post(path, json={**req, "n": MAX_N}).status_code == 200
+
+
+async def _until(check, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def _waiting_tokens_refusal(url: str, aengine: AsyncEngine) -> httpx.Response:
+    async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+        head = asyncio.create_task(c.post("/v1/completions", json=body(
+            prompt=[5] * 4, max_tokens=1500, ignore_eos=True)))
+        await _until(lambda: aengine.num_running > 0)
+        queued = asyncio.create_task(c.post("/v1/completions", json=body(
+            prompt=[6] * MAX_WAITING_TOKENS)))
+        await _until(lambda: aengine.waiting_prompt_tokens >= MAX_WAITING_TOKENS)
+        refused = await c.post("/v1/completions", json=body())
+        assert (await head).status_code == 200 and (await queued).status_code == 200
+    return refused
+
+
+def test_waiting_prompt_tokens_limit(limited):
+    refused = asyncio.run(_waiting_tokens_refusal(str(limited.base_url), limited.aengine))
+    err = assert_error(refused, 429)
+    assert "--max-waiting-tokens" in err["message"] and refused.headers["retry-after"]
+    assert limited.aengine.waiting_prompt_tokens == 0
+    assert limited.post("/v1/completions", json=body()).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def timed(tiny_engine_factory):
+    aengine = AsyncEngine(tiny_engine_factory("llama"))
+    with _serve(aengine, request_timeout=0.5) as url, \
+            httpx.Client(base_url=url, timeout=60) as http:
+        http.engine = aengine.engine
+        yield http
+
+
+LONG = dict(prompt="hello", max_tokens=3000, ignore_eos=True)
+
+
+def test_timeout_non_streaming_returns_partial_text(timed):
+    start = time.monotonic()
+    r = timed.post("/v1/completions", json=body(n=2, **LONG))
+    assert r.status_code == 200, r.text
+    assert time.monotonic() - start < 10
+    choices = r.json()["choices"]
+    assert [ch["finish_reason"] for ch in choices] == ["abort", "abort"]
+    assert 0 < r.json()["usage"]["completion_tokens"] < 2 * 3000
+    assert wait_idle(timed.engine)
+
+
+def test_timeout_streaming_ends_with_abort_and_done(timed):
+    with timed.stream("POST", "/v1/completions", json=body(stream=True, **LONG)) as r:
+        assert r.status_code == 200
+        chunks = parse_sse(r.read())  # also checks the final data: [DONE]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "abort"
+    assert wait_idle(timed.engine)
+
+
+def test_short_requests_are_untouched_by_the_timeout(timed):
+    r = timed.post("/v1/completions", json=body(max_tokens=3, ignore_eos=True))
+    assert r.json()["choices"][0]["finish_reason"] == "length"
