@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from engine.engine_loop import Command, StepReport
 from engine.outputs import RequestOutput
 from engine.request_checks import check_request
+from scheduler.request import sequence_ids
 from scheduler.sampling_params import SamplingParams
 
 log = logging.getLogger("kvserve.engine_client")
@@ -142,7 +143,7 @@ class EngineClient:
         if not self.is_alive:
             raise EngineDeadError("the engine is not running")
         self.validate(prompt_token_ids, params)  # ValueError before anything is queued
-        ids = [request_id] + [f"{request_id}#{i}" for i in range(1, params.n)]
+        ids = sequence_ids(request_id, params.n)
         stream: asyncio.Queue = asyncio.Queue()
         self._register(ids, stream)
         self._queue_add((request_id, prompt_token_ids, params, cache_salt, priority))

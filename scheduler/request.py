@@ -10,6 +10,11 @@ from collections.abc import Sequence
 from scheduler.sampling_params import SamplingParams
 
 
+def sequence_ids(request_id: str, n: int) -> list[str]:
+    """The ids of a request's n sequences: its own, then "<id>#1" .. "<id>#n-1"."""
+    return [request_id] + [f"{request_id}#{i}" for i in range(1, n)]
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -51,9 +56,9 @@ class Request:
         so each is reproducible yet different."""
         from dataclasses import replace
 
-        for i in range(1, self.params.n):
+        for i, child_id in enumerate(sequence_ids(self.request_id, self.params.n)[1:], 1):
             seed = None if self.params.seed is None else self.params.seed + i
-            child = Request(f"{self.request_id}#{i}", self.token_ids,
+            child = Request(child_id, self.token_ids,
                             replace(self.params, n=1, seed=seed), self.eos_token_ids,
                             self.arrival_time, self.cache_salt, self.priority)
             child.index = i

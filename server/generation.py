@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from engine.engine_client import EngineClient, EngineDeadError
+from scheduler.request import sequence_ids
 from scheduler.sampling_params import SamplingParams
 from server.detokenizer import IncrementalDetokenizer
 from server.errors import APIError
@@ -150,7 +151,7 @@ def _deadline(engine: EngineClient, engine_id: str, n: int, timeout: float):
     if not timeout:
         yield
         return
-    ids = [engine_id] + [f"{engine_id}#{i}" for i in range(1, n)]
+    ids = sequence_ids(engine_id, n)
 
     def expire():
         log.info("request %s ran past --request-timeout (%gs): aborted", engine_id, timeout)
