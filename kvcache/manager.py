@@ -149,11 +149,14 @@ class KVCacheManager:
         copies (BlockCopy queued for the runner). Blocks that become full are
         hashed and registered for prefix sharing.
         """
+        req = self._requests.get(request_id)
+        if num_new_tokens == 1 and req is not None and self._append_in_place(
+                req, token_ids, num_computed_tokens):
+            return True
         end = num_computed_tokens + num_new_tokens
         if num_computed_tokens < 0 or num_new_tokens < 0 or end > len(token_ids):
             raise _bad_range(num_computed_tokens, num_new_tokens, len(token_ids))
         bs = self.block_size
-        req = self._requests.get(request_id)
         ids = req.block_ids if req is not None else ()
         have = len(ids)
         grow = -(-end // bs) - have
@@ -179,6 +182,25 @@ class KVCacheManager:
         if end > req.num_tokens:
             req.num_tokens = end
         if self.enable_prefix_caching and end // bs > len(req.hashes):
+            self._hash_full_blocks(req, token_ids, end // bs)
+        return True
+
+    def _append_in_place(self, req: RequestBlocks, token_ids: Sequence[int],
+                         pos: int) -> bool:
+        """The decode fast path, taken for almost every request every step: one
+        token at `pos` that lands in the request's own last block. False (nothing
+        done) when the general path must decide: a new block, a shared block, a
+        write behind the last block, or a bad position."""
+        ids = req.block_ids
+        bs = self.block_size
+        if not (0 <= pos < len(token_ids) and pos // bs == len(ids) - 1
+                and self._blocks[ids[-1]].ref_count == 1):
+            return False
+        end = pos + 1
+        if end > req.num_tokens:
+            req.num_tokens = end
+        # A block filled now, or earlier by a multi-token step (accepted drafts).
+        if end // bs > len(req.hashes) and self.enable_prefix_caching:
             self._hash_full_blocks(req, token_ids, end // bs)
         return True
 
@@ -262,6 +284,13 @@ class KVCacheManager:
         """Copy of the request's logical -> physical block ids ([] if unknown)."""
         req = self._requests.get(request_id)
         return list(req.block_ids) if req is not None else []
+
+    def live_block_table(self, request_id: str) -> list[int]:
+        """The request's own table, not a copy: read-only for the caller, and only
+        until the next call that allocates or frees (the scheduler hands it to the
+        runner for the step it just planned)."""
+        req = self._requests.get(request_id)
+        return req.block_ids if req is not None else []
 
     def take_copies(self) -> list[BlockCopy]:
         """Pending copy-on-write instructions since the last call; clears them."""

@@ -7,21 +7,26 @@ from kvcache import BlockCopy
 from scheduler.request import Request
 
 
-@dataclass
 class ScheduledRequest:
-    request: Request
-    num_new_tokens: int  # tokens computed this step, from request.num_computed_tokens
-    block_table: list[int]
+    """One request's share of a step. Built for every running request every step,
+    so it is a plain slotted class with its facts fixed at scheduling time."""
 
-    @property
-    def start(self) -> int:
-        return self.request.num_computed_tokens
+    __slots__ = ("request", "num_new_tokens", "block_table", "start", "samples")
 
-    @property
-    def samples(self) -> bool:
-        """True when this step catches the request up with every token it knows, so
-        the last row's logits give its next token (a mid-prompt chunk samples nothing)."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+    def __init__(self, request: Request, num_new_tokens: int, block_table: list[int]):
+        self.request = request
+        self.num_new_tokens = num_new_tokens  # tokens computed this step, from `start`
+        # The KV manager's live table (read-only, valid for this step): copying 256
+        # tables a step was a tenth of the scheduler's time.
+        self.block_table = block_table
+        self.start = start = request.num_computed_tokens
+        # This step catches the request up with every token it knows, so the last
+        # row's logits give its next token (a mid-prompt chunk samples nothing).
+        self.samples = start + num_new_tokens == len(request.token_ids)
+
+    def __repr__(self) -> str:
+        return (f"ScheduledRequest({self.request.request_id!r}, start={self.start}, "
+                f"new={self.num_new_tokens})")
 
 
 @dataclass

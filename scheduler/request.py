@@ -95,18 +95,23 @@ class Request:
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def append_token(self, token_id: int, max_model_len: int) -> None:
-        """Add a sampled token and decide whether the request is done."""
-        self.token_ids.append(token_id)
-        self.token_times.append(time.monotonic())
-        n = self.num_output_tokens
+    def append_token(self, token_id: int, max_model_len: int,
+                     now: float | None = None) -> None:
+        """Add a sampled token (produced at `now`, default: this moment) and decide
+        whether the request is done. Runs for every request every step: no
+        property hops."""
+        tokens = self.token_ids
+        tokens.append(token_id)
+        self.token_times.append(time.monotonic() if now is None else now)
+        n = len(tokens) - self.num_prompt_tokens
+        params = self.params
         # As the sampler's mask: a stop token counts once min_tokens others came first.
-        if n > self.params.min_tokens:
+        if n > params.min_tokens:
             if token_id in self._stop_ids:
                 return self.finish("stop", stop_reason=token_id)
             if token_id in self._eos_ids:
                 return self.finish("stop")
-        if n >= self.params.max_tokens or self.num_tokens >= max_model_len:
+        if n >= params.max_tokens or len(tokens) >= max_model_len:
             self.finish("length")
 
     # -- timings (seconds; None until they apply) ----------------------------

@@ -80,17 +80,22 @@ class Scheduler:
         return out
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
-        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        n = min(len(req.token_ids) - req.num_computed_tokens, budget)
         cap = self.config.long_prefill_token_threshold
         return min(n, cap) if cap > 0 else n
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        # The hot loop of the engine (every running request, every step): bound
+        # methods are hoisted, and a decode skips the general token count.
+        running, allocate, table = self.running, self.kv.allocate_slots, self.kv.live_block_table
+        scheduled = out.scheduled
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = self._num_new_tokens(req, budget)
-            while not self.kv.allocate_slots(req.request_id, req.token_ids,
-                                             req.num_computed_tokens, n):
+        while i < len(running) and budget > 0:
+            req = running[i]
+            n = len(req.token_ids) - req.num_computed_tokens
+            if n != 1:
+                n = self._num_new_tokens(req, budget)
+            while not allocate(req.request_id, req.token_ids, req.num_computed_tokens, n):
                 victim = self._pick_victim()
                 pos = self.running.index(victim)
                 self._preempt(victim, out)
@@ -103,7 +108,7 @@ class Scheduler:
                 # It ranked lowest and went itself: everyone left in running ranks
                 # above it (priority) or there is no one left (fcfs); serve them.
                 continue
-            out.scheduled.append(ScheduledRequest(req, n, self.kv.block_table(req.request_id)))
+            scheduled.append(ScheduledRequest(req, n, table(req.request_id)))
             budget -= n
             i += 1
         return budget
@@ -151,7 +156,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             num_seqs += 1 + len(req.pending_forks)
-            out.scheduled.append(ScheduledRequest(req, n, self.kv.block_table(req.request_id)))
+            out.scheduled.append(ScheduledRequest(req, n, self.kv.live_block_table(req.request_id)))
             budget -= n
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
@@ -170,18 +175,21 @@ class Scheduler:
         """Record computed tokens and sampled tokens; returns the requests that got a
         new token, finished ones included (already out of the batch and freed)."""
         changed = []
+        now = time.monotonic()  # one clock read stamps every token of the step
+        finished = RequestStatus.FINISHED
         for item in out.scheduled:
             req = item.request
-            if req.finished:  # aborted while the step ran
+            if req.status is finished:  # aborted while the step ran
                 continue
             req.num_computed_tokens += item.num_new_tokens
             token = sampled.get(req.request_id)
             if token is None:
                 continue
             # Siblings fork before the parent's token can finish it and free its blocks.
-            for child in self._fork_siblings(req):
-                self._append(child, sampled[child.request_id], changed)
-            self._append(req, token, changed)
+            if req.pending_forks:
+                for child in self._fork_siblings(req):
+                    self._append(child, sampled[child.request_id], changed, now)
+            self._append(req, token, changed, now)
         return changed
 
     def _fork_siblings(self, parent: Request) -> list[Request]:
@@ -198,10 +206,10 @@ class Scheduler:
             self.running.append(child)
         return children
 
-    def _append(self, req: Request, token: int, changed: list[Request]) -> None:
-        req.append_token(token, self.config.max_model_len)
+    def _append(self, req: Request, token: int, changed: list[Request], now: float) -> None:
+        req.append_token(token, self.config.max_model_len, now)
         changed.append(req)
-        if req.finished:
+        if req.status is RequestStatus.FINISHED:
             self.running.remove(req)
             self._release(req)
 
