@@ -142,24 +142,32 @@ class KVCacheManager:
         token_ids: Sequence[int],
         num_computed_tokens: int,
         num_new_tokens: int,
+        num_lookahead_tokens: int = 0,
     ) -> bool:
         """Cover num_computed_tokens + num_new_tokens tokens; all or nothing.
 
         Shared blocks that this step writes into are first swapped for private
         copies (BlockCopy queued for the runner). Blocks that become full are
         hashed and registered for prefix sharing.
+
+        num_lookahead_tokens: slots past the known tokens for speculative drafts.
+        They get blocks (private ones) but never hashes: a draft may be rejected,
+        so only token_ids, the tokens known to be right, are ever hashed.
+        `settle_verified` gives back what the rejected drafts did not need.
         """
         req = self._requests.get(request_id)
-        if num_new_tokens == 1 and req is not None and self._append_in_place(
-                req, token_ids, num_computed_tokens):
+        if num_new_tokens == 1 and not num_lookahead_tokens and req is not None \
+                and self._append_in_place(req, token_ids, num_computed_tokens):
             return True
         end = num_computed_tokens + num_new_tokens
-        if num_computed_tokens < 0 or num_new_tokens < 0 or end > len(token_ids):
+        if num_computed_tokens < 0 or num_new_tokens < 0 or num_lookahead_tokens < 0 \
+                or end > len(token_ids):
             raise _bad_range(num_computed_tokens, num_new_tokens, len(token_ids))
+        reach = end + num_lookahead_tokens
         bs = self.block_size
         ids = req.block_ids if req is not None else ()
         have = len(ids)
-        grow = -(-end // bs) - have
+        grow = -(-reach // bs) - have
         if grow < 0:
             grow = 0
         first = num_computed_tokens // bs
@@ -170,7 +178,7 @@ class KVCacheManager:
         if num_new_tokens and first < have and (
             first < have - 1 or self._blocks[ids[first]].ref_count > 1
         ):
-            shared = self._shared_write_targets(req, num_computed_tokens, end)
+            shared = self._shared_write_targets(req, num_computed_tokens, reach)
         if grow + len(shared) > self._free_queue.size:
             return False
         if req is None:
@@ -241,6 +249,27 @@ class KVCacheManager:
         self._pool.register_all(filled, new_hashes)
 
     # ------------------------------------------------------ fork and free
+
+    def settle_verified(self, request_id: str, token_ids: Sequence[int],
+                        num_tokens: int) -> None:
+        """After a verification step, KV is right for the first num_tokens of
+        token_ids (accepted drafts included) and wrong past them (rejected drafts):
+        blocks the accepted drafts filled are hashed now, and blocks holding
+        nothing but rejected drafts go back to the pool (never hashed: see
+        allocate_slots). The request is then as if it had never seen a draft."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return
+        keep = -(-num_tokens // self.block_size)
+        extra = req.block_ids[keep:]
+        if extra:
+            del req.block_ids[keep:]
+            blocks = self._blocks
+            self._pool.release([blocks[i] for i in reversed(extra)])
+        req.num_tokens = num_tokens
+        full = num_tokens // self.block_size
+        if self.enable_prefix_caching and full > len(req.hashes):
+            self._hash_full_blocks(req, token_ids, full)
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """Child shares every block of the parent, partial last one included."""

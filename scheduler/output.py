@@ -11,11 +11,15 @@ class ScheduledRequest:
     """One request's share of a step. Built for every running request every step,
     so it is a plain slotted class with its facts fixed at scheduling time."""
 
-    __slots__ = ("request", "num_new_tokens", "block_table", "start", "samples")
+    __slots__ = ("request", "num_new_tokens", "block_table", "start", "samples",
+                 "spec_token_ids")
 
-    def __init__(self, request: Request, num_new_tokens: int, block_table: list[int]):
+    def __init__(self, request: Request, num_new_tokens: int, block_table: list[int],
+                 spec_token_ids: list[int] | None = None):
         self.request = request
         self.num_new_tokens = num_new_tokens  # tokens computed this step, from `start`
+        # Drafts verified after the known tokens (query rows, not yet known tokens).
+        self.spec_token_ids = spec_token_ids or []
         # The KV manager's live table (read-only, valid for this step): copying 256
         # tables a step was a tenth of the scheduler's time.
         self.block_table = block_table
@@ -37,7 +41,7 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(s.num_new_tokens + len(s.spec_token_ids) for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:

@@ -43,6 +43,9 @@ class Request:
         self.index = 0  # which of its prompt's n sequences this is
         # Siblings that will share this request's blocks once its prompt is computed.
         self.pending_forks: list[Request] = []
+        # Speculative drafts for the next step (engine's proposer sets them); the
+        # step verifies them alongside the last known token.
+        self.spec_token_ids: list[int] = []
         self._stop_ids = set(params.stop_token_ids)
         self.eos_token_ids = tuple(eos_token_ids)
         self._eos_ids = set() if params.ignore_eos else set(eos_token_ids)

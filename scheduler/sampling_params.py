@@ -39,6 +39,8 @@ class SamplingParams:
     logprobs: int | None = None
     # Same for every prompt token (the first has none).
     prompt_logprobs: int | None = None
+    # False: this request never verifies speculative drafts (per-request opt-out).
+    speculative: bool = True
     # Derived in __post_init__: any penalty, bias or min_tokens to apply to logits.
     needs_processing: bool = field(default=False, init=False, repr=False, compare=False)
 

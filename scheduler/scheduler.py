@@ -95,6 +95,13 @@ class Scheduler:
             n = len(req.token_ids) - req.num_computed_tokens
             if n != 1:
                 n = self._num_new_tokens(req, budget)
+            elif req.spec_token_ids:
+                item = self._schedule_drafts(req, budget)
+                if item is not None:
+                    scheduled.append(item)
+                    budget -= 1 + len(item.spec_token_ids)
+                    i += 1
+                    continue
             while not allocate(req.request_id, req.token_ids, req.num_computed_tokens, n):
                 victim = self._pick_victim()
                 pos = self.running.index(victim)
@@ -113,6 +120,18 @@ class Scheduler:
             i += 1
         return budget
 
+    def _schedule_drafts(self, req: Request, budget: int) -> ScheduledRequest | None:
+        """A decode plus its drafts, as many as the budget, the model length and the
+        free blocks allow; None (drafts dropped) leaves a plain decode to the caller,
+        which preempts if even that cannot fit: drafts never cost anyone their seat."""
+        spec, req.spec_token_ids = req.spec_token_ids, []
+        room = min(budget - 1, self.config.max_model_len - len(req.token_ids))
+        spec = spec[:max(0, room)]
+        if not spec or not self.kv.allocate_slots(req.request_id, req.token_ids,
+                                                  req.num_computed_tokens, 1, len(spec)):
+            return None
+        return ScheduledRequest(req, 1, self.kv.live_block_table(req.request_id), spec)
+
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
             # Ties (siblings of one prompt share its arrival) go to the latest
@@ -125,7 +144,7 @@ class Scheduler:
     def _unschedule(req: Request, out: SchedulerOutput) -> int:
         item = next(s for s in out.scheduled if s.request is req)
         out.scheduled.remove(item)
-        return item.num_new_tokens
+        return item.num_new_tokens + len(item.spec_token_ids)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         # Siblings still to fork from a running parent take their seats when it forks
@@ -164,6 +183,7 @@ class Scheduler:
         # Scheduled earlier in this step, its new blocks are hashed but never computed.
         self.kv.free(req.request_id, req.num_computed_tokens)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self.waiting.push_front(req)
@@ -185,12 +205,34 @@ class Scheduler:
             token = sampled.get(req.request_id)
             if token is None:
                 continue
+            if item.spec_token_ids:
+                self._append_verified(req, token, changed, now)
+                continue
             # Siblings fork before the parent's token can finish it and free its blocks.
             if req.pending_forks:
                 for child in self._fork_siblings(req):
                     self._append(child, sampled[child.request_id], changed, now)
             self._append(req, token, changed, now)
         return changed
+
+    def _append_verified(self, req: Request, tokens: list[int], changed: list[Request],
+                         now: float) -> None:
+        """A verification step's tokens: the accepted drafts, then the one sampled
+        after them. Their KV (the drafts') is computed; the rejected drafts' slots
+        are given back. `tokens` is cut to those appended when one finishes the
+        request, so the caller sees exactly what was added."""
+        req.num_computed_tokens += len(tokens) - 1
+        for j, token in enumerate(tokens):
+            req.append_token(token, self.config.max_model_len, now)
+            if req.status is RequestStatus.FINISHED:
+                del tokens[j + 1:]
+                break
+        changed.append(req)
+        if req.status is RequestStatus.FINISHED:
+            self.running.remove(req)
+            self._release(req)
+        else:
+            self.kv.settle_verified(req.request_id, req.token_ids, req.num_computed_tokens)
 
     def _fork_siblings(self, parent: Request) -> list[Request]:
         """The prompt's KV is computed: siblings share all of it, the partly filled

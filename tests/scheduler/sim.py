@@ -69,6 +69,18 @@ def sample_for(out: SchedulerOutput) -> dict[str, int]:
     return sampled
 
 
+def verify_drafts(s) -> list[int]:
+    """The fake model verifying s's drafts: the drafts it agrees with, then its own
+    token at the first disagreement (or after the last draft)."""
+    rid, pos = s.request.request_id, s.request.num_tokens
+    out = []
+    for draft in s.spec_token_ids:
+        if draft != fake_token(rid, pos + len(out)):
+            break
+        out.append(draft)
+    return out + [fake_token(rid, pos + len(out))]
+
+
 # -- the fake device --------------------------------------------------------------
 
 class FakeKV:
@@ -242,7 +254,8 @@ class Simulation:
     def __init__(self, specs: list[Spec], config: SchedulerConfig, num_blocks: int,
                  block_size: int = 16, *, enable_prefix_caching: bool = True,
                  abort_rate: float = 0.0, seed: int = 0, full_check_every: int = 50,
-                 strict_service: bool | None = None, max_aborts: int = 10**9):
+                 strict_service: bool | None = None, max_aborts: int = 10**9,
+                 speculate: float = 0.0):
         for s in specs:
             if spec_len(s) > config.max_model_len:
                 raise ValueError(f"{s.request_id} is longer than max_model_len")
@@ -258,6 +271,9 @@ class Simulation:
         self.bs = block_size
         self.rng = random.Random(seed)
         self.abort_rate = abort_rate
+        # Chance per step that a decoding request carries 1..4 drafts, each right
+        # (the fake model's own next token) with probability 0.6.
+        self.speculate = speculate
         self.max_aborts = max_aborts
         self.full_check_every = full_check_every
         cap = config.long_prefill_token_threshold or config.max_num_batched_tokens
@@ -339,6 +355,8 @@ class Simulation:
         sched = self.sched
         running_before = list(sched.running)
         had_waiting = len(sched.waiting) > 0
+        if self.speculate:
+            self._propose_drafts()
         out = self._out = sched.schedule()
         self.check_schedule(out, running_before, had_waiting)
         if out.is_empty:  # the engine skips the runner and update()
@@ -370,7 +388,8 @@ class Simulation:
         self.c["copies"] += len(out.block_copies)
         copied = {c.dst for c in out.block_copies}
         for s in out.scheduled:
-            self.dev.write(s.block_table, s.request.token_ids, s.start, s.start + s.num_new_tokens)
+            end = s.start + s.num_new_tokens + len(s.spec_token_ids)
+            self.dev.write(s.block_table, s.request.token_ids + s.spec_token_ids, s.start, end)
         full = self.step % self.full_check_every == 0
         for s in out.scheduled:
             req, end = s.request, s.start + s.num_new_tokens
@@ -384,7 +403,22 @@ class Simulation:
             assert self.dev.holds(s.block_table, req.token_ids, lo, end), (
                 f"step {self.step}: {rid} reads wrong KV in [{lo}, {end}) "
                 f"(table {s.block_table})")
-        return sample_for(out)
+        sampled = sample_for(out)
+        for s in out.scheduled:
+            if s.spec_token_ids:
+                sampled[s.request.request_id] = verify_drafts(s)
+                self.c["drafts"] += len(s.spec_token_ids)
+                self.c["accepted"] += len(sampled[s.request.request_id]) - 1
+        return sampled
+
+    def _propose_drafts(self) -> None:
+        for req in self.sched.running:
+            if (req.num_tokens - req.num_computed_tokens == 1 and not req.pending_forks
+                    and req.num_output_tokens and self.rng.random() < self.speculate):
+                rid, pos = req.request_id, req.num_tokens
+                req.spec_token_ids = [
+                    fake_token(rid, pos + j) if self.rng.random() < 0.6 else 5
+                    for j in range(self.rng.randint(1, 4))]
 
     # -- aborts ---------------------------------------------------------------------
     def _maybe_abort(self, mid_step: bool, out: SchedulerOutput | None = None) -> None:
@@ -470,7 +504,7 @@ class Simulation:
             assert not cap or n <= cap, f"step {step}: {n} tokens > threshold {cap}"
             assert s.start + n <= req.num_tokens
             assert s.block_table == kv.block_table(req.request_id), "stale block table"
-            assert len(s.block_table) == -(-(s.start + n) // bs), (
+            assert len(s.block_table) == -(-(s.start + n + len(s.spec_token_ids)) // bs), (
                 f"step {step}: {req.request_id} table {len(s.block_table)} blocks for "
                 f"{s.start + n} tokens")
             assert len(set(s.block_table)) == len(s.block_table)
@@ -551,12 +585,24 @@ class Simulation:
                 f"step {self.step}: {r.request_id} holds {len(table)} blocks for "
                 f"{r.num_computed_tokens} computed tokens")
             used.update(table)
+            if self.speculate:
+                self._check_hashes(r)
         for r in waiting:
             assert r.status is RequestStatus.WAITING and r.num_computed_tokens == 0
             assert kv.block_table(r.request_id) == []
         assert kv.num_free_blocks + len(used) == kv.num_blocks, (
             f"step {self.step}: {kv.num_free_blocks} free + {len(used)} used "
             f"!= {kv.num_blocks}")
+
+    def _check_hashes(self, req: Request) -> None:
+        """The request's hash chain is what a request that never saw a rejected
+        draft would have: full blocks of its own verified tokens, none beyond."""
+        blocks = self.kv._requests[req.request_id]
+        assert len(blocks.hashes) <= req.num_computed_tokens // self.bs, (
+            f"step {self.step}: {req.request_id} hashes past its verified tokens")
+        chain = self.kv._hasher.hash_blocks(blocks.root_hash, req.token_ids, 0,
+                                            len(blocks.hashes))
+        assert blocks.hashes == chain, f"step {self.step}: {req.request_id} hash chain"
 
     def check_output_prefix(self, req: Request) -> None:
         spec = self.spec_of[req.request_id]

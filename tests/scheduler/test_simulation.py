@@ -25,14 +25,15 @@ MAX_MODEL_LEN = 4600  # 4,000 + 500 fit
 
 def run_sim(policy: str, seed: int, num_blocks: int, max_num_seqs: int, budget: int,
             threshold: int = 0, abort_rate: float = 0.0, num_requests: int = 1000,
-            arrival_span: int = 1500) -> tuple[Simulation, SimResult]:
+            arrival_span: int = 1500, speculate: float = 0.0) -> tuple[Simulation, SimResult]:
     specs = make_workload(num_requests, seed, arrival_span=arrival_span,
                           num_priorities=4 if policy == "priority" else 1,
                           max_blocks=num_blocks, block_size=BLOCK)
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                              max_model_len=MAX_MODEL_LEN, policy=policy,
                              long_prefill_token_threshold=threshold)
-    sim = Simulation(specs, config, num_blocks, BLOCK, abort_rate=abort_rate, seed=seed)
+    sim = Simulation(specs, config, num_blocks, BLOCK, abort_rate=abort_rate, seed=seed,
+                     speculate=speculate)
     return sim, sim.run()
 
 
@@ -124,6 +125,19 @@ def test_fcfs_1000_requests_with_aborts_and_long_prefill_cap():
     check_fcfs_admission(result)
 
 
+def test_speculative_drafts_1000_requests_with_aborts():
+    """Decodes carry 1..4 drafts (60% right each): every output is still exactly the
+    fake model's, the tables shrink back to the verified tokens after each step
+    (check_state), hash chains never cover a rejected draft (_check_hashes), and
+    prefix hits on blocks filled by accepted drafts read the right KV."""
+    sim, result = run_sim("fcfs", seed=4, num_blocks=600, max_num_seqs=32, budget=512,
+                          abort_rate=0.05, speculate=0.7)
+    check_common(sim, result, 512, 32)
+    c = result.counters
+    assert c["drafts"] > 10_000 and 0 < c["accepted"] < c["drafts"]
+    check_fcfs_admission(result)
+
+
 # -- many small random simulations ---------------------------------------------------
 
 PREFIXES = [list(range(1, 40)), list(range(500, 530))]
@@ -160,16 +174,17 @@ def build_specs(rows) -> list[Spec]:
        policy=st.sampled_from(["fcfs", "priority"]), max_num_seqs=st.integers(3, 8),
        budget=st.integers(1, 48), threshold=st.sampled_from([0, 0, 1, 3, 8]),
        caching=st.booleans(), abort_rate=st.sampled_from([0.0, 0.0, 0.15]),
-       seed=st.integers(0, 2**16))
+       speculate=st.sampled_from([0.0, 0.0, 0.6]), seed=st.integers(0, 2**16))
 def test_small_random_simulations(rows, block_size, spare, policy, max_num_seqs, budget,
-                                  threshold, caching, abort_rate, seed):
+                                  threshold, caching, abort_rate, speculate, seed):
     specs = build_specs(rows)
     num_blocks = max(blocks_alone(s, block_size) for s in specs) + spare
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                              max_model_len=max(spec_len(s) for s in specs),
                              policy=policy, long_prefill_token_threshold=threshold)
     sim = Simulation(specs, config, num_blocks, block_size, enable_prefix_caching=caching,
-                     abort_rate=abort_rate, seed=seed, full_check_every=1)
+                     abort_rate=abort_rate, seed=seed, full_check_every=1,
+                     speculate=speculate)
     result = sim.run()
     check_outputs(result)
     if policy == "fcfs":
@@ -227,4 +242,38 @@ def test_harness_catches_a_wrong_token():
 
     sim._execute = bad_execute
     with pytest.raises(AssertionError, match="wrong tokens"):
+        sim.run()
+
+
+def test_harness_catches_drafts_left_in_the_cache(monkeypatch):
+    specs = [Spec(f"d{i}", 0, list(range(100 * i, 100 * i + 7)), 40) for i in range(3)]
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    Simulation(specs, config, num_blocks=40, block_size=4, speculate=1.0).run()
+    # rejected drafts' blocks kept: the table outgrows the verified tokens
+    monkeypatch.setattr(KVCacheManager, "settle_verified", lambda self, rid, tokens, n: None)
+    with pytest.raises(AssertionError, match="blocks for"):
+        Simulation(specs, config, num_blocks=40, block_size=4, speculate=1.0).run()
+
+
+def test_harness_catches_hashes_over_drafts(monkeypatch):
+    specs = [Spec(f"h{i}", 0, list(range(100 * i, 100 * i + 7)), 40) for i in range(3)]
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    allocate = KVCacheManager.allocate_slots
+
+    def hashing_drafts(self, rid, tokens, computed, new, lookahead=0):
+        # the bug: drafts treated as known tokens, so their full blocks get hashed
+        drafts = self._spec_for_test.get(rid, [])
+        return allocate(self, rid, list(tokens) + drafts, computed, new + lookahead)
+
+    sim = Simulation(specs, config, num_blocks=40, block_size=4, speculate=1.0)
+    sim.kv._spec_for_test = {}
+    schedule = sim.sched.schedule
+
+    def remember_drafts():
+        sim.kv._spec_for_test = {r.request_id: list(r.spec_token_ids) for r in sim.sched.running}
+        return schedule()
+
+    sim.sched.schedule = remember_drafts
+    monkeypatch.setattr(KVCacheManager, "allocate_slots", hashing_drafts)
+    with pytest.raises(AssertionError, match="hash"):
         sim.run()
