@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -134,8 +134,24 @@ class Engine:
             return []
         result = self.runner.execute(out)
         self._count(out, len(result.tokens))
+        # Before update: it then skips the failed requests as finished.
+        failed = [o for rid, why in result.failed.items() for o in self._fail(rid, why)]
         changed = self.scheduler.update(out, result.tokens)
-        return [self._output(req, [req.token_ids[-1]], result) for req in changed]
+        return failed + [self._output(req, [req.token_ids[-1]], result) for req in changed]
+
+    def _fail(self, request_id: str, why: str) -> list[RequestOutput]:
+        """Ends a request the step failed for, with its siblings still to fork:
+        finish reason "error", `why` kept for the front end, blocks freed."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return []
+        log.error("request %s failed: %s", request_id, why)
+        # The step's new blocks hold KV never confirmed good (none at all if its
+        # batch was never prepared): they leave the prefix cache, as a preempted
+        # request's do; the scheduler's abort then finds nothing left to free.
+        self.kv.free(request_id, req.num_computed_tokens)
+        return [replace(self._output(r, []), finish_reason="error", error=why)
+                for r in self.scheduler.abort(request_id, "error")]
 
     def _count(self, out, num_sampled: int) -> None:
         self.stats.steps += 1

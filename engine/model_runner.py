@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from engine import faults
 from engine.attention import clear_attention_context, make_backend, set_attention_context
 from engine.attention.step_metadata import build_host_step
 from engine.cuda_graphs import DecodeGraphs
@@ -69,11 +70,27 @@ class ModelRunner:
         self.copy_blocks(out.block_copies)
         if self._graph_step(out.scheduled):
             return self._execute_decode(out.scheduled)
-        batch = self.prepare(out.scheduled)
-        logits = self.forward_logits(batch)
-        if not batch.sampling and not batch.prompt_spans:
-            return StepResult()
-        return self.sampler.run(logits, batch.sampling, batch.prompt_spans)
+        batch, failed = self._prepare_isolated(out.scheduled)
+        result = StepResult()
+        if batch is not None:
+            logits = self.forward_logits(batch)
+            if batch.sampling or batch.prompt_spans:
+                result = self.sampler.run(logits, batch.sampling, batch.prompt_spans)
+        result.failed.update(failed)
+        return result
+
+    def _prepare_isolated(self, scheduled: list[ScheduledRequest]
+                          ) -> tuple[FlatBatch | None, dict[str, str]]:
+        """prepare(); if it raises, the requests it raises for alone are left out of
+        the step and reported as failed (None: nobody is left)."""
+        try:
+            return self.prepare(scheduled), {}
+        except Exception as exc:  # noqa: BLE001 - blamed on requests, or re-raised
+            by_id = {s.request.request_id: s for s in scheduled}
+            failed = faults.blame(exc, by_id, lambda rid: self.prepare([by_id[rid]]),
+                                  "batch preparation")
+            keep = [s for s in scheduled if s.request.request_id not in failed]
+            return (self.prepare(keep) if keep else None), failed
 
     @torch.inference_mode()
     def profile_step(self, num_tokens: int, num_sampling_rows: int) -> None:
@@ -129,6 +146,8 @@ class ModelRunner:
 
     # -- batch preparation -----------------------------------------------------
     def prepare(self, scheduled: list[ScheduledRequest]) -> FlatBatch:
+        if faults.ARMED:
+            faults.trip("prepare", [s.request for s in scheduled])
         # Decodes first (a stable sort): backends find them in rows 0..B-1.
         scheduled = sorted(scheduled, key=lambda s: s.num_new_tokens > 1)
         lens = [s.num_new_tokens for s in scheduled]

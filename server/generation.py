@@ -22,6 +22,15 @@ from server.metrics_frontend import current_clock
 log = logging.getLogger("kvserve.server")
 
 
+class RequestFailedError(RuntimeError):
+    """The engine ended a sequence with finish reason "error" (an exception or NaN/inf
+    logits for that request alone): the request gets a 500, everyone else goes on."""
+
+
+# What status_of answers with its own status and message (an expected end, not a bug).
+EXPECTED_ERRORS = (ValueError, EngineDeadError, RequestFailedError)
+
+
 @dataclass
 class PromptGroup:
     """One prompt and its n sequences. Choice indices are prompt_index * n + sequence."""
@@ -134,6 +143,8 @@ async def _relay(engine: EngineClient, gen, seqs: list[_Sequence], group: Prompt
         seq = seqs[out.index]
         if seq.done:
             continue  # the abort that follows a stop string
+        if out.finish_reason == "error":  # leaving aborts the prompt's other sequences
+            raise RequestFailedError(out.error or "the engine failed this request")
         delta = seq.advance(out)
         if delta is None:
             continue
@@ -180,7 +191,7 @@ async def collect(engine: EngineClient, rid: str, groups: list[PromptGroup],
     tasks = [asyncio.create_task(run_group(engine, rid, g, opts, keep)) for g in groups]
     try:
         await asyncio.gather(*tasks)
-    except (ValueError, EngineDeadError) as exc:
+    except EXPECTED_ERRORS as exc:
         raise APIError(*status_of(exc)) from exc
     finally:
         for t in tasks:
@@ -203,7 +214,7 @@ async def stream(engine: EngineClient, rid: str, groups: list[PromptGroup],
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
-            if not isinstance(exc, (ValueError, EngineDeadError)):
+            if not isinstance(exc, EXPECTED_ERRORS):
                 log.error("internal error in a streaming request", exc_info=exc)
             await queue.put(exc)
 
@@ -238,6 +249,8 @@ def status_of(exc: BaseException) -> tuple[int, str]:
         return 400, str(exc)
     if isinstance(exc, EngineDeadError):
         return 503, str(exc)
+    if isinstance(exc, RequestFailedError):  # the engine logged it, with the request id
+        return 500, f"the engine failed this request: {exc}"
     return 500, f"internal error: {type(exc).__name__}"
 
 

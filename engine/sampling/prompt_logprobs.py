@@ -57,6 +57,12 @@ class PromptLogprobs:
     def release(self, request_id: str) -> None:
         self._done.pop(request_id, None)
 
+    def copy(self) -> PromptLogprobs:
+        """An independent copy (the sampler's probe runs work on one)."""
+        other = PromptLogprobs()
+        other._done = {rid: list(items) for rid, items in self._done.items()}
+        return other
+
     def __len__(self) -> int:
         """Requests with prompt logprobs in progress."""
         return len(self._done)
