@@ -26,11 +26,12 @@ VERSION = "0.1.0"
 def build_app(engine: EngineClient, model_names: list[str], model_root: str = "", *,
               api_keys: Sequence[str] = (), max_waiting_requests: int = 0,
               max_waiting_tokens: int = 0, limits: RequestLimits = RequestLimits(),
-              request_timeout: float = 0.0) -> FastAPI:
+              request_timeout: float = 0.0, protect_metrics: bool = False) -> FastAPI:
     """`engine` must not be started yet: the app starts it at startup and stops it at
     shutdown, so a test server and a real one live the same way. For `api_keys`,
     `max_waiting_requests` and `max_waiting_tokens` (0: no limit) see server/ops.py,
-    for `limits` server/limits.py; `request_timeout` (seconds, 0: none) aborts a
+    for `limits` server/limits.py; `protect_metrics`: /health, /version and /metrics
+    need a key too (with `api_keys`); `request_timeout` (seconds, 0: none) aborts a
     generation that runs longer (its choices end with finish reason "abort")."""
 
     @contextlib.asynccontextmanager
@@ -45,7 +46,8 @@ def build_app(engine: EngineClient, model_names: list[str], model_root: str = ""
     install_error_handlers(app)
     install_ops(app, engine, model_names, VERSION, api_keys=api_keys,
                 max_waiting_requests=max_waiting_requests,
-                max_waiting_tokens=max_waiting_tokens, max_body_bytes=limits.max_body_bytes)
+                max_waiting_tokens=max_waiting_tokens, max_body_bytes=limits.max_body_bytes,
+                protect_metrics=protect_metrics)
     completions = CompletionService(engine, model_names, limits, request_timeout)
     created = int(time.time())
 

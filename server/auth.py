@@ -1,7 +1,8 @@
 """API keys (`--api-key`): every /v1 route needs `Authorization: Bearer <key>`.
 
 As in vLLM, only /v1 is guarded: /health, /version, /metrics, /tokenize and
-/detokenize stay open for probes and scrapers."""
+/detokenize stay open for probes and scrapers, unless `--protect-metrics` guards
+/health, /version and /metrics too. No key is ever logged."""
 from __future__ import annotations
 
 import hashlib
@@ -23,14 +24,16 @@ class ApiKeyMiddleware:
     """Pure ASGI (no BaseHTTPMiddleware): it must not buffer or re-task streaming
     responses, and it answers 401 before the body is read."""
 
-    def __init__(self, app: ASGIApp, keys: Iterable[str]):
+    def __init__(self, app: ASGIApp, keys: Iterable[str], protect_metrics: bool = False):
         self.app = app
         self._digests = [_digest(k) for k in keys]
         if not self._digests:
             raise ValueError("ApiKeyMiddleware needs at least one key")
+        self.protect_metrics = protect_metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if not _guarded(scope):
+        if (scope["type"] != "http" or scope["method"] == "OPTIONS"  # CORS preflight
+                or not guarded(scope["path"], self.protect_metrics)):
             return await self.app(scope, receive, send)
         problem = self._problem(Headers(scope=scope).get("authorization"))
         if problem is None:
@@ -54,8 +57,11 @@ class ApiKeyMiddleware:
         return None if ok else ("Incorrect API key provided.", "invalid_api_key")
 
 
-def _guarded(scope: Scope) -> bool:
-    if scope["type"] != "http" or scope["method"] == "OPTIONS":  # CORS preflight
-        return False
-    path = scope["path"]
+PROBE_PATHS = frozenset({"/health", "/version", "/metrics"})
+
+
+def guarded(path: str, protect_metrics: bool = False) -> bool:
+    """Whether a request to `path` needs a key (when keys are configured)."""
+    if protect_metrics and path.rstrip("/") in PROBE_PATHS:
+        return True
     return path == "/v1" or path.startswith("/v1/")

@@ -134,6 +134,9 @@ def add_serve_args(p: _EnvDefaults) -> None:
     p.add("--log-level", "info", help="debug|info|warning|error")
     p.add_secret_list("--api-key", help="require `Authorization: Bearer <key>` on /v1 "
                       "routes; comma-separated and/or repeated for several keys")
+    p.add("--protect-metrics", False, type=parse_bool,
+          help="require the API key on /health, /version and /metrics too (needs "
+          "--api-key; probes and scrapers must then send it)")
     p.add("--max-waiting-requests", 0, type=_non_negative(int),
           help="answer 429 to new generation requests while this many wait to be "
           "scheduled (0: no limit)")
@@ -213,6 +216,8 @@ def serve(args) -> None:
     from server.limits import RequestLimits
     from server.shutdown import GracefulServer
 
+    if args.protect_metrics and not args.api_key:
+        raise SystemExit("kvserve: --protect-metrics needs --api-key (or KVSERVE_API_KEY)")
     path, names = resolve_model(args)
     try:
         engine = start_engine(engine_config_from_args(args, path), args.engine_mode)
@@ -223,9 +228,10 @@ def serve(args) -> None:
     app = build_app(engine, names, model_root=path, api_keys=args.api_key,
                     max_waiting_requests=args.max_waiting_requests,
                     max_waiting_tokens=args.max_waiting_tokens, limits=limits,
-                    request_timeout=args.request_timeout)
+                    request_timeout=args.request_timeout, protect_metrics=args.protect_metrics)
+    guarded = "/v1, /health, /version and /metrics" if args.protect_metrics else "/v1"
     log.info("serving %s on http://%s:%d%s", ", ".join(names), args.host, args.port,
-             f" ({len(args.api_key)} API key(s) required on /v1)" if args.api_key else "")
+             f" ({len(args.api_key)} API key(s) required on {guarded})" if args.api_key else "")
     # The drain has already waited for responses in flight; uvicorn's own wait after
     # it only has to outlast stragglers, so it is short.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -1,18 +1,21 @@
 """The operational side of the app: API keys (/v1 needs `Authorization: Bearer
-<key>` when any are given), admission (at most `max_waiting_requests` waiting to be
+<key>` when any are given; /health, /version and /metrics too with
+`protect_metrics`), admission (at most `max_waiting_requests` waiting to be
 scheduled, or `max_waiting_tokens` prompt tokens, 0: no limit; nothing while
 draining), the request body's size limit, /health, /version, /metrics,
-/tokenize and /detokenize."""
+/tokenize and /detokenize; and the error responses all of these give, in the OpenAPI
+schema."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from engine.engine_client import EngineClient
-from server.admission import Admission, AdmissionMiddleware
-from server.auth import ApiKeyMiddleware
+from server.admission import GENERATION_PATHS, Admission, AdmissionMiddleware
+from server.auth import ApiKeyMiddleware, guarded
 from server.limits import BodyLimitMiddleware
 from server.metrics import ServerMetrics
 from server.metrics_frontend import ArrivalMiddleware
@@ -21,12 +24,14 @@ from server.tokenize_api import tokenize_router
 
 def install_ops(app: FastAPI, engine: EngineClient, model_names: list[str], version: str, *,
                 api_keys: Sequence[str] = (), max_waiting_requests: int = 0,
-                max_waiting_tokens: int = 0, max_body_bytes: int = 0) -> Admission:
+                max_waiting_tokens: int = 0, max_body_bytes: int = 0,
+                protect_metrics: bool = False) -> Admission:
     admission = Admission(engine, max_waiting_requests, max_waiting_tokens)
     app.state.admission = admission  # the shutdown drain finds it here
     app.add_middleware(AdmissionMiddleware, admission=admission)
     if api_keys:  # added after admission, so outside it: no key, never admitted
-        app.add_middleware(ApiKeyMiddleware, keys=list(api_keys))
+        app.add_middleware(ApiKeyMiddleware, keys=list(api_keys),
+                           protect_metrics=protect_metrics)
     # Outside auth and admission: an oversized body is refused before anything reads it.
     app.add_middleware(BodyLimitMiddleware, limit=max_body_bytes)
     server_metrics = ServerMetrics(engine, model_names[0] if model_names else "")
@@ -50,4 +55,66 @@ def install_ops(app: FastAPI, engine: EngineClient, model_names: list[str], vers
     async def metrics():
         return server_metrics.response()
 
+    _document_errors(app, keys=bool(api_keys), protect_metrics=protect_metrics,
+                     queue_limit=bool(max_waiting_requests or max_waiting_tokens),
+                     body_limit=bool(max_body_bytes))
     return admission
+
+
+_ERROR = {"description": "Error", "content": {"application/json": {
+    "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+_ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+
+
+def _document_errors(app: FastAPI, *, keys: bool, protect_metrics: bool, queue_limit: bool,
+                     body_limit: bool) -> None:
+    """FastAPI's schema says 422 for a body that fails validation; the server answers
+    400 in OpenAI's error shape (server/errors.py), and the middlewares add 401, 413,
+    429 and 503. Streams are text/event-stream, /metrics is Prometheus text."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        schema = generate()  # FastAPI's, cached; the edits below are idempotent
+        components = schema.setdefault("components", {})
+        schemas = components.setdefault("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(name, None)
+        schemas["ErrorResponse"] = _ERROR_SCHEMA
+        if keys:
+            components["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
+        for path, operations in schema.get("paths", {}).items():
+            for method, op in operations.items():
+                codes = _error_codes(path, method.upper(), keys, protect_metrics,
+                                     queue_limit, body_limit)
+                responses = op.setdefault("responses", {})
+                responses.pop("422", None)
+                for code in codes:
+                    responses.setdefault(str(code), _ERROR)
+                if 401 in codes:
+                    op["security"] = [{"apiKey": []}]
+                ok = responses.get("200", {}).setdefault("content", {})
+                if path in GENERATION_PATHS:
+                    ok.setdefault("text/event-stream", {})  # data: events, then [DONE]
+                if path == "/metrics":
+                    ok.clear()
+                    ok["text/plain"] = {"schema": {"type": "string"}}
+        return schema
+
+    app.openapi = openapi
+
+
+def _error_codes(path: str, method: str, keys: bool, protect_metrics: bool,
+                 queue_limit: bool, body_limit: bool) -> list[int]:
+    codes = []
+    if method == "POST":  # every POST reads a JSON body naming a model
+        codes += [400, 404] + [413] * body_limit
+    if keys and guarded(path, protect_metrics):
+        codes.append(401)
+    if path in GENERATION_PATHS:
+        codes += [429] * queue_limit + [500, 503]
+    if path == "/health":
+        codes.append(503)
+    return codes
