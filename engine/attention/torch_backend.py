@@ -36,6 +36,16 @@ class TorchAttentionMetadata:
     # with 0, and [B, 1, 1, max_context] True where a real key is.
     decode_slots: torch.Tensor | None
     decode_mask: torch.Tensor | None
+    # Short queries (speculative verifications, tiny prompts) in one padded call too:
+    # [S, Q] batch rows (a short request's padding repeats its last row), [S, L]
+    # context slots, [S, 1, Q, L] causal mask. None when there are none.
+    short: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+# A request computing at most this many tokens joins the padded batched call instead
+# of an attention call of its own: one call per verification would cost more than
+# the whole step saves on CPU.
+SHORT_QUERY = 16
 
 
 class TorchBackend(AttentionBackend):
@@ -44,8 +54,13 @@ class TorchBackend(AttentionBackend):
     def prepare(self, common: AttentionMetadata) -> TorchAttentionMetadata:
         rows = torch.nonzero(common.slot_mapping >= 0).squeeze(1)
         slots, mask = self._decodes(common) if common.num_decodes else (None, None)
+        lens = common.query_start_loc_cpu.diff().tolist()
+        short = [i for i in range(common.num_decodes, common.num_reqs)
+                 if lens[i] <= SHORT_QUERY]
+        long = [i for i in range(common.num_decodes, common.num_reqs) if lens[i] > SHORT_QUERY]
         return TorchAttentionMetadata(rows, common.slot_mapping[rows],
-                                      self._prefills(common), slots, mask)
+                                      self._prefills(common, long), slots, mask,
+                                      self._shorts(common, short) if short else None)
 
     @staticmethod
     def _decodes(c: AttentionMetadata):
@@ -59,11 +74,28 @@ class TorchBackend(AttentionBackend):
         return slots, (key_pos < seq_lens)[:, None, None, :]
 
     @staticmethod
-    def _prefills(c: AttentionMetadata) -> list[PrefillSpan]:
+    def _shorts(c: AttentionMetadata, idx: list[int]):
+        dev = c.seq_lens.device
+        index = torch.tensor(idx)
+        first = c.query_start_loc_cpu[index].long()
+        q_len = c.query_start_loc_cpu[index + 1].long() - first
+        ctx = c.seq_lens_cpu[index].long()
+        j = torch.arange(int(q_len.max())).expand(len(idx), -1).minimum(q_len[:, None] - 1)
+        rows = first[:, None] + j  # [S, Q]
+        q_pos = (ctx - q_len)[:, None] + j  # the position each row queries from
+        key_pos = torch.arange(int(ctx.max())).expand(len(idx), -1)
+        # Padding repeats the last real key (masked out), as for decodes.
+        slots = context_slots(c.block_tables[index.to(dev)],
+                              key_pos.minimum(ctx[:, None] - 1).to(dev), c.block_size)
+        mask = key_pos[:, None, :] <= q_pos[:, :, None]  # causal; < ctx follows
+        return rows.to(dev), slots, mask[:, None].to(dev)
+
+    @staticmethod
+    def _prefills(c: AttentionMetadata, idx: list[int]) -> list[PrefillSpan]:
         spans = []
         starts, seq_lens = c.query_start_loc_cpu.tolist(), c.seq_lens_cpu.tolist()
         dev = c.seq_lens.device
-        for i in range(c.num_decodes, c.num_reqs):
+        for i in idx:
             q_len, ctx_len = starts[i + 1] - starts[i], seq_lens[i]
             key_pos = torch.arange(ctx_len, device=dev)
             slots = context_slots(c.block_tables[i], key_pos, c.block_size)
@@ -88,6 +120,12 @@ class TorchBackend(AttentionBackend):
             nd = meta.decode_slots.shape[0]
             out[:nd] = _decode(q[:nd], k_flat[meta.decode_slots],
                                v_flat[meta.decode_slots], meta.decode_mask, scale)
+        if meta.short is not None:
+            rows, slots, mask = meta.short
+            # A padded row repeats its request's last row and mask, so writing every
+            # row back writes identical values twice, never a wrong one.
+            o = _short(q[rows], k_flat[slots], v_flat[slots], mask, scale)
+            out[rows.reshape(-1)] = o.reshape(-1, *o.shape[2:])
         return out
 
 
@@ -105,6 +143,14 @@ def _prefill(q, k, v, mask, scale):
         q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
         enable_gqa=q.shape[1] != k.shape[1])
     return o.squeeze(0).transpose(0, 1)
+
+
+def _short(q, k, v, mask, scale):
+    # q: [S, Q, H, D] -> [S, H, Q, D]; k, v: [S, L, Hkv, D] -> [S, Hkv, L, D]
+    o = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+        scale=scale, enable_gqa=q.shape[2] != k.shape[2])
+    return o.transpose(1, 2)  # [S, Q, H, D]
 
 
 def _decode(q, k, v, mask, scale):
