@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.spec_decode.config import SpeculativeConfig
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -173,3 +175,5 @@ class EngineConfig:
     # Decode-only steps on CUDA replay CUDA graphs (one per batch-size bucket) unless
     # this is set; mixed steps always run eagerly.
     enforce_eager: bool = False
+    # Speculative decoding (None: off): drafts verified by the target in one pass.
+    speculative: SpeculativeConfig | None = None

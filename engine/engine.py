@@ -15,6 +15,8 @@ from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput, RequestTimes
 from engine.request_checks import check_request
 from engine.sampling import StepResult
+from engine.spec_decode.drafters import DraftModelDrafter, EarlyExitDrafter
+from engine.spec_decode.speculator import Speculator
 from kvcache import KVCacheManager
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
@@ -62,10 +64,35 @@ class Engine:
             config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
             config.scheduling_policy, config.long_prefill_token_threshold), self.kv)
         self.stats = EngineStats()
+        self.speculator = self._make_speculator(model)
         log.info("KV cache: %d blocks of %d tokens (%d tokens, %.1fx concurrency at %d)",
                  num_blocks, config.block_size, num_blocks * config.block_size,
                  num_blocks * config.block_size / self.max_model_len, self.max_model_len)
         self._capture_decode_graphs()
+
+    def _make_speculator(self, model) -> Speculator | None:
+        spec = self.config.speculative
+        if spec is None:
+            return None
+        if spec.method == "early-exit":
+            self.runner.drafter = EarlyExitDrafter(model, self.runner.attn_backend,
+                                                   self.config.block_size, self.device,
+                                                   spec.draft_layers)
+        elif spec.method == "draft":
+            self.runner.drafter = self._draft_model_drafter(spec.model)
+        log.info("speculative decoding: %s, %d tokens, off above %s running", spec.method,
+                 spec.num_tokens, spec.disable_batch_size or "no limit")
+        return Speculator(spec)
+
+    def _draft_model_drafter(self, path: str) -> DraftModelDrafter:
+        cfg = ModelConfig.from_pretrained(path)
+        if cfg.vocab_size != self.model_config.vocab_size:
+            raise ModelLoadError(f"the draft model's vocabulary ({cfg.vocab_size} tokens) "
+                                 f"is not the model's ({self.model_config.vocab_size})")
+        draft = load_model(path, cfg, self.dtype, self.device, self.max_model_len,
+                           self.config.load_format, self.config.seed + 1)
+        return DraftModelDrafter(draft, self.kv.num_blocks, self.runner.attn_backend,
+                                 self.config.block_size, self.device, self.dtype)
 
     def _capture_decode_graphs(self) -> None:
         if self.device.type != "cuda" or self.config.enforce_eager:
@@ -133,11 +160,14 @@ class Engine:
         if out.is_empty:
             return []
         result = self.runner.execute(out)
-        self._count(out, len(result.tokens))
+        self._count(out, result.tokens)
         # Before update: it then skips the failed requests as finished.
         failed = [o for rid, why in result.failed.items() for o in self._fail(rid, why)]
         changed = self.scheduler.update(out, result.tokens)
-        return failed + [self._output(req, [req.token_ids[-1]], result) for req in changed]
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
+        return failed + [self._output(req, _new_tokens(req, result), result)
+                         for req in changed]
 
     def _fail(self, request_id: str, why: str) -> list[RequestOutput]:
         """Ends a request the step failed for, with its siblings still to fork:
@@ -153,9 +183,17 @@ class Engine:
         return [replace(self._output(r, []), finish_reason="error", error=why)
                 for r in self.scheduler.abort(request_id, "error")]
 
-    def _count(self, out, num_sampled: int) -> None:
+    def _count(self, out, tokens: dict[str, int | list[int]]) -> None:
         self.stats.steps += 1
-        self.stats.generated_tokens += num_sampled
+        self.stats.generated_tokens += len(tokens)
+        if self.speculator is not None:
+            verified = [s for s in out.scheduled if s.spec_token_ids
+                        and s.request.request_id in tokens]
+            self.speculator.stats.record(
+                [len(s.spec_token_ids) for s in verified],
+                [len(tokens[s.request.request_id]) - 1 for s in verified])
+            self.stats.generated_tokens += sum(len(tokens[s.request.request_id]) - 1
+                                               for s in verified)
         for s in out.scheduled:
             prompt_left = s.request.num_prompt_tokens - s.start
             self.stats.prompt_tokens_computed += max(0, min(s.num_new_tokens, prompt_left))
@@ -165,6 +203,8 @@ class Engine:
         rid = req.request_id
         if req.finished:
             self.runner.release(rid)
+            if self.speculator is not None:
+                self.speculator.release(rid)
         # One per new token for a request that asked ([] for an abort); else None.
         logprobs = [] if req.params.logprobs is not None else None
         prompt_logprobs = None
@@ -194,3 +234,10 @@ class Engine:
             for o in self.step():
                 results[(o.request_id.split("#")[0], o.index)].extend(o.new_token_ids)
         return [results[k] for k in keys]
+
+
+def _new_tokens(req: Request, result: StepResult) -> list[int]:
+    """What the step added to req: one token, or a verification's accepted drafts
+    and the token after them (cut by the scheduler where one finished it)."""
+    tokens = result.tokens.get(req.request_id)
+    return tokens if isinstance(tokens, list) else [req.token_ids[-1]]

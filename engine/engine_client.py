@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from engine.engine_loop import Command, StepReport
 from engine.outputs import RequestOutput
 from engine.request_checks import check_request
+from engine.spec_decode.speculator import SpecDecodeStats
 from scheduler.request import sequence_ids
 from scheduler.sampling_params import SamplingParams
 
@@ -40,6 +41,7 @@ class ServingStats:
     prefix_hits: int = 0  # of those, tokens found cached
     preemptions: int = 0
     kv_usage: float = 0.0  # as of the last report (0..1)
+    spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)  # speculative decoding
 
 
 class _Reservation:
@@ -240,6 +242,8 @@ class EngineClient:
         stats.prefix_hits += rep.prefix_hits
         stats.preemptions += rep.preemptions
         stats.kv_usage = rep.kv_usage
+        if rep.spec is not None:
+            stats.spec.add(rep.spec)
         for out in rep.outputs:
             stats.generation_tokens += len(out.new_token_ids)
             if out.finished:

@@ -11,6 +11,7 @@ from typing import Protocol
 
 from engine.engine import Engine
 from engine.outputs import RequestOutput
+from engine.spec_decode.speculator import SpecDecodeStats
 
 # Commands: ("add", (request_id, prompt_ids, params, cache_salt, priority)),
 #           ("abort", (request_id, reason)), ("stop", None).
@@ -43,6 +44,7 @@ class StepReport:
     prefix_hits: int = 0  # of those, tokens found cached
     preemptions: int = 0
     kv_usage: float = 0.0  # fraction of the KV cache's blocks in use, after it (0..1)
+    spec: SpecDecodeStats | None = None  # speculative decoding's counts (deltas), if on
 
 
 class EngineLoop:
@@ -51,6 +53,8 @@ class EngineLoop:
         self.engine, self.commands, self.report = engine, commands, report
         self.stopped = False
         self._counters = self._engine_counters()
+        spec = engine.speculator
+        self._spec = spec.stats.copy() if spec is not None else None
 
     def run(self) -> None:
         """Until a stop command; exceptions propagate (the engine is then dead)."""
@@ -87,6 +91,9 @@ class EngineLoop:
         rep.prefix_queries, rep.prefix_hits, rep.preemptions = (
             a - b for a, b in zip(now, self._counters))
         self._counters = now
+        if self._spec is not None:
+            spec = engine.speculator.stats
+            rep.spec, self._spec = spec.since(self._spec), spec.copy()
 
     def _handle(self, kind: str, arg, rep: StepReport) -> None:
         if kind == "add":

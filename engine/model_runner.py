@@ -24,11 +24,26 @@ class FlatBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     attention: Any  # what the attention backend's prepare made of the step's metadata
-    # [R + M]: the last row of each request that samples, then the M prompt rows
-    # whose logits prompt logprobs need
+    # [R + M + V]: the last row of each request that samples, then the M prompt
+    # rows whose logits prompt logprobs need, then the V rows of verifications
     logit_rows: torch.Tensor
     sampling: list[ScheduledRequest]  # the R requests that sample, in row order
     prompt_spans: list[PromptSpan]  # where the M prompt rows come from
+    # Requests verifying drafts: their k + 1 rows each come last in logit_rows.
+    verifying: list[ScheduledRequest]
+
+
+def attach_kv_caches(model: LlamaForCausalLM, num_blocks: int, block_size: int,
+                     dtype: torch.dtype, device: torch.device) -> list[tuple]:
+    """A paged (K, V) pair per layer, zeroed, and each layer's attention pointed at
+    its pair: [(k, v)], each [num_blocks, block_size, kv_heads, head_dim]."""
+    cfg = model.config
+    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    caches = [(torch.zeros(shape, dtype=dtype, device=device),
+               torch.zeros(shape, dtype=dtype, device=device)) for _ in range(cfg.num_layers)]
+    for layer, (k, v) in zip(model.layers, caches):
+        layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
+    return caches
 
 
 class ModelRunner:
@@ -38,15 +53,12 @@ class ModelRunner:
         self.model, self.device, self.block_size = model, device, block_size
         self.attn_backend = make_backend(attention_backend, device, block_size, dtype)
         cfg = model.config
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
-                           torch.zeros(shape, dtype=dtype, device=device))
-                          for _ in range(cfg.num_layers)]
-        for layer, (k, v) in zip(model.layers, self.kv_caches):
-            layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
+        self.kv_caches = attach_kv_caches(model, num_blocks, block_size, dtype, device)
         if cfg.vocab_size >= MAX_EXACT_ID:
             raise ValueError("vocabularies of 2**24 tokens or more are not supported")
         self.sampler = Sampler(device)
+        # Fills model-drafted placeholders before the step (speculative early exit).
+        self.drafter = None
 
     @staticmethod
     def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
@@ -70,14 +82,28 @@ class ModelRunner:
         self.copy_blocks(out.block_copies)
         if self._graph_step(out.scheduled):
             return self._execute_decode(out.scheduled)
+        if self.drafter is not None:
+            self._draft(out.scheduled)
         batch, failed = self._prepare_isolated(out.scheduled)
         result = StepResult()
         if batch is not None:
             logits = self.forward_logits(batch)
+            if self.drafter is not None:
+                self.drafter.observe(batch)  # a draft model's own cache keeps up
+            num_verify = sum(len(s.spec_token_ids) + 1 for s in batch.verifying)
             if batch.sampling or batch.prompt_spans:
-                result = self.sampler.run(logits, batch.sampling, batch.prompt_spans)
+                result = self.sampler.run(logits[:len(logits) - num_verify], batch.sampling,
+                                          batch.prompt_spans)
+            if batch.verifying:
+                self.sampler.verify(logits[len(logits) - num_verify:], batch.verifying,
+                                    result)
         result.failed.update(failed)
         return result
+
+    def _draft(self, scheduled: list[ScheduledRequest]) -> None:
+        items = [s for s in scheduled if s.spec_token_ids and s.spec_token_ids[0] < 0]
+        if items:
+            self.drafter.fill(items)
 
     def _prepare_isolated(self, scheduled: list[ScheduledRequest]
                           ) -> tuple[FlatBatch | None, dict[str, str]]:
@@ -111,8 +137,10 @@ class ModelRunner:
 
     def _graph_step(self, scheduled: list[ScheduledRequest]) -> bool:
         g = self.decode_graphs
+        if self.drafter is not None and self.drafter.observes_batches:
+            return False  # the draft model must see the batch: eager steps
         return (g is not None and g.fits(len(scheduled))
-                and all(s.num_new_tokens == 1 for s in scheduled)
+                and all(s.num_new_tokens == 1 and not s.spec_token_ids for s in scheduled)
                 and not any(s.request.needs_prompt_logits for s in scheduled))
 
     def _execute_decode(self, scheduled: list[ScheduledRequest]) -> StepResult:
@@ -136,8 +164,9 @@ class ModelRunner:
         return self.model.compute_logits(hidden[batch.logit_rows])
 
     def copy_blocks(self, copies) -> None:
+        caches = self.kv_caches + getattr(self.drafter, "kv_caches", [])
         for c in copies:
-            for k, v in self.kv_caches:
+            for k, v in caches:
                 k[c.dst, :c.num_tokens] = k[c.src, :c.num_tokens]
                 v[c.dst, :c.num_tokens] = v[c.src, :c.num_tokens]
 
@@ -148,18 +177,25 @@ class ModelRunner:
     def prepare(self, scheduled: list[ScheduledRequest]) -> FlatBatch:
         if faults.ARMED:
             faults.trip("prepare", [s.request for s in scheduled])
-        # Decodes first (a stable sort): backends find them in rows 0..B-1.
-        scheduled = sorted(scheduled, key=lambda s: s.num_new_tokens > 1)
-        lens = [s.num_new_tokens for s in scheduled]
+        # Decodes first (a stable sort): backends find them in rows 0..B-1. A request
+        # verifying drafts queries k + 1 rows, like a short prompt chunk.
+        scheduled = sorted(scheduled, key=lambda s: s.num_new_tokens + len(s.spec_token_ids) > 1)
+        lens = [s.num_new_tokens + len(s.spec_token_ids) for s in scheduled]
         query_starts = [0, *accumulate(lens)]
         ids: list[int] = []
         for s in scheduled:
             ids.extend(s.request.token_ids[s.start:s.start + s.num_new_tokens])
-        sampling = [s for s in scheduled if s.samples]
-        rows = [query_starts[i + 1] - 1 for i, s in enumerate(scheduled) if s.samples]
+            ids.extend(s.spec_token_ids)
+        sampling = [s for s in scheduled if s.samples and not s.spec_token_ids]
+        rows = [query_starts[i + 1] - 1 for i, s in enumerate(scheduled)
+                if s.samples and not s.spec_token_ids]
         spans = self.sampler.prompt.plan(scheduled, query_starts)
         for span in spans:
             rows.extend(range(span.row, span.row + span.count))
+        verifying = [s for s in scheduled if s.spec_token_ids]
+        for i, s in enumerate(scheduled):
+            if s.spec_token_ids:
+                rows.extend(range(query_starts[i], query_starts[i + 1]))
         host = build_host_step([s.start for s in scheduled], lens,
                                [s.block_table for s in scheduled], self.block_size)
         positions, common, (input_ids, logit_rows) = host.to_device(
@@ -167,4 +203,4 @@ class ModelRunner:
                           torch.tensor(rows, dtype=torch.long)])
         return FlatBatch(input_ids=input_ids, positions=positions,
                          attention=self.attn_backend.prepare(common), logit_rows=logit_rows,
-                         sampling=sampling, prompt_spans=spans)
+                         sampling=sampling, prompt_spans=spans, verifying=verifying)

@@ -96,7 +96,8 @@ class Scheduler:
             if n != 1:
                 n = self._num_new_tokens(req, budget)
             elif req.spec_token_ids:
-                item = self._schedule_drafts(req, budget)
+                # Drafts never take the token another running request needs.
+                item = self._schedule_drafts(req, budget - (len(running) - i - 1))
                 if item is not None:
                     scheduled.append(item)
                     budget -= 1 + len(item.spec_token_ids)
@@ -121,9 +122,10 @@ class Scheduler:
         return budget
 
     def _schedule_drafts(self, req: Request, budget: int) -> ScheduledRequest | None:
-        """A decode plus its drafts, as many as the budget, the model length and the
-        free blocks allow; None (drafts dropped) leaves a plain decode to the caller,
-        which preempts if even that cannot fit: drafts never cost anyone their seat."""
+        """A decode plus its drafts, as many as `budget` (what the running requests
+        after it leave), the model length and the free blocks allow; None (drafts
+        dropped) leaves a plain decode to the caller, which preempts if even that
+        cannot fit: drafts never cost anyone their seat or their token."""
         spec, req.spec_token_ids = req.spec_token_ids, []
         room = min(budget - 1, self.config.max_model_len - len(req.token_ids))
         spec = spec[:max(0, room)]

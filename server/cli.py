@@ -73,11 +73,11 @@ class _EnvDefaults:
 
 
 CLIENT_TOOLS = {"bench": "benchmarks: bench serve|plot load-test an OpenAI-compatible "
-                         "server; bench offline|decode run the engine in process",
+                         "server; bench offline|decode|spec run the engine in process",
                 "estimate": "roofline: memory, KV capacity, speed and cost on a GPU"}
 # `kvserve bench TOOL` for these goes to engine/benchmarks (the engine in this process);
 # every other bench tool to kvbench, which is a client of the HTTP API only.
-ENGINE_BENCH_TOOLS = ("offline", "decode")
+ENGINE_BENCH_TOOLS = ("offline", "decode", "spec")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,6 +128,7 @@ def add_serve_args(p: _EnvDefaults) -> None:
           "the flash_attn package and a --block-size multiple of 256)")
     p.add("--enforce-eager", False, type=parse_bool,
           help="no CUDA graphs for decode steps (they are captured on CUDA otherwise)")
+    add_speculative_args(p)
     p.add("--engine-mode", "auto", choices=["auto", "thread", "process"],
           help="where the engine runs: a thread of the server, or a process of its own "
           "(auto: process on CUDA, thread on CPU)")
@@ -157,6 +158,41 @@ def add_serve_args(p: _EnvDefaults) -> None:
           "are aborted")
 
 
+def add_speculative_args(p: _EnvDefaults) -> None:
+    p.add("--speculative-method", "none", choices=["none", "ngram", "early-exit", "draft"],
+          help="speculative decoding: ngram (prompt lookup: drafts copied from the "
+          "request's own context), early-exit (the model's first --draft-layers "
+          "layers draft) or draft (--speculative-model drafts); outputs are unchanged, "
+          "only faster")
+    p.add("--speculative-model", None,
+          help="a smaller model with the same vocabulary that drafts (implies "
+          "--speculative-method draft)")
+    p.add("--num-speculative-tokens", 4, type=_positive_int,
+          help="drafts verified per request per step")
+    p.add("--draft-layers", 0, type=_non_negative(int),
+          help="early-exit: layers the draft runs (0: a quarter of the model's)")
+    p.add("--speculative-disable-batch-size", 8, type=_non_negative(int),
+          help="no drafts while more requests than this run: big batches already use "
+          "the hardware (0: never switch off)")
+    p.add("--ngram-prompt-lookup-max", 4, type=_positive_int,
+          help="ngram: longest context suffix matched")
+    p.add("--ngram-prompt-lookup-min", 2, type=_positive_int,
+          help="ngram: shortest context suffix matched")
+
+
+def speculative_config_from_args(args):
+    method = "draft" if args.speculative_model else args.speculative_method
+    if method == "none":
+        return None
+    from engine.spec_decode.config import SpeculativeConfig
+
+    return SpeculativeConfig(
+        method, model=args.speculative_model, num_tokens=args.num_speculative_tokens,
+        disable_batch_size=args.speculative_disable_batch_size,
+        ngram_max=args.ngram_prompt_lookup_max, ngram_min=args.ngram_prompt_lookup_min,
+        draft_layers=args.draft_layers)
+
+
 def engine_config_from_args(args, model_path: str):
     from engine.config import EngineConfig
 
@@ -170,7 +206,8 @@ def engine_config_from_args(args, model_path: str):
         enable_prefix_caching=args.enable_prefix_caching, load_format=args.load_format,
         seed=args.seed, attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
-        gpu_memory_utilization=args.gpu_memory_utilization)
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        speculative=speculative_config_from_args(args))
 
 
 def resolve_model(args) -> tuple[str, list[str]]:
@@ -221,7 +258,8 @@ def serve(args) -> None:
     path, names = resolve_model(args)
     try:
         engine = start_engine(engine_config_from_args(args, path), args.engine_mode)
-    except (ModelLoadError, ModelConfigError, AttentionBackendError, EngineStartError) as exc:
+    except (ModelLoadError, ModelConfigError, AttentionBackendError, EngineStartError,
+            ValueError) as exc:  # ValueError: settings that contradict each other
         raise SystemExit(f"kvserve: {exc}") from None
     limits = RequestLimits(args.max_request_body_bytes, args.max_prompts_per_request,
                            args.max_n)

@@ -44,11 +44,30 @@ class EngineCollector:
                         "Requests preempted (their KV freed, to be recomputed).",
                         stats.preemptions)
         yield self._success()
+        yield from self._spec_decode(stats.spec)
 
     def _one(self, family, name: str, doc: str, value: float):
         metric = family(PREFIX + name, doc, labels=[LABEL])
         metric.add_metric([self.model_name], value)
         return metric
+
+    def _spec_decode(self, spec):
+        """Speculative decoding (zeros while it is off), as vLLM names it: mean
+        accepted length = 1 + accepted tokens / drafts; acceptance rate = accepted
+        tokens / draft tokens; per position, how often the i-th draft stood."""
+        yield self._one(CounterMetricFamily, "spec_decode_num_drafts",
+                        "Verifications: requests that carried drafts into a step.",
+                        spec.num_drafts)
+        yield self._one(CounterMetricFamily, "spec_decode_num_draft_tokens",
+                        "Draft tokens verified.", spec.num_draft_tokens)
+        yield self._one(CounterMetricFamily, "spec_decode_num_accepted_tokens",
+                        "Draft tokens accepted.", spec.num_accepted_tokens)
+        metric = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted, by position in the draft.",
+                                     labels=[LABEL, "position"])
+        for pos, count in enumerate(spec.accepted_per_position):
+            metric.add_metric([self.model_name, str(pos)], count)
+        yield metric
 
     def _success(self) -> CounterMetricFamily:
         metric = CounterMetricFamily(PREFIX + "request_success",

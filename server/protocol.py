@@ -57,6 +57,9 @@ class SamplingFields(OpenAIRequest):
     # output of a model served without a tokenizer
     return_token_ids: bool = False
     priority: int = 0  # lower is sooner, with --scheduling-policy priority
+    # kvserve's: false opts this request out of speculative decoding (when the server
+    # runs it); the output is the same either way, only its speed differs
+    speculative: bool = True
 
     @field_validator("logit_bias")
     @classmethod

@@ -76,7 +76,8 @@ def sampling_params(req: SamplingFields, max_tokens: int, vocab_size: int,
             presence_penalty=_or(req.presence_penalty, 0.0),
             frequency_penalty=_or(req.frequency_penalty, 0.0),
             repetition_penalty=_or(req.repetition_penalty, 1.0),
-            logit_bias=bias or None, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+            logit_bias=bias or None, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            speculative=req.speculative)
     except ValueError as exc:
         raise APIError(400, str(exc)) from exc
 

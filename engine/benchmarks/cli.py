@@ -13,7 +13,9 @@ import sys
 TOOLS = {"offline": "engine throughput without HTTP: N requests at once to "
                     "Engine.generate",
          "decode": "batch-1 decode tok/s and MBU, prefill tok/s and MFU, prefill/decode "
-                   "split of one long request"}
+                   "split of one long request",
+         "spec": "batch-1 tok/s with and without speculative decoding, on an "
+                 "input-grounded task and on open-ended chat"}
 
 from engine.arg_types import parse_bool, parse_size
 
@@ -80,10 +82,23 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
                    help="with --transformers on, time generate_batch (auto: CUDA only)")
 
 
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts per step")
+    p.add_argument("--draft-layers", type=int, default=0,
+                   help="also time early-exit drafts from this many layers (0: skip)")
+    p.add_argument("--speculative-model", default=None,
+                   help="also time drafts from this model (same vocabulary)")
+    p.add_argument("--output-len", type=int, default=128, help="new tokens per prompt (greedy)")
+    p.add_argument("--batch-sizes", type=lambda t: [int(x) for x in t.split(",") if x],
+                   default=[], help="also n-gram vs none at these batch sizes, e.g. 1,4,8,16 "
+                   "(where speculation stops paying)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve bench", description=__doc__)
     tools = parser.add_subparsers(dest="tool", required=True)
-    for name, add in (("offline", add_offline_args), ("decode", add_decode_args)):
+    for name, add in (("offline", add_offline_args), ("decode", add_decode_args),
+                      ("spec", add_spec_args)):
         p = tools.add_parser(name, help=TOOLS[name], description=TOOLS[name])
         add_model_args(p)
         add(p)
@@ -133,7 +148,26 @@ def offline_engine_config(args):
         enforce_eager=args.enforce_eager)
 
 
+def spec_engine_config(args):
+    """Batch 1: a cache for one request, every prompt computed (no prefix caching)."""
+    from engine.config import EngineConfig
+
+    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                        load_format=args.load_format, seed=args.seed,
+                        max_model_len=4096, kv_cache_memory=1 << 30, max_num_seqs=1,
+                        max_num_batched_tokens=2048, enable_prefix_caching=False,
+                        attention_backend=args.attention_backend,
+                        enforce_eager=args.enforce_eager)
+
+
 def run_tool(args, command: str) -> dict:
+    if args.tool == "spec":
+        from engine.benchmarks import spec
+        from engine.benchmarks.decode import save
+
+        result = spec.run(args, spec_engine_config(args), command)
+        save(result, args.json)
+        return result
     if args.tool == "offline":
         from engine.benchmarks import offline
         from engine.benchmarks.decode import save
@@ -163,10 +197,11 @@ def main(argv: list[str] | None = None) -> int:
         result = run_tool(args, "kvserve bench " + shlex.join(argv))
     except (ModelLoadError, ModelConfigError, AttentionBackendError, ValueError) as exc:
         raise SystemExit(f"kvserve: {exc}") from None
+    from engine.benchmarks.spec import table as spec_table
     from engine.benchmarks.tables import decode_table, offline_table
 
-    print(offline_table(result) if args.tool == "offline" else decode_table(result),
-          flush=True)
+    tables = {"offline": offline_table, "decode": decode_table, "spec": spec_table}
+    print(tables[args.tool](result), flush=True)
     if args.json:
         print(f"result written to {args.json}")
     return 0

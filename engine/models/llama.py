@@ -86,12 +86,17 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                num_layers: int | None = None) -> torch.Tensor:
         """Returns the final hidden states [T, hidden] (logits are taken only for the
-        rows that need them, see compute_logits)."""
+        rows that need them, see compute_logits). num_layers: stop after that many
+        layers and normalise there (early-exit drafts: the first layers plus the
+        LM head make a draft model with no weights of its own)."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary.table(positions, x.dtype)
-        for layer in self.layers:
+        # (Slicing a ModuleList builds a new one: only when asked.)
+        layers = self.layers if num_layers is None else self.layers[:num_layers]
+        for layer in layers:
             x = layer(rope, x)
         return self.norm(x)
 

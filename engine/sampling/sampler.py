@@ -22,6 +22,7 @@ from engine.sampling.logprobs import (HostTransfer, decode_block, logprob_block,
                                       raw_logprobs)
 from engine.sampling.prompt_logprobs import PromptLogprobs, PromptSpan
 from engine.sampling.sample import sample
+from engine.spec_decode.verify import verify as verify_drafts
 from scheduler.output import ScheduledRequest
 from scheduler.request import Request
 
@@ -32,7 +33,9 @@ NON_FINITE = "the model's logits for this request hold NaN/inf values"
 
 @dataclass
 class StepResult:
-    tokens: dict[str, int] = field(default_factory=dict)  # request id -> sampled token
+    # request id -> sampled token; for a verification, the accepted drafts and the
+    # token after them (a list)
+    tokens: dict[str, int | list[int]] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     # For requests whose prompt (and prompt logprobs) completed this step.
     prompt_logprobs: dict[str, list[TokenLogprob | None]] = field(default_factory=dict)
@@ -176,6 +179,29 @@ class Sampler:
                 items = self.prompt.take(req.request_id)
                 for seq in (req, *req.pending_forks):
                     result.prompt_logprobs[seq.request_id] = list(items)
+
+    def verify(self, logits: torch.Tensor, items: list[ScheduledRequest],
+               result: StepResult) -> None:
+        """Speculative steps: each item's k + 1 rows (in order, after the sampling
+        rows) decide its accepted drafts and the token after them, which go into
+        result.tokens as a list. A request whose rows hold NaN/inf fails instead."""
+        bad = (~logits.amax(dim=-1).isfinite()).tolist()
+        ok, at = [], 0
+        for s in items:
+            width = len(s.spec_token_ids) + 1
+            if any(bad[at:at + width]):
+                result.failed[s.request.request_id] = NON_FINITE
+            else:
+                ok.append((s, at))
+            at += width
+        if not ok:
+            return
+        rows = [r for s, at in ok for r in range(at, at + len(s.spec_token_ids) + 1)]
+        reqs = [s.request for s, _ in ok]
+        emitted = verify_drafts(logits[_index(rows, self.device)], reqs,
+                                [s.spec_token_ids for s, _ in ok],
+                                [self._generator(q) for q in reqs])
+        result.tokens.update(zip(_ids(reqs), emitted))
 
     def _generator(self, req: Request) -> torch.Generator | None:
         if req.params.seed is None or req.params.greedy:

@@ -1,12 +1,6 @@
-"""Speculative decoding building blocks: the n-gram (prompt lookup) proposer, the
-batched rejection sampler that verifies drafts against the target's distribution,
-and the per-position logits adjustments of the verification rows."""
-from engine.spec_decode.ngram import NgramProposer, propose_ngram
-from engine.spec_decode.positions import draft_positions, verification_adjustments
-from engine.spec_decode.rejection import (GeneratorCheckpoints, pad_drafts, pad_positions,
-                                          rejection_sample, target_probs,
-                                          verification_probs)
-
-__all__ = ["GeneratorCheckpoints", "NgramProposer", "draft_positions", "pad_drafts",
-           "pad_positions", "propose_ngram", "rejection_sample", "target_probs",
-           "verification_adjustments", "verification_probs"]
+"""Speculative decoding: proposers (ngram.py: prompt lookup; drafters.py: the
+target's first layers, or a draft model), the batched rejection sampler (rejection.py) with the
+per-position logits adjustments of verification rows (positions.py), verification
+of a step's drafts (verify.py) and the between-steps speculator (speculator.py).
+Nothing is imported here: engine.sampling imports verify, which imports
+engine.sampling's own modules, so an eager package import would be circular."""

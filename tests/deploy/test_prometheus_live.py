@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from engine.async_engine import AsyncEngine
+from engine.spec_decode.config import SpeculativeConfig
 from server.app import build_app
 from tests.deploy.files import DEPLOY, dashboard, dashboard_targets
 from tests.support.server import free_port, running_server
@@ -109,7 +110,10 @@ def _promql(expr: str) -> str:
 
 
 def test_every_dashboard_query_returns_data(tiny_engine_factory, tmp_path):
-    app = build_app(AsyncEngine(tiny_engine_factory("llama")), [MODEL])
+    # Speculating (early exit drafts for every decode), so the speculative decoding
+    # panels have data too.
+    spec = SpeculativeConfig("early-exit", num_tokens=2, draft_layers=1, disable_batch_size=0)
+    app = build_app(AsyncEngine(tiny_engine_factory("llama", speculative=spec)), [MODEL])
     with running_server(app) as url, _prometheus(tmp_path, url.split("//")[1]) as api:
         _until(lambda: _query(api, 'up{job="kvserve"} == 1'), "no successful scrape")
         time.sleep(1.5)  # a baseline sample before the load, for rate()
