@@ -83,12 +83,12 @@ def test_draft_model_greedy_identical(tiny_engine_factory, plain_greedy, draft_d
         assert_nothing_left(engine)
 
 
-def test_seeded_sampling_identical_with_penalties_and_top_p(tiny_engine_factory):
+def test_seeded_sampling_identical_with_penalties_top_k_and_top_p(tiny_engine_factory):
     # Low temperatures: a random model's logits are nearly flat, and drafts are only
     # accepted where the target's distribution has some mass on them.
     params = [SamplingParams(max_tokens=40, temperature=0.05 * (1 + i % 3), top_p=0.9, seed=i,
                              ignore_eos=True, frequency_penalty=0.3 * (i % 2),
-                             min_tokens=5) for i in range(16)]
+                             top_k=5 if i % 4 == 0 else 0, min_tokens=5) for i in range(16)]
     plain = engine_with(tiny_engine_factory, None)
     prompts = repetitive_prompts(plain.model_config.vocab_size, 16, seed=1)
     want = plain.generate(prompts, params)
