@@ -185,7 +185,7 @@ class Sampler:
         """Speculative steps: each item's k + 1 rows (in order, after the sampling
         rows) decide its accepted drafts and the token after them, which go into
         result.tokens as a list. A request whose rows hold NaN/inf fails instead."""
-        bad = (~logits.amax(dim=-1).isfinite()).tolist()
+        bad = _non_finite(logits).tolist()
         ok, at = [], 0
         for s in items:
             width = len(s.spec_token_ids) + 1
