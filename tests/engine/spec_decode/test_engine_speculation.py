@@ -179,3 +179,34 @@ def test_sampled_distribution_unchanged_chi_square(tiny_engine_factory, vocab12_
             assert sum(counts[-1].values()) == 20_000
         assert engine.speculator.stats.num_accepted_tokens > 1000
         assert homogeneity_p(*counts) > 0.01, top_p
+
+
+def test_nan_in_verification_rows_fails_that_request_alone(tiny_engine_factory):
+    engine = engine_with(tiny_engine_factory,
+                         SpeculativeConfig("ngram", num_tokens=3, ngram_min=1,
+                                           disable_batch_size=0))
+    prompts = repetitive_prompts(engine.model_config.vocab_size, 2, seed=3)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, GREEDY)
+    while not engine.scheduler.running or not engine.scheduler.running[0].spec_token_ids:
+        engine.step()
+    # Verification rows come last, in running order: the last request with drafts
+    # owns the last row.
+    victim = [r for r in engine.scheduler.running if r.spec_token_ids][-1].request_id
+    model, plain = engine.runner.model, engine.runner.model.compute_logits
+
+    def nan_for_the_victims_rows(hidden):
+        logits = plain(hidden)
+        logits[-1] = float("nan")
+        return logits
+
+    model.compute_logits = nan_for_the_victims_rows
+    try:
+        outs = engine.step()
+    finally:
+        model.compute_logits = plain
+    failed = [o for o in outs if o.finish_reason == "error"]
+    assert [o.request_id for o in failed] == [victim] and "NaN/inf" in failed[0].error
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_nothing_left(engine)
