@@ -164,6 +164,8 @@ class ModelRunner:
         return self.model.compute_logits(hidden[batch.logit_rows])
 
     def copy_blocks(self, copies) -> None:
+        if not copies:  # almost every step: build nothing
+            return
         caches = self.kv_caches + getattr(self.drafter, "kv_caches", [])
         for c in copies:
             for k, v in caches:

@@ -25,13 +25,11 @@ class GreedyDrafter:
     """The loop both drafters share; subclasses say which forward pass drafts."""
     observes_batches = False  # must see every step's batch (its own KV cache)
 
-    def __init__(self, attn_backend, block_size: int, device: torch.device):
+    def __init__(self, model, attn_backend, block_size: int, device: torch.device):
+        self.model = model  # the model whose LM head turns hidden states into drafts
         self.attn_backend, self.block_size, self.device = attn_backend, block_size, device
 
     def hidden(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def observe(self, batch) -> None:
@@ -63,24 +61,20 @@ class GreedyDrafter:
         finally:
             clear_attention_context()
         # One host sync per draft position: the next pass needs the tokens anyway.
-        return self.logits(hidden).argmax(dim=-1).tolist()
+        return self.model.compute_logits(hidden).argmax(dim=-1).tolist()
 
 
 class EarlyExitDrafter(GreedyDrafter):
     def __init__(self, model, attn_backend, block_size: int, device: torch.device,
                  num_layers: int):
-        super().__init__(attn_backend, block_size, device)
+        super().__init__(model, attn_backend, block_size, device)
         total = model.config.num_layers
         self.num_layers = num_layers or max(1, total // 4)
         if not 1 <= self.num_layers < total:
             raise ValueError(f"draft_layers must be in 1..{total - 1}")
-        self.model = model
 
     def hidden(self, ids, positions):
         return self.model(ids, positions, num_layers=self.num_layers)
-
-    def logits(self, hidden):
-        return self.model.compute_logits(hidden)
 
 
 class DraftModelDrafter(GreedyDrafter):
@@ -88,16 +82,12 @@ class DraftModelDrafter(GreedyDrafter):
 
     def __init__(self, draft, num_blocks: int, attn_backend, block_size: int,
                  device: torch.device, dtype: torch.dtype):
-        super().__init__(attn_backend, block_size, device)
+        super().__init__(draft, attn_backend, block_size, device)
         # Its own tensors, indexed by the target's block ids (same tables).
         self.kv_caches = attach_kv_caches(draft, num_blocks, block_size, dtype, device)
-        self.model = draft
 
     def hidden(self, ids, positions):
         return self.model(ids, positions)
-
-    def logits(self, hidden):
-        return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def observe(self, batch) -> None:

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
+
 from engine.spec_decode.config import SpeculativeConfig
-from server.cli import build_parser, engine_config_from_args
+from server.cli import build_parser, engine_config_from_args, main
 from tests.support.server import engine_http_client
 
 PROMPT = "0 1 2 3 4 5 6 7 8 9 10 11 12 13 0 1 2 3 4 5 6 7 8 9 10 11 12 13 0 1 2 3"
@@ -66,10 +68,6 @@ def test_serve_flags_build_the_speculative_config():
 
 
 def test_contradictory_speculative_flags_stop_the_server_with_a_message():
-    import pytest
-
-    from server.cli import main
-
     with pytest.raises(SystemExit, match="ngram_min <= ngram_max"):
         main(["serve", "--model", "preset:llama-tiny", "--load-format", "random",
               "--speculative-method", "ngram", "--ngram-prompt-lookup-min", "5"])
