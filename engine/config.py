@@ -177,3 +177,11 @@ class EngineConfig:
     enforce_eager: bool = False
     # Speculative decoding (None: off): drafts verified by the target in one pass.
     speculative: SpeculativeConfig | None = None
+    # Plan and launch step N+1 while step N runs on the device, its sampled tokens
+    # fed to N+1 there: the scheduler, batch preparation and output handling leave
+    # the critical path. Not with speculative decoding (drafts need the tokens).
+    async_scheduling: bool = False
+
+    def __post_init__(self) -> None:
+        if self.async_scheduling and self.speculative is not None:
+            raise ValueError("async scheduling does not work with speculative decoding")

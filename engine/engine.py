@@ -11,13 +11,14 @@ from engine.config import EngineConfig, ModelConfig
 from engine.loader import (ModelLoadError, check_fits, has_tokenizer, load_model,
                            load_tokenizer, resolve_device, resolve_dtype)
 from engine.memory_budget import profile_kv_budget
-from engine.model_runner import ModelRunner
+from engine.model_runner import LaunchedStep, ModelRunner
 from engine.outputs import RequestOutput, RequestTimes
 from engine.request_checks import check_request
 from engine.sampling import StepResult
 from engine.spec_decode.drafters import DraftModelDrafter, EarlyExitDrafter
 from engine.spec_decode.speculator import Speculator
 from kvcache import KVCacheManager
+from scheduler.output import SchedulerOutput
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig
@@ -25,6 +26,13 @@ from scheduler.scheduler import Scheduler, SchedulerConfig
 log = logging.getLogger("kvserve.engine")
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+@dataclass
+class InFlight:
+    """A step launched on the device, its results not read yet."""
+    out: SchedulerOutput
+    launched: LaunchedStep
 
 
 @dataclass
@@ -65,6 +73,7 @@ class Engine:
             config.scheduling_policy, config.long_prefill_token_threshold), self.kv)
         self.stats = EngineStats()
         self.speculator = self._make_speculator(model)
+        self._inflight: InFlight | None = None  # async scheduling's running step
         log.info("KV cache: %d blocks of %d tokens (%d tokens, %.1fx concurrency at %d)",
                  num_blocks, config.block_size, num_blocks * config.block_size,
                  num_blocks * config.block_size / self.max_model_len, self.max_model_len)
@@ -152,24 +161,56 @@ class Engine:
         return [self._output(req, []) for req in self.scheduler.abort(request_id, reason)]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     # -- the loop body -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedules and launches a step, and returns the outputs of the step that
+        completed: this one, or under async scheduling the one before it (the new
+        step already took that one's tokens as its input, on the device)."""
+        outputs, previous = [], self._inflight
+        if previous is not None and not self._can_overlap(previous.out):
+            outputs, previous = self._complete(previous), None
         out = self.scheduler.schedule()
-        if out.is_empty:
-            return []
-        result = self.runner.execute(out)
+        launched = None
+        if not out.is_empty:
+            launched = InFlight(out, self.runner.launch(
+                out, previous.launched if previous is not None else None))
+        if previous is not None:
+            outputs += self._complete(previous)
+        self._inflight = launched if self.config.async_scheduling else None
+        if launched is not None and self._inflight is None:
+            outputs += self._complete(launched)
+        return outputs
+
+    @staticmethod
+    def _can_overlap(out: SchedulerOutput) -> bool:
+        """May the next step be planned before this one's tokens reach the host?
+        Not if it must see them there first: a parent forking its siblings, a
+        request whose logits processing reads its history (penalties, min_tokens,
+        logit_bias), logprobs (decoded after the step), prompt logprobs."""
+        for s in out.scheduled:
+            req = s.request
+            if req.needs_prompt_logits or (s.samples and (
+                    req.pending_forks or req.params.needs_processing
+                    or req.params.logprobs is not None)):
+                return False
+        return True
+
+    def _complete(self, step: InFlight) -> list[RequestOutput]:
+        """Reads a launched step's tokens and hands them to the scheduler."""
+        out = step.out
+        result = self.runner.finish(step.launched)
         self._count(out, result.tokens)
         # Before update: it then skips the failed requests as finished.
-        failed = [o for rid, why in result.failed.items() for o in self._fail(rid, why)]
+        failed = [o for rid, why in result.failed.items() for o in self._fail(rid, why, out)]
         changed = self.scheduler.update(out, result.tokens)
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         return failed + [self._output(req, _new_tokens(req, result), result)
                          for req in changed]
 
-    def _fail(self, request_id: str, why: str) -> list[RequestOutput]:
+    def _fail(self, request_id: str, why: str, out: SchedulerOutput) -> list[RequestOutput]:
         """Ends a request the step failed for, with its siblings still to fork:
         finish reason "error", `why` kept for the front end, blocks freed."""
         req = self.scheduler.requests.get(request_id)
@@ -179,7 +220,8 @@ class Engine:
         # The step's new blocks hold KV never confirmed good (none at all if its
         # batch was never prepared): they leave the prefix cache, as a preempted
         # request's do; the scheduler's abort then finds nothing left to free.
-        self.kv.free(request_id, req.num_computed_tokens)
+        start = next(s.start for s in out.scheduled if s.request is req)
+        self.kv.free(request_id, start)
         return [replace(self._output(r, []), finish_reason="error", error=why)
                 for r in self.scheduler.abort(request_id, "error")]
 

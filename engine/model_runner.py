@@ -2,7 +2,7 @@
 forward pass over it, and sampling (with logprobs and prompt logprobs on request)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
 
@@ -16,7 +16,32 @@ from engine.models.llama import LlamaForCausalLM
 from engine.sampling import Sampler, StepResult
 from engine.sampling.logprobs import MAX_EXACT_ID
 from engine.sampling.prompt_logprobs import PromptSpan
+from engine.sampling.sampler import SampleLaunch
 from scheduler.output import ScheduledRequest, SchedulerOutput
+
+
+@dataclass
+class LaunchedStep:
+    """A step sent to the device whose results the host has not read yet."""
+    sample: SampleLaunch | None = None  # None: nobody sampled
+    verified: StepResult | None = None  # verifications' results (read at once)
+    failed: dict[str, str] = field(default_factory=dict)  # left out at preparation
+    _feed: tuple[torch.Tensor, dict[str, int]] | None = None
+
+    def feed_source(self, device: torch.device) -> tuple[torch.Tensor, dict[str, int]]:
+        """The step's sampled tokens on the device and each request's index there:
+        what the next step reads its pending tokens from."""
+        if self._feed is None:
+            launch = self.sample
+            ids = [q.request_id for q in launch.seqs] if launch is not None else []
+            if launch is not None and launch.result is None:
+                tokens = launch.tokens
+            else:  # finished on the host at launch (a fault was isolated), or nothing
+                done = launch.result.tokens if launch is not None else {}
+                tokens = torch.tensor([done.get(rid, 0) for rid in ids], dtype=torch.long,
+                                      device=device)
+            self._feed = tokens, {rid: i for i, rid in enumerate(ids)}
+        return self._feed
 
 
 @dataclass
@@ -75,29 +100,46 @@ class ModelRunner:
         if capture:
             self.decode_graphs.capture_all()
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Runs the step: the sampled token of every request that samples (a forking
         parent's siblings included) and the logprobs asked for."""
+        return self.finish(self.launch(out))
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, previous: LaunchedStep | None = None
+               ) -> LaunchedStep:
+        """Sends the step to the device without waiting for it. `previous`: the step
+        still running whose sampled tokens are this step's pending ones (async
+        scheduling); they go from its output to this step's input on the device."""
         self.copy_blocks(out.block_copies)
         if self._graph_step(out.scheduled):
-            return self._execute_decode(out.scheduled)
+            return self._launch_decode(out.scheduled, previous)
         if self.drafter is not None:
             self._draft(out.scheduled)
-        batch, failed = self._prepare_isolated(out.scheduled)
-        result = StepResult()
+        batch, failed = self._prepare_isolated(out.scheduled, previous)
+        step = LaunchedStep(failed=failed)
         if batch is not None:
             logits = self.forward_logits(batch)
             if self.drafter is not None:
                 self.drafter.observe(batch)  # a draft model's own cache keeps up
             num_verify = sum(len(s.spec_token_ids) + 1 for s in batch.verifying)
             if batch.sampling or batch.prompt_spans:
-                result = self.sampler.run(logits[:len(logits) - num_verify], batch.sampling,
-                                          batch.prompt_spans)
+                step.sample = self.sampler.launch(logits[:len(logits) - num_verify],
+                                                  batch.sampling, batch.prompt_spans)
             if batch.verifying:
+                step.verified = StepResult()
                 self.sampler.verify(logits[len(logits) - num_verify:], batch.verifying,
-                                    result)
-        result.failed.update(failed)
+                                    step.verified)
+        return step
+
+    @torch.inference_mode()
+    def finish(self, step: LaunchedStep) -> StepResult:
+        """Waits for a launched step and returns what it sampled."""
+        result = self.sampler.finish(step.sample) if step.sample is not None else StepResult()
+        if step.verified is not None:
+            result.tokens.update(step.verified.tokens)
+            result.failed.update(step.verified.failed)
+        result.failed.update(step.failed)
         return result
 
     def _draft(self, scheduled: list[ScheduledRequest]) -> None:
@@ -105,18 +147,20 @@ class ModelRunner:
         if items:
             self.drafter.fill(items)
 
-    def _prepare_isolated(self, scheduled: list[ScheduledRequest]
+    def _prepare_isolated(self, scheduled: list[ScheduledRequest],
+                          previous: LaunchedStep | None
                           ) -> tuple[FlatBatch | None, dict[str, str]]:
         """prepare(); if it raises, the requests it raises for alone are left out of
         the step and reported as failed (None: nobody is left)."""
         try:
-            return self.prepare(scheduled), {}
+            return self.prepare(scheduled, previous), {}
         except Exception as exc:  # noqa: BLE001 - blamed on requests, or re-raised
             by_id = {s.request.request_id: s for s in scheduled}
-            failed = faults.blame(exc, by_id, lambda rid: self.prepare([by_id[rid]]),
+            failed = faults.blame(exc, by_id,
+                                  lambda rid: self.prepare([by_id[rid]], previous),
                                   "batch preparation")
             keep = [s for s in scheduled if s.request.request_id not in failed]
-            return (self.prepare(keep) if keep else None), failed
+            return (self.prepare(keep, previous) if keep else None), failed
 
     @torch.inference_mode()
     def profile_step(self, num_tokens: int, num_sampling_rows: int) -> None:
@@ -143,17 +187,34 @@ class ModelRunner:
                 and all(s.num_new_tokens == 1 and not s.spec_token_ids for s in scheduled)
                 and not any(s.request.needs_prompt_logits for s in scheduled))
 
-    def _execute_decode(self, scheduled: list[ScheduledRequest]) -> StepResult:
+    def _launch_decode(self, scheduled: list[ScheduledRequest],
+                       previous: LaunchedStep | None) -> LaunchedStep:
         """A decode-only step through the padded (captured) forward pass."""
         host = build_host_step([s.start for s in scheduled], [1] * len(scheduled),
                                [s.block_table for s in scheduled], self.block_size)
-        ids = torch.tensor([s.request.token_ids[s.start] for s in scheduled])
+        ids = torch.tensor([0 if s.num_pending else s.request.token_ids[s.start]
+                            for s in scheduled]).to(self.device, non_blocking=True)
+        self._feed_pending(ids, scheduled, list(range(len(scheduled))), previous)
         logits = self.decode_graphs.run(host, ids)
         rows = [i for i, s in enumerate(scheduled) if s.samples]
         if len(rows) != len(scheduled):  # a one-token prompt chunk samples nothing
             logits = logits[torch.tensor(rows, device=logits.device)]
         sampling = [scheduled[i] for i in rows]
-        return self.sampler.run(logits, sampling, []) if sampling else StepResult()
+        return LaunchedStep(self.sampler.launch(logits, sampling, []) if sampling else None)
+
+    def _feed_pending(self, input_ids: torch.Tensor, scheduled: list[ScheduledRequest],
+                      last_rows: list[int], previous: LaunchedStep | None) -> None:
+        """Writes each pending token (the last input row of a request whose token the
+        previous step is still sampling) from that step's output, on the device."""
+        dst = [row for s, row in zip(scheduled, last_rows) if s.num_pending]
+        if not dst:
+            return
+        if previous is None or any(s.num_pending > 1 for s in scheduled):
+            raise RuntimeError("pending tokens need the one step still running")
+        tokens, index = previous.feed_source(input_ids.device)
+        # A request missing there failed in that step: its row is never used.
+        src = [index.get(s.request.request_id, 0) for s in scheduled if s.num_pending]
+        input_ids[_on(dst, input_ids.device)] = tokens[_on(src, input_ids.device)]
 
     def forward_logits(self, batch: FlatBatch) -> torch.Tensor:
         set_attention_context(self.attn_backend, batch.attention)
@@ -176,7 +237,8 @@ class ModelRunner:
         self.sampler.release(request_id)
 
     # -- batch preparation -----------------------------------------------------
-    def prepare(self, scheduled: list[ScheduledRequest]) -> FlatBatch:
+    def prepare(self, scheduled: list[ScheduledRequest],
+                previous: LaunchedStep | None = None) -> FlatBatch:
         if faults.ARMED:
             faults.trip("prepare", [s.request for s in scheduled])
         # Decodes first (a stable sort): backends find them in rows 0..B-1. A request
@@ -186,7 +248,8 @@ class ModelRunner:
         query_starts = [0, *accumulate(lens)]
         ids: list[int] = []
         for s in scheduled:
-            ids.extend(s.request.token_ids[s.start:s.start + s.num_new_tokens])
+            ids.extend(s.request.token_ids[s.start:s.start + s.num_new_tokens - s.num_pending])
+            ids.extend([0] * s.num_pending)  # fed on the device (_feed_pending)
             ids.extend(s.spec_token_ids)
         sampling = [s for s in scheduled if s.samples and not s.spec_token_ids]
         rows = [query_starts[i + 1] - 1 for i, s in enumerate(scheduled)
@@ -203,6 +266,13 @@ class ModelRunner:
         positions, common, (input_ids, logit_rows) = host.to_device(
             self.device, [torch.tensor(ids, dtype=torch.long),
                           torch.tensor(rows, dtype=torch.long)])
+        self._feed_pending(input_ids, scheduled,
+                           [query_starts[i] + s.num_new_tokens - 1
+                            for i, s in enumerate(scheduled)], previous)
         return FlatBatch(input_ids=input_ids, positions=positions,
                          attention=self.attn_backend.prepare(common), logit_rows=logit_rows,
                          sampling=sampling, prompt_spans=spans, verifying=verifying)
+
+
+def _on(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)

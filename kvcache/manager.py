@@ -143,6 +143,7 @@ class KVCacheManager:
         num_computed_tokens: int,
         num_new_tokens: int,
         num_lookahead_tokens: int = 0,
+        num_pending_tokens: int = 0,
     ) -> bool:
         """Cover num_computed_tokens + num_new_tokens tokens; all or nothing.
 
@@ -154,15 +155,21 @@ class KVCacheManager:
         They get blocks (private ones) but never hashes: a draft may be rejected,
         so only token_ids, the tokens known to be right, are ever hashed.
         `settle_verified` gives back what the rejected drafts did not need.
+
+        num_pending_tokens: how many of the new tokens are not in token_ids yet
+        (async scheduling: sampled by a step still running, fed to this one on the
+        device). They are computed like the others, but a block is hashed only once
+        every token in it is known, by a later call.
         """
         req = self._requests.get(request_id)
+        known = len(token_ids) + num_pending_tokens
         if num_new_tokens == 1 and not num_lookahead_tokens and req is not None \
-                and self._append_in_place(req, token_ids, num_computed_tokens):
+                and self._append_in_place(req, token_ids, num_computed_tokens, known):
             return True
         end = num_computed_tokens + num_new_tokens
         if num_computed_tokens < 0 or num_new_tokens < 0 or num_lookahead_tokens < 0 \
-                or end > len(token_ids):
-            raise _bad_range(num_computed_tokens, num_new_tokens, len(token_ids))
+                or num_pending_tokens < 0 or end > known:
+            raise _bad_range(num_computed_tokens, num_new_tokens, known)
         reach = end + num_lookahead_tokens
         bs = self.block_size
         ids = req.block_ids if req is not None else ()
@@ -189,27 +196,32 @@ class KVCacheManager:
             req.block_ids.extend([b.block_id for b in self._pool.allocate(grow)])
         if end > req.num_tokens:
             req.num_tokens = end
-        if self.enable_prefix_caching and end // bs > len(req.hashes):
-            self._hash_full_blocks(req, token_ids, end // bs)
+        self._hash_known(req, token_ids, end)
         return True
 
+    def _hash_known(self, req: RequestBlocks, token_ids: Sequence[int], end: int) -> None:
+        """Hash the blocks now full below `end` whose tokens are all known."""
+        full = min(end, len(token_ids)) // self.block_size
+        if full > len(req.hashes) and self.enable_prefix_caching:
+            self._hash_full_blocks(req, token_ids, full)
+
     def _append_in_place(self, req: RequestBlocks, token_ids: Sequence[int],
-                         pos: int) -> bool:
+                         pos: int, known: int) -> bool:
         """The decode fast path, taken for almost every request every step: one
         token at `pos` that lands in the request's own last block. False (nothing
         done) when the general path must decide: a new block, a shared block, a
         write behind the last block, or a bad position."""
         ids = req.block_ids
         bs = self.block_size
-        if not (0 <= pos < len(token_ids) and pos // bs == len(ids) - 1
+        if not (0 <= pos < known and pos // bs == len(ids) - 1
                 and self._blocks[ids[-1]].ref_count == 1):
             return False
         end = pos + 1
         if end > req.num_tokens:
             req.num_tokens = end
-        # A block filled now, or earlier by a multi-token step (accepted drafts).
-        if end // bs > len(req.hashes) and self.enable_prefix_caching:
-            self._hash_full_blocks(req, token_ids, end // bs)
+        # A block filled now, or earlier by a multi-token step (accepted drafts) or
+        # by a token that was still pending then.
+        self._hash_known(req, token_ids, end)
         return True
 
     def _shared_write_targets(

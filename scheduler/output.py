@@ -12,7 +12,7 @@ class ScheduledRequest:
     so it is a plain slotted class with its facts fixed at scheduling time."""
 
     __slots__ = ("request", "num_new_tokens", "block_table", "start", "samples",
-                 "spec_token_ids")
+                 "spec_token_ids", "num_pending")
 
     def __init__(self, request: Request, num_new_tokens: int, block_table: list[int],
                  spec_token_ids: list[int] | None = None):
@@ -26,7 +26,11 @@ class ScheduledRequest:
         self.start = start = request.num_computed_tokens
         # This step catches the request up with every token it knows, so the last
         # row's logits give its next token (a mid-prompt chunk samples nothing).
-        self.samples = start + num_new_tokens == len(request.token_ids)
+        # Under async scheduling the last of them may not be known yet: the runner
+        # feeds those `num_pending` from the previous step's tokens on the device.
+        known = len(request.token_ids)
+        self.samples = start + num_new_tokens == known + request.num_pending_tokens
+        self.num_pending = start + num_new_tokens - known if self.samples else 0
 
     def __repr__(self) -> str:
         return (f"ScheduledRequest({self.request.request_id!r}, start={self.start}, "

@@ -32,7 +32,12 @@ class Request:
         self.params = params
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
+        # Tokens whose KV is computed, or being computed by a step already scheduled.
         self.num_computed_tokens = 0
+        # Tokens sampled by scheduled steps whose results are not back yet (async
+        # scheduling plans step N+1 before step N's token is known): they follow
+        # token_ids, and the runner feeds them to the model on the device.
+        self.num_pending_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache
         self.cache_salt = cache_salt
         self.priority = priority  # lower is sooner (priority policy)

@@ -8,7 +8,12 @@ cap and the KV cache allow. A long prompt is cut into chunks that share steps wi
 everyone else's decodes. When the cache cannot hold a running request's next tokens,
 the lowest-priority, latest-arrived running request is preempted: its blocks are freed
 and it is recomputed later (prefix hits make that cheap), keeping the tokens it has
-already generated. Nobody is preempted just to admit a newcomer."""
+already generated. Nobody is preempted just to admit a newcomer.
+
+A request's computed tokens count a step's tokens from the moment it is scheduled,
+and the token the step will sample is pending until update() brings it. That lets
+async scheduling plan step N+1 while step N still runs: a request's pending token is
+simply the next one it computes (the runner feeds it on the device)."""
 from __future__ import annotations
 
 import time
@@ -80,7 +85,7 @@ class Scheduler:
         return out
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
-        n = min(len(req.token_ids) - req.num_computed_tokens, budget)
+        n = min(len(req.token_ids) + req.num_pending_tokens - req.num_computed_tokens, budget)
         cap = self.config.long_prefill_token_threshold
         return min(n, cap) if cap > 0 else n
 
@@ -92,7 +97,11 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            n = len(req.token_ids) - req.num_computed_tokens
+            pending = req.num_pending_tokens
+            if pending and self._ends_with_pending(req):
+                i += 1  # its last token is still on the way: nothing left to compute
+                continue
+            n = len(req.token_ids) + pending - req.num_computed_tokens
             if n != 1:
                 n = self._num_new_tokens(req, budget)
             elif req.spec_token_ids:
@@ -103,23 +112,39 @@ class Scheduler:
                     budget -= 1 + len(item.spec_token_ids)
                     i += 1
                     continue
-            while not allocate(req.request_id, req.token_ids, req.num_computed_tokens, n):
-                victim = self._pick_victim()
+            while not allocate(req.request_id, req.token_ids, req.num_computed_tokens, n,
+                               0, pending):
+                finishing = self._finishing(out)
+                if self._free_blocks_of(finishing):
+                    continue
+                victim = self._pick_victim(finishing)
                 pos = self.running.index(victim)
+                if pos < i:  # served before `req` (or skipped): take its tokens back
+                    budget += self._unschedule(victim, out)
+                    i -= 1
                 self._preempt(victim, out)
                 if victim is req:
                     break
-                if pos < i:  # already scheduled this step: take its tokens back
-                    budget += self._unschedule(victim, out)
-                    i -= 1
             if req.status is RequestStatus.WAITING:
                 # It ranked lowest and went itself: everyone left in running ranks
                 # above it (priority) or there is no one left (fcfs); serve them.
                 continue
-            scheduled.append(ScheduledRequest(req, n, table(req.request_id)))
+            item = ScheduledRequest(req, n, table(req.request_id))
+            scheduled.append(item)
+            req.num_computed_tokens += n
+            if item.samples:
+                req.num_pending_tokens = pending + 1
             budget -= n
             i += 1
         return budget
+
+    def _ends_with_pending(self, req: Request) -> bool:
+        """Will the tokens still on their way finish `req` by length (max_tokens or
+        the model's length)? Then scheduling it again would compute a token past its
+        end. (A stop token cannot be foreseen: that step's row is wasted.)"""
+        pending = req.num_pending_tokens
+        return (req.num_output_tokens + pending >= req.params.max_tokens
+                or len(req.token_ids) + pending >= self.config.max_model_len)
 
     def _schedule_drafts(self, req: Request, budget: int) -> ScheduledRequest | None:
         """A decode plus its drafts, as many as `budget` (what the running requests
@@ -132,20 +157,51 @@ class Scheduler:
         if not spec or not self.kv.allocate_slots(req.request_id, req.token_ids,
                                                   req.num_computed_tokens, 1, len(spec)):
             return None
-        return ScheduledRequest(req, 1, self.kv.live_block_table(req.request_id), spec)
+        item = ScheduledRequest(req, 1, self.kv.live_block_table(req.request_id), spec)
+        req.num_computed_tokens += 1  # the accepted drafts are added by update()
+        req.num_pending_tokens += 1
+        return item
 
-    def _pick_victim(self) -> Request:
+    def _finishing(self, out: SchedulerOutput) -> list[Request]:
+        """Async scheduling: running requests left out of this step because the token
+        on its way ends them (the pending tokens of those in it are this step's)."""
+        this_step = {id(s.request) for s in out.scheduled}
+        return [r for r in self.running if r.num_pending_tokens and id(r) not in this_step
+                and self._ends_with_pending(r)]
+
+    def _free_blocks_of(self, finishing: list[Request]) -> bool:
+        """When blocks run out, finishing requests give theirs up first: they compute
+        nothing more (the step still writing them runs before any later step reads
+        them). True if any blocks were freed."""
+        freed = False
+        for r in finishing:
+            if self.kv.live_block_table(r.request_id):
+                self.kv.free(r.request_id, r.num_computed_tokens)
+                freed = True
+        return freed
+
+    def _pick_victim(self, finishing: list[Request]) -> Request:
+        running = self.running
+        if finishing:  # they hold no blocks any more
+            running = [r for r in running if r not in finishing]
         if self.config.policy == "priority":
             # Ties (siblings of one prompt share its arrival) go to the latest
             # admitted, as in fcfs: taking the front one, which has computed the
             # most, again and again could cycle the group forever.
-            return max(reversed(self.running), key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]
+            return max(reversed(running), key=lambda r: (r.priority, r.arrival_time))
+        return running[-1]
 
     @staticmethod
     def _unschedule(req: Request, out: SchedulerOutput) -> int:
-        item = next(s for s in out.scheduled if s.request is req)
+        """Takes req's share of this step back; returns its tokens (0: it had none,
+        its last token still on the way)."""
+        item = next((s for s in out.scheduled if s.request is req), None)
+        if item is None:
+            return 0
         out.scheduled.remove(item)
+        req.num_computed_tokens = item.start
+        if item.samples:
+            req.num_pending_tokens -= 1
         return item.num_new_tokens + len(item.spec_token_ids)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
@@ -158,6 +214,8 @@ class Scheduler:
             req = self.waiting.peek()
             if num_seqs + 1 + len(req.pending_forks) > self.config.max_num_seqs \
                     and self.running:
+                return
+            if req.num_pending_tokens:  # preempted with its token still on the way
                 return
             if req.num_computed_tokens == 0:
                 cached = self.kv.lookup_prefix(req.request_id, req.token_ids, req.cache_salt,
@@ -177,12 +235,16 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             num_seqs += 1 + len(req.pending_forks)
-            out.scheduled.append(ScheduledRequest(req, n, self.kv.live_block_table(req.request_id)))
+            item = ScheduledRequest(req, n, self.kv.live_block_table(req.request_id))
+            out.scheduled.append(item)
+            req.num_computed_tokens += n
+            req.num_pending_tokens += item.samples
             budget -= n
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
-        # Scheduled earlier in this step, its new blocks are hashed but never computed.
+        # Blocks past its computed tokens (its step in this schedule was taken back)
+        # are hashed but never computed. A token still pending comes in by update().
         self.kv.free(req.request_id, req.num_computed_tokens)
         req.num_computed_tokens = 0
         req.spec_token_ids = []
@@ -194,16 +256,19 @@ class Scheduler:
 
     # -- results of the step ---------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Record computed tokens and sampled tokens; returns the requests that got a
-        new token, finished ones included (already out of the batch and freed)."""
+        """Record the step's sampled tokens (its computed tokens were counted when it
+        was scheduled); returns the requests that got a new token, finished ones
+        included (already out of the batch and freed). Under async scheduling the
+        next step is scheduled already: a request may have been preempted since."""
         changed = []
         now = time.monotonic()  # one clock read stamps every token of the step
         finished = RequestStatus.FINISHED
         for item in out.scheduled:
             req = item.request
-            if req.status is finished:  # aborted while the step ran
+            if item.samples:
+                req.num_pending_tokens -= 1
+            if req.status is finished:  # aborted, or ended by a token, since
                 continue
-            req.num_computed_tokens += item.num_new_tokens
             token = sampled.get(req.request_id)
             if token is None:
                 continue
@@ -251,10 +316,14 @@ class Scheduler:
         return children
 
     def _append(self, req: Request, token: int, changed: list[Request], now: float) -> None:
+        waiting = req.status is RequestStatus.WAITING  # preempted while the step ran
         req.append_token(token, self.config.max_model_len, now)
         changed.append(req)
         if req.status is RequestStatus.FINISHED:
-            self.running.remove(req)
+            if waiting:
+                self.waiting.remove(req)
+            else:
+                self.running.remove(req)
             self._release(req)
 
     def _release(self, req: Request) -> None:

@@ -128,6 +128,9 @@ def add_serve_args(p: _EnvDefaults) -> None:
           "the flash_attn package and a --block-size multiple of 256)")
     p.add("--enforce-eager", False, type=parse_bool,
           help="no CUDA graphs for decode steps (they are captured on CUDA otherwise)")
+    p.add("--async-scheduling", False, type=parse_bool,
+          help="plan and launch each step while the previous one runs on the device "
+          "(hides the scheduler's time; not with speculative decoding)")
     add_speculative_args(p)
     p.add("--engine-mode", "auto", choices=["auto", "thread", "process"],
           help="where the engine runs: a thread of the server, or a process of its own "
@@ -207,7 +210,8 @@ def engine_config_from_args(args, model_path: str):
         seed=args.seed, attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
         gpu_memory_utilization=args.gpu_memory_utilization,
-        speculative=speculative_config_from_args(args))
+        speculative=speculative_config_from_args(args),
+        async_scheduling=args.async_scheduling)
 
 
 def resolve_model(args) -> tuple[str, list[str]]:

@@ -3,7 +3,8 @@ before temperature, penalties, logit_bias, min-p and top-k/p, in float32.
 
 Each group of rows becomes one [rows, 2 + 2k] float32 block on the device: the chosen
 token's logprob, its rank, then the top k ids and their logprobs. HostTransfer packs
-every block of a step (and the sampled tokens) into one tensor and one .tolist()."""
+every block of a step (and the sampled tokens) into one tensor and one .tolist(),
+started early and read late (see HostTransfer)."""
 from __future__ import annotations
 
 import torch
@@ -44,21 +45,45 @@ def decode_block(values: list[float], token_ids: list[int], ks: list[int],
 
 
 class HostTransfer:
-    """Collects device tensors and brings them all to the host with one .tolist()."""
+    """Collects device tensors and brings them all to the host as one tensor.
+
+    start() begins the copy (on CUDA into pinned memory, without waiting for the
+    device), fetch() waits for it and returns the parts as lists. Between the two
+    the host is free: async scheduling plans the next step there. Integer parts
+    stay integers when nothing else travels (the common step: tokens and flags)."""
 
     def __init__(self) -> None:
         self._parts: list[torch.Tensor] = []
+        self._host: torch.Tensor | None = None
+        self._event = None
+        self._fetched: list[list] | None = None
 
     def add(self, tensor: torch.Tensor) -> int:
-        self._parts.append(tensor.float().reshape(-1))
+        self._parts.append(tensor.reshape(-1))
         return len(self._parts) - 1
 
-    def fetch(self) -> list[list[float]]:
-        if not self._parts:
-            return []
-        flat = torch.cat(self._parts).tolist()
-        out, at = [], 0
-        for part in self._parts:
-            out.append(flat[at:at + part.numel()])
-            at += part.numel()
-        return out
+    def start(self) -> None:
+        if not self._parts or self._host is not None:
+            return
+        exact = all(not p.is_floating_point() for p in self._parts)
+        flat = torch.cat([p if exact else p.float() for p in self._parts])
+        if flat.device.type == "cuda":
+            self._host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            self._host.copy_(flat, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = flat
+
+    def fetch(self) -> list[list]:
+        """The parts, in the order added (read once; later calls reuse it)."""
+        if self._fetched is None:
+            self.start()
+            if self._event is not None:
+                self._event.synchronize()
+            flat = self._host.tolist() if self._host is not None else []
+            self._fetched, at = [], 0
+            for part in self._parts:
+                self._fetched.append(flat[at:at + part.numel()])
+                at += part.numel()
+        return self._fetched

@@ -27,8 +27,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     rows = torch.tensor(random_rows, device=logits.device)
     probs = _probabilities(logits[rows], [params[i] for i in random_rows])
     noise = torch.empty_like(probs)
-    for j, i in enumerate(random_rows):
-        noise[j].exponential_(generator=generators[i])
+    seeded = [j for j, i in enumerate(random_rows) if generators[i] is not None]
+    if len(seeded) < len(random_rows):
+        # One draw for all the unseeded rows, not a kernel per row: at a batch of
+        # hundreds the launches alone cost the host a millisecond a step.
+        noise.exponential_()
+    for j in seeded:  # their own stream each (overwriting the shared draw)
+        noise[j].exponential_(generator=generators[random_rows[j]])
     tokens[rows] = (probs / noise).argmax(dim=-1)
     return tokens
 

@@ -44,6 +44,22 @@ class StepResult:
     failed: dict[str, str] = field(default_factory=dict)
 
 
+@dataclass
+class SampleLaunch:
+    """A step's sampling sent to the device: its tokens there, and the transfer of
+    tokens, bad-row flags and logprob blocks to the host started but not read."""
+    sampling: list[ScheduledRequest]
+    spans: list[PromptSpan]
+    seqs: list[Request]  # each sampling request, then its siblings about to fork
+    rows: list[int]  # each seq's row in `sampling`
+    tokens: torch.Tensor | None = None  # [len(seqs)] on the device
+    transfer: HostTransfer = field(default_factory=HostTransfer)
+    want: list[int] = field(default_factory=list)  # seqs that asked for logprobs
+    k_out: int = 0
+    k_prompt: int = 0
+    result: StepResult | None = None  # set when the launch had to finish at once
+
+
 class Sampler:
     def __init__(self, device: torch.device):
         self.device = device
@@ -57,18 +73,44 @@ class Sampler:
     def run(self, logits: torch.Tensor, sampling: list[ScheduledRequest],
             spans: list[PromptSpan]) -> StepResult:
         """logits: the rows of `sampling` in order, then the rows of `spans`."""
+        return self.finish(self.launch(logits, sampling, spans))
+
+    def launch(self, logits: torch.Tensor, sampling: list[ScheduledRequest],
+               spans: list[PromptSpan]) -> SampleLaunch:
+        """The device half of run(): the tokens drawn and their copy to the host
+        started, nothing waited for. A fault here is isolated at once (the launch
+        then carries its finished result)."""
         # Seeded generators as they were before the step: a retry without a failing
         # request must draw the same noise again (empty, and free, without seeds).
         saved = {rid: g.get_state() for rid, g in self._generators.items()}
         try:
-            return self._run(logits, sampling, spans)
+            return self._launch(logits, sampling, spans)
         except Exception as exc:  # noqa: BLE001 - blamed on requests, or re-raised
-            return self._isolate(exc, logits, sampling, spans, saved)
+            result = self._isolate(exc, logits, sampling, spans, saved)
+            return SampleLaunch(sampling, spans, *_sequences(sampling), result=result)
+
+    def finish(self, launch: SampleLaunch) -> StepResult:
+        """The host half: waits for the launch's transfer and decodes it. A fault
+        here (host-side work only) is blamed by finishing each request alone."""
+        try:
+            return self._finish(launch)
+        except Exception as exc:  # noqa: BLE001 - blamed on requests, or re-raised
+            owners = _owners(launch.sampling, launch.spans)
+            failed = faults.blame(exc, owners,
+                                  lambda rid: self._scratch()._finish(launch, {rid}),
+                                  "sampling")
+            keep = set(owners) - failed.keys()
+            result = self._finish(launch, keep) if keep else StepResult()
+            result.failed.update(failed)
+            return result
 
     def _run(self, logits: torch.Tensor, sampling: list[ScheduledRequest],
              spans: list[PromptSpan]) -> StepResult:
-        """One attempt. Everything that can raise comes before the one change to the
-        sampler's state that a retry could not undo (prompt logprobs handed over)."""
+        """One attempt, both halves, faults propagating (for _isolate)."""
+        return self._finish(self._launch(logits, sampling, spans))
+
+    def _launch(self, logits: torch.Tensor, sampling: list[ScheduledRequest],
+                spans: list[PromptSpan]) -> SampleLaunch:
         seqs, rows = _sequences(sampling)
         step_logits = logits[:len(sampling)]
         bad = _non_finite(step_logits)
@@ -78,19 +120,52 @@ class Sampler:
         # Before sampling: logprobs come from the raw logits.
         raw = raw_logprobs(step_logits[_index(want, self.device)]) if want else None
         tokens = self._sample(step_logits, seqs)
-        if raw is None and not spans:
-            both = torch.cat([tokens, bad]).tolist() if seqs else []
-            result, prompt_items = StepResult(dict(zip(_ids(seqs), both))), []
-            bad_rows = both[len(seqs):]
-        else:
-            result, prompt_items, bad_rows = self._gather(
-                tokens, bad, seqs, want, raw, logits[len(sampling):], spans)
+        launch = SampleLaunch(sampling, spans, seqs, rows, tokens, want=want)
+        transfer = launch.transfer
+        if seqs:
+            transfer.add(tokens)
+            transfer.add(bad)
+        launch.k_out = max((seqs[j].params.logprobs for j in want), default=0)
+        if raw is not None:
+            transfer.add(logprob_block(raw, tokens[_index(want, self.device)], launch.k_out))
+        launch.k_prompt = max((s.request.params.prompt_logprobs for s in spans), default=0)
+        if spans:
+            targets = _index([t for s in spans for t in s.targets], self.device)
+            transfer.add(logprob_block(raw_logprobs(logits[len(sampling):]), targets,
+                                       launch.k_prompt))
+        transfer.start()
+        return launch
+
+    def _finish(self, launch: SampleLaunch, keep: set[str] | None = None) -> StepResult:
+        """The launch's result, for the requests in `keep` only if given. Everything
+        that can raise comes before the one change to the sampler's state that a
+        retry could not undo (prompt logprobs handed over)."""
+        if launch.result is not None:
+            return launch.result
+        seqs, sampling, spans = launch.seqs, launch.sampling, launch.spans
+        parts = iter(launch.transfer.fetch())
+        token_list = [int(t) for t in next(parts)] if seqs else []
+        bad_rows = next(parts) if seqs else []
+        result = StepResult(dict(zip(_ids(seqs), token_list)))
+        if launch.want:
+            chosen = [seqs[j] for j in launch.want]
+            items = decode_block(next(parts), [token_list[j] for j in launch.want],
+                                 [q.params.logprobs for q in chosen], launch.k_out)
+            result.logprobs = {q.request_id: item for q, item in zip(chosen, items)}
+        prompt_items = self._prompt_items(next(parts), spans, launch.k_prompt) if spans else []
+        if keep is not None:
+            result, prompt_items = _only(result, launch, prompt_items, keep)
+            seqs = [q for q, row in zip(seqs, launch.rows)
+                    if sampling[row].request.request_id in keep]
+            bad_rows = [flag if s.request.request_id in keep else 0
+                        for s, flag in zip(sampling, bad_rows)]
         if faults.ARMED:
             faults.trip("decode", seqs)
-        _drop_failed(result, sampling, rows, seqs, bad_rows)
+        _drop_failed(result, sampling, launch.rows, launch.seqs, bad_rows)
         for span, items in prompt_items:
             self.prompt.add(span, items)
-        self._hand_over_prompts(sampling, result)
+        self._hand_over_prompts([s for s in sampling if keep is None
+                                 or s.request.request_id in keep], result)
         return result
 
     def _isolate(self, exc: Exception, logits: torch.Tensor,
@@ -134,32 +209,6 @@ class Sampler:
         adjustments = build_adjustments(seqs, logits.shape[-1], self.device)
         return sample(logits, [q.params for q in seqs], [self._generator(q) for q in seqs],
                       adjustments)
-
-    def _gather(self, tokens, bad, seqs, want, raw, prompt_logits, spans):
-        """Logprob blocks, tokens and the bad-row flags through one host transfer, then
-        decoded: (result, [(span, its prompt logprobs)], bad-row flags)."""
-        transfer = HostTransfer()
-        if seqs:
-            transfer.add(tokens)
-            transfer.add(bad)
-        k_out = max((seqs[j].params.logprobs for j in want), default=0)
-        if raw is not None:
-            transfer.add(logprob_block(raw, tokens[_index(want, self.device)], k_out))
-        k_prompt = max((s.request.params.prompt_logprobs for s in spans), default=0)
-        if spans:
-            targets = _index([t for s in spans for t in s.targets], self.device)
-            transfer.add(logprob_block(raw_logprobs(prompt_logits), targets, k_prompt))
-        parts = iter(transfer.fetch())
-        token_list = [int(t) for t in next(parts)] if seqs else []
-        bad_rows = next(parts) if seqs else []
-        result = StepResult(dict(zip(_ids(seqs), token_list)))
-        if raw is not None:
-            chosen = [seqs[j] for j in want]
-            items = decode_block(next(parts), [token_list[j] for j in want],
-                                 [q.params.logprobs for q in chosen], k_out)
-            result.logprobs = {q.request_id: item for q, item in zip(chosen, items)}
-        prompt_items = self._prompt_items(next(parts), spans, k_prompt) if spans else []
-        return result, prompt_items, bad_rows
 
     @staticmethod
     def _prompt_items(values: list[float], spans: list[PromptSpan], k: int) -> list:
@@ -244,6 +293,18 @@ def _drop_failed(result: StepResult, sampling: list[ScheduledRequest], rows: lis
             result.tokens.pop(q.request_id, None)
             result.logprobs.pop(q.request_id, None)
     log.warning("NaN/inf logits for request(s) %s", sorted(result.failed))
+
+
+def _only(result: StepResult, launch: SampleLaunch, prompt_items: list,
+          keep: set[str]) -> tuple[StepResult, list]:
+    """The parts of a step's result that belong to the requests in `keep` (by
+    scheduled request id: a forking parent stands for its siblings)."""
+    mine = {q.request_id for q, row in zip(launch.seqs, launch.rows)
+            if launch.sampling[row].request.request_id in keep}
+    kept = StepResult({r: t for r, t in result.tokens.items() if r in mine},
+                      {r: lp for r, lp in result.logprobs.items() if r in mine})
+    return kept, [(span, items) for span, items in prompt_items
+                  if span.request.request_id in keep]
 
 
 def _owners(sampling: list[ScheduledRequest], spans: list[PromptSpan]) -> list[str]:

@@ -99,3 +99,33 @@ def test_constructor_validates_sizes():
         KVCacheManager(8, block_size=0)
     mgr = KVCacheManager(8)
     assert (mgr.num_blocks, mgr.block_size) == (8, 16)
+
+
+def test_pending_tokens_get_slots_and_are_hashed_once_known():
+    """Async scheduling: the token a running step is still sampling is computed by
+    the next step before the host knows it. It gets its slot; the block it fills is
+    hashed (offered for sharing) only by a later call that knows every token."""
+    mgr = KVCacheManager(8, BS)
+    seq = tokens(3)
+    assert mgr.allocate_slots("a", seq, 0, 3)  # the prompt; it samples token 3
+    assert mgr.allocate_slots("a", seq, 3, 1, num_pending_tokens=1)  # token 3 pending
+    assert len(mgr.block_table("a")) == 1 and mgr._requests["a"].hashes == []
+    seq.append(3)  # its value reaches the host
+    assert mgr.allocate_slots("a", seq, 4, 1, num_pending_tokens=1)  # token 4 pending
+    assert len(mgr.block_table("a")) == 2
+    assert len(mgr._requests["a"].hashes) == 1  # block 0, full and known, hashed now
+    # Another prompt with the same first block hits it.
+    assert mgr.lookup_prefix("b", tokens(4) + [9]) == BS
+
+
+def test_pending_tokens_are_bounded_and_copy_on_write():
+    mgr = KVCacheManager(8, BS)
+    seq = tokens(2)
+    with pytest.raises(ValueError):
+        mgr.allocate_slots("a", seq, 0, 3)  # a third token nobody is sampling
+    assert mgr.allocate_slots("a", seq, 0, 2)
+    mgr.fork("a", "b")  # the partly filled block is shared
+    assert mgr.allocate_slots("a", seq, 2, 1, num_pending_tokens=1)
+    assert mgr.block_table("a") != mgr.block_table("b")  # written privately
+    assert [(c.src, c.num_tokens) for c in mgr.take_copies()] == [
+        (mgr.block_table("b")[0], 2)]

@@ -15,7 +15,11 @@ computed.
 ``Simulation.run()`` drives the loop the engine runs (schedule -> execute -> update)
 and checks the scheduler's invariants after every ``schedule()`` and every
 ``update()``; it raises ``AssertionError`` on the first violation and returns a
-``SimResult`` with what happened, for the tests' end-of-run checks.
+``SimResult`` with what happened, for the tests' end-of-run checks. With
+``overlap=True`` it runs the loop of async scheduling instead: step N+1 is scheduled
+and executed before step N's tokens reach ``update()`` (the fake device knows them:
+the next step's pending tokens), except after a step with a forking parent, which
+completes first, as in the engine.
 """
 from __future__ import annotations
 
@@ -58,12 +62,11 @@ def expected_tokens(request_id: str, prompt_len: int, max_tokens: int) -> list[i
 
 def sample_for(out: SchedulerOutput) -> dict[str, int]:
     """What ModelRunner.execute returns for this step: a token for every request
-    whose step samples and, for a parent about to fork, for each sibling too.
-    Call it before ``update`` (``samples`` reads num_computed_tokens)."""
+    whose step samples and, for a parent about to fork, for each sibling too."""
     sampled = {}
     for s in out.scheduled:
         if s.samples:
-            pos = s.request.num_tokens
+            pos = s.start + s.num_new_tokens
             for seq in (s.request, *s.request.pending_forks):
                 sampled[seq.request_id] = fake_token(seq.request_id, pos)
     return sampled
@@ -79,6 +82,14 @@ def verify_drafts(s) -> list[int]:
             break
         out.append(draft)
     return out + [fake_token(rid, pos + len(out))]
+
+
+def _with_pending(s) -> list[int]:
+    """The request's tokens as the device knows them: the known ones, then those the
+    step still running is sampling (the fake model's, by position)."""
+    req = s.request
+    known = req.num_tokens
+    return req.token_ids + [fake_token(req.request_id, known + j) for j in range(s.num_pending)]
 
 
 # -- the fake device --------------------------------------------------------------
@@ -255,7 +266,9 @@ class Simulation:
                  block_size: int = 16, *, enable_prefix_caching: bool = True,
                  abort_rate: float = 0.0, seed: int = 0, full_check_every: int = 50,
                  strict_service: bool | None = None, max_aborts: int = 10**9,
-                 speculate: float = 0.0):
+                 speculate: float = 0.0, overlap: bool = False):
+        if overlap and speculate:
+            raise ValueError("async scheduling does not speculate")
         for s in specs:
             if spec_len(s) > config.max_model_len:
                 raise ValueError(f"{s.request_id} is longer than max_model_len")
@@ -274,6 +287,8 @@ class Simulation:
         # Chance per step that a decoding request carries 1..4 drafts, each right
         # (the fake model's own next token) with probability 0.6.
         self.speculate = speculate
+        self.overlap = overlap
+        self._inflight: tuple[SchedulerOutput, dict] | None = None  # overlap: step N
         self.max_aborts = max_aborts
         self.full_check_every = full_check_every
         cap = config.long_prefill_token_threshold or config.max_num_batched_tokens
@@ -306,14 +321,14 @@ class Simulation:
     def run(self) -> SimResult:
         pending = list(self.specs)
         nxt = 0
-        while nxt < len(pending) or self.sched.has_unfinished():
-            if not self.sched.has_unfinished() and pending[nxt].arrival_step > self.step:
+        while nxt < len(pending) or self._busy():
+            if not self._busy() and pending[nxt].arrival_step > self.step:
                 self.step = pending[nxt].arrival_step  # idle: jump to the next arrival
             while nxt < len(pending) and pending[nxt].arrival_step <= self.step:
                 self._add(pending[nxt])
                 nxt += 1
             self._maybe_abort(mid_step=False)
-            if self.sched.has_unfinished():
+            if self._busy():
                 self._one_step()
             self.step += 1
             assert self.step <= self.step_cap, f"no progress: {self.step} steps"
@@ -351,21 +366,45 @@ class Simulation:
             self.reqs[seq.request_id] = seq
             self.spec_of[seq.request_id] = spec
 
+    def _busy(self) -> bool:
+        return self.sched.has_unfinished() or self._inflight is not None
+
     def _one_step(self) -> None:
-        sched = self.sched
+        """Engine.step(): schedule and execute a step, and update with the tokens of
+        the step that completed (this one, or with overlap the one before)."""
+        sched, previous = self.sched, self._inflight
+        if previous is not None and any(s.samples and s.request.pending_forks
+                                        for s in previous[0].scheduled):
+            self._complete(*previous)  # siblings fork on the host first
+            previous = self._inflight = None
+            self.c["drains"] += 1
         running_before = list(sched.running)
         had_waiting = len(sched.waiting) > 0
         if self.speculate:
             self._propose_drafts()
         out = self._out = sched.schedule()
         self.check_schedule(out, running_before, had_waiting)
+        launched = None
         if out.is_empty:  # the engine skips the runner and update()
             self.c["empty_steps"] += 1
             self.dev.run_copies([])  # nothing ran; whatever was handed out is junk
-            self.check_state()
-            return
-        sampled = self._execute(out)
-        self._maybe_abort(mid_step=True, out=out)
+        else:
+            launched = out, self._execute(out)
+            self._maybe_abort(mid_step=True, out=out)
+        if previous is not None:
+            self._complete(*previous)
+        self._inflight = launched if self.overlap else None
+        if launched is not None and not self.overlap:
+            self._complete(*launched)
+        self.check_state()
+        if self.step % self.full_check_every == 0:
+            check_pool_invariants(self.kv, [r.request_id for r in sched.running])
+            assert {id(r) for r in sched.waiting} == {
+                id(r) for r in sched.requests.values() if r.status is RequestStatus.WAITING}
+
+    def _complete(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:
+        """update() with a step's tokens."""
+        sched = self.sched
         forking = {s.request.request_id: list(s.request.pending_forks)
                    for s in out.scheduled if s.request.pending_forks}
         changed = sched.update(out, sampled)
@@ -375,11 +414,6 @@ class Simulation:
         for req in changed:
             if req.finished:
                 self._on_finish(req)
-        self.check_state()
-        if self.step % self.full_check_every == 0:
-            check_pool_invariants(self.kv, [r.request_id for r in sched.running])
-            assert {id(r) for r in sched.waiting} == {
-                id(r) for r in sched.requests.values() if r.status is RequestStatus.WAITING}
 
     def _execute(self, out: SchedulerOutput) -> dict[str, int]:
         """What the device does: copies, then every new token's KV, then attention
@@ -389,7 +423,7 @@ class Simulation:
         copied = {c.dst for c in out.block_copies}
         for s in out.scheduled:
             end = s.start + s.num_new_tokens + len(s.spec_token_ids)
-            self.dev.write(s.block_table, s.request.token_ids + s.spec_token_ids, s.start, end)
+            self.dev.write(s.block_table, _with_pending(s) + s.spec_token_ids, s.start, end)
         full = self.step % self.full_check_every == 0
         for s in out.scheduled:
             req, end = s.request, s.start + s.num_new_tokens
@@ -400,7 +434,7 @@ class Simulation:
                 self.c["kv_checks"] += 1
             else:  # steady decode: the context was checked before; check the new block
                 lo = (s.start // self.bs) * self.bs
-            assert self.dev.holds(s.block_table, req.token_ids, lo, end), (
+            assert self.dev.holds(s.block_table, _with_pending(s), lo, end), (
                 f"step {self.step}: {rid} reads wrong KV in [{lo}, {end}) "
                 f"(table {s.block_table})")
         sampled = sample_for(out)
@@ -485,9 +519,11 @@ class Simulation:
         # running requests come first in the batch, in running order; newcomers after
         served = [s.request for s in out.scheduled if s.request.request_id in before]
         survivors = [r for r in running_before if r.request_id not in preempted]
+        assert sched.running == survivors + admitted, f"step {step}: running list"
+        # (overlap) a request whose last token is still on its way is left out
+        survivors = [r for r in survivors if r in served or not self._ends_pending(r)]
         assert served == survivors[:len(served)], f"step {step}: running served out of order"
         assert [s.request for s in out.scheduled[:len(served)]] == served
-        assert sched.running == survivors + admitted, f"step {step}: running list"
         unserved = survivors[len(served):]
         if unserved:  # someone running got nothing: only when the budget ran out
             assert total == cfg.max_num_batched_tokens, (
@@ -502,15 +538,21 @@ class Simulation:
             assert req.status is RequestStatus.RUNNING and not req.finished
             assert n >= 1, f"step {step}: {req.request_id} scheduled for 0 tokens"
             assert not cap or n <= cap, f"step {step}: {n} tokens > threshold {cap}"
-            assert s.start + n <= req.num_tokens
+            assert s.start + n <= req.num_tokens + req.num_pending_tokens
+            assert s.num_pending == 0 or (self.overlap and s.num_pending == 1)
             assert s.block_table == kv.block_table(req.request_id), "stale block table"
             assert len(s.block_table) == -(-(s.start + n + len(s.spec_token_ids)) // bs), (
                 f"step {step}: {req.request_id} table {len(s.block_table)} blocks for "
                 f"{s.start + n} tokens")
             assert len(set(s.block_table)) == len(s.block_table)
+        self.c["pending_fed"] += sum(s.num_pending for s in out.scheduled)
+        self.c["left_to_finish"] += sum(1 for r in running_before if r not in served
+                                        and r.request_id not in preempted
+                                        and self._ends_pending(r))
         for rid in out.preempted:
             r = self.reqs[rid]
             assert r.status is RequestStatus.WAITING and r.num_computed_tokens == 0
+            self.c["preempted_pending"] += r.num_pending_tokens
             assert kv.block_table(rid) == [], f"preempted {rid} keeps blocks"
             self.verified.discard(rid)
             was = next(x for x in running_before if x.request_id == rid)
@@ -520,10 +562,11 @@ class Simulation:
                 self.c["preempted_in_decode"] += 1
         if preempted:
             self._check_victims(running_before, preempted, survivors)
-        if running_before and cfg.policy == "fcfs":
+        active = [r for r in running_before if r in served or not self._ends_pending(r)]
+        if active and cfg.policy == "fcfs":
             # Liveness: the oldest running request is never preempted and always
             # computes at least one token (it alone fits the pool).
-            assert out.scheduled and out.scheduled[0].request is running_before[0], (
+            assert out.scheduled and out.scheduled[0].request is active[0], (
                 f"step {step}: the oldest running request made no progress")
         elif not running_before and had_waiting:
             assert admitted, f"step {step}: nothing running, nothing admitted"
@@ -538,7 +581,16 @@ class Simulation:
         for r in admitted:
             self._on_admit(r)
 
+    def _ends_pending(self, req: Request) -> bool:
+        """Overlap: its pending token ends it (by length), so it is not scheduled."""
+        return req.num_pending_tokens > 0 and self.sched._ends_with_pending(req)
+
     def _check_victims(self, running_before, preempted, survivors) -> None:
+        # (overlap) requests finishing with the token on its way are never victims:
+        # their blocks are freed first, and preempting them would free nothing.
+        running_before = [r for r in running_before
+                          if r.request_id in preempted or not self._ends_pending(r)]
+        survivors = [r for r in survivors if not self._ends_pending(r)]
         if self.config.policy == "fcfs":  # the latest admitted go first
             k = len(preempted)
             assert {r.request_id for r in running_before[-k:]} == preempted, (
@@ -578,7 +630,10 @@ class Simulation:
         used = set()
         for r in sched.running:
             assert r.status is RequestStatus.RUNNING
-            assert r.num_computed_tokens < r.num_tokens, "a running request with no work"
+            assert r.num_computed_tokens < r.num_tokens + r.num_pending_tokens, (
+                "a running request with no work")
+            assert r.num_pending_tokens == (self._inflight is not None and any(
+                s.request is r and s.samples for s in self._inflight[0].scheduled))
             table = kv.block_table(r.request_id)
             # the table covers exactly the computed tokens: nothing short, nothing leaked
             assert len(table) == -(-r.num_computed_tokens // bs), (
@@ -589,6 +644,7 @@ class Simulation:
                 self._check_hashes(r)
         for r in waiting:
             assert r.status is RequestStatus.WAITING and r.num_computed_tokens == 0
+            assert r.num_pending_tokens == 0
             assert kv.block_table(r.request_id) == []
         assert kv.num_free_blocks + len(used) == kv.num_blocks, (
             f"step {self.step}: {kv.num_free_blocks} free + {len(used)} used "

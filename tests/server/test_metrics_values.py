@@ -21,13 +21,13 @@ P = "kvserve:"
 
 
 def _slow_steps(engine, seconds: float):
-    run = engine.runner.execute
+    run = engine.runner.launch
 
-    def execute(*args, **kwargs):  # between scheduling and the sampled tokens
+    def launch(*args, **kwargs):  # between scheduling and the sampled tokens
         time.sleep(seconds)
         return run(*args, **kwargs)
 
-    engine.runner.execute = execute
+    engine.runner.launch = launch
     return engine
 
 

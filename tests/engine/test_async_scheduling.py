@@ -1,0 +1,150 @@
+"""Async scheduling on the real engine (tiny model, CPU): step N+1 is scheduled and
+launched before step N's tokens reach the host, its pending tokens fed from step N's
+output on the device. Outputs must be exactly those of the synchronous engine, for
+every feature (the steps that must see their tokens on the host first complete
+before the next is planned), through chunked prompts, preemption and aborts."""
+from __future__ import annotations
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.spec_decode.config import SpeculativeConfig
+from scheduler.sampling_params import SamplingParams
+from tests.engine.test_fault_isolation import _exact, _values, assert_idle, run
+from tests.support.reference import varied_prompts
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
+PROMPTS = varied_prompts(400, count=14, seed=40,
+                         lengths=(5, 12, 33, 60, 700, 9, 21, 3, 48, 17, 26, 8, 40, 11))
+
+
+def mixed_requests(stop_token: int) -> dict[str, tuple[list[int], SamplingParams]]:
+    """Plain decodes (greedy, seeded, top-k/p), a prompt long enough to be chunked,
+    one that meets a stop token nobody could foresee (a row of the next step is
+    wasted), and one request for each feature that makes the engine wait for a step:
+    n > 1, penalties, min_tokens, logit_bias, logprobs, prompt logprobs."""
+    plain = [greedy(30), greedy(25),
+             SamplingParams(max_tokens=28, temperature=1.0, seed=5, ignore_eos=True),
+             SamplingParams(max_tokens=20, temperature=0.8, top_k=20, top_p=0.9, seed=6,
+                            ignore_eos=True),
+             greedy(12), greedy(40), greedy(1)]
+    waiting_ones = [
+        SamplingParams(max_tokens=16, temperature=1.0, seed=8, n=3, ignore_eos=True),
+        greedy(20, frequency_penalty=0.5, presence_penalty=0.3, repetition_penalty=1.2),
+        greedy(18, min_tokens=10),
+        greedy(15, logit_bias={7: 5.0}),
+        greedy(14, logprobs=3),
+        greedy(10, prompt_logprobs=2),
+        SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=[stop_token])]
+    params = plain + waiting_ones
+    return {f"r{i}": (p, sp) for i, (p, sp) in enumerate(zip(PROMPTS, params))}
+
+
+def record_schedules(engine: Engine) -> list:
+    """Every SchedulerOutput the engine plans, from now on."""
+    planned, outs = engine.scheduler.schedule, []
+    engine.scheduler.schedule = lambda: outs.append(o := planned()) or o
+    return outs
+
+
+@pytest.fixture(scope="module")
+def stop_token(tiny_engine_factory) -> int:
+    """A token the last prompt's greedy continuation meets after a few others."""
+    tokens = tiny_engine_factory().generate([PROMPTS[-1]], greedy(40))[0]
+    return next(t for i, t in enumerate(tokens) if i >= 5 and t not in tokens[:i])
+
+
+@pytest.fixture(scope="module")
+def sync_outputs(tiny_engine_factory, stop_token):
+    engine = tiny_engine_factory(max_num_batched_tokens=128)
+    out = run(engine, mixed_requests(stop_token))
+    assert out[("r13", 0)]["finish"] == "stop"
+    assert_idle(engine)
+    return out
+
+
+def test_outputs_match_the_synchronous_engine(tiny_engine_factory, sync_outputs,
+                                              stop_token):
+    engine = tiny_engine_factory(max_num_batched_tokens=128, async_scheduling=True)
+    outs = record_schedules(engine)
+    got = run(engine, mixed_requests(stop_token))
+    assert got.keys() == sync_outputs.keys()
+    for key, seq in got.items():  # tokens, finish, logprob ids, then their values
+        assert _exact(seq) == _exact(sync_outputs[key]), key
+        assert _values(seq) == pytest.approx(_values(sync_outputs[key]), abs=1e-4), key
+    assert_idle(engine)
+    # It overlapped: most steps fed a token from the step before them.
+    fed = [o for o in outs if any(s.num_pending for s in o.scheduled)]
+    assert len(fed) > len(outs) // 2
+    assert all(s.num_pending <= 1 for o in outs for s in o.scheduled)
+
+
+def test_the_next_step_is_planned_before_the_last_one_is_read(tiny_engine_factory):
+    engine = tiny_engine_factory(async_scheduling=True)
+    calls: list[str] = []
+    for obj, name in [(engine.scheduler, "schedule"), (engine.runner, "launch"),
+                      (engine.runner, "finish")]:
+        method = getattr(obj, name)
+        setattr(obj, name, lambda *a, _m=method, _n=name, **k: calls.append(_n) or _m(*a, **k))
+    engine.add_request("a", [5, 6, 7], greedy(3))
+    assert engine.step() == []  # the prompt's step is launched; nothing read yet
+    first = engine.step()  # the first token's step is launched, then the prompt's read
+    assert [o.new_token_ids for o in first] == [[engine.scheduler.requests["a"].token_ids[3]]]
+    assert calls == ["schedule", "launch", "schedule", "launch", "finish"]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_idle(engine)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "decode-graph-path"])
+def test_tiny_kv_cache_preempts_and_outputs_match(tiny_engine_factory, graphs):
+    """Preemption of requests whose token is still on its way, and, in the padded
+    decode path CUDA graphs replay (uncaptured on CPU), the fed token in its buffer."""
+    prompts = varied_prompts(400, count=32, seed=32, lengths=(12, 40, 77, 100, 5, 63))
+    params = [greedy(16 + (i * 7) % 40) if i % 3 else
+              SamplingParams(max_tokens=20, temperature=1.0, seed=i, ignore_eos=True)
+              for i in range(32)]
+    tight = tiny_engine_factory(num_kv_blocks=40, max_num_seqs=32, async_scheduling=True)
+    if graphs:
+        tight.runner.use_decode_graphs(32, tight.max_model_len, capture=False)
+    together = tight.generate(prompts, params)
+    assert tight.scheduler.num_preemptions > 0
+    assert_idle(tight)
+    reference = tiny_engine_factory(max_num_seqs=32).generate(prompts, params)
+    assert together == reference
+
+
+def test_abort_while_its_step_is_in_flight(tiny_engine_factory):
+    requests = {f"r{i}": (p, greedy(12)) for i, p in enumerate(
+        varied_prompts(400, count=6, seed=41, lengths=(7, 19, 4, 30, 11, 23)))}
+    reference = run(tiny_engine_factory(), requests)
+    engine = tiny_engine_factory(async_scheduling=True)
+    for name, (prompt, params) in requests.items():
+        engine.add_request(name, prompt, params)
+    tokens: dict[str, list[int]] = {}
+    for _ in range(4):
+        for o in engine.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert engine._inflight is not None and any(
+        s.request.request_id == "r2" for s in engine._inflight.out.scheduled)
+    (aborted,) = engine.abort_request("r2")
+    assert aborted.finished and aborted.finish_reason == "abort"
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            assert o.request_id != "r2"
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert_idle(engine)
+    assert tokens["r2"] == reference[("r2", 0)]["tokens"][:len(tokens["r2"])]
+    for name in requests.keys() - {"r2"}:
+        assert tokens[name] == reference[(name, 0)]["tokens"], name
+
+
+def test_not_with_speculative_decoding(tiny_model_dir):
+    with pytest.raises(ValueError, match="speculative"):
+        EngineConfig(model=str(tiny_model_dir("llama")), async_scheduling=True,
+                     speculative=SpeculativeConfig("ngram"))
