@@ -11,6 +11,7 @@ import torch
 from engine import faults
 from engine.attention import clear_attention_context, make_backend, set_attention_context
 from engine.attention.step_metadata import build_host_step
+from engine.block_table_rows import BlockTableRows
 from engine.cuda_graphs import DecodeGraphs
 from engine.models.llama import LlamaForCausalLM
 from engine.sampling import Sampler, StepResult
@@ -82,6 +83,7 @@ class ModelRunner:
         if cfg.vocab_size >= MAX_EXACT_ID:
             raise ValueError("vocabularies of 2**24 tokens or more are not supported")
         self.sampler = Sampler(device)
+        self.table_rows = BlockTableRows()  # the running requests' block tables
         # Fills model-drafted placeholders before the step (speculative early exit).
         self.drafter = None
 
@@ -112,6 +114,8 @@ class ModelRunner:
         still running whose sampled tokens are this step's pending ones (async
         scheduling); they go from its output to this step's input on the device."""
         self.copy_blocks(out.block_copies)
+        for request_id in out.preempted:  # readmitted, it gets other blocks
+            self.table_rows.drop(request_id)
         if self._graph_step(out.scheduled):
             return self._launch_decode(out.scheduled, previous)
         if self.drafter is not None:
@@ -191,7 +195,7 @@ class ModelRunner:
                        previous: LaunchedStep | None) -> LaunchedStep:
         """A decode-only step through the padded (captured) forward pass."""
         host = build_host_step([s.start for s in scheduled], [1] * len(scheduled),
-                               [s.block_table for s in scheduled], self.block_size)
+                               self.table_rows.gather(scheduled), self.block_size)
         ids = torch.tensor([0 if s.num_pending else s.request.token_ids[s.start]
                             for s in scheduled]).to(self.device, non_blocking=True)
         self._feed_pending(ids, scheduled, list(range(len(scheduled))), previous)
@@ -235,6 +239,7 @@ class ModelRunner:
 
     def release(self, request_id: str) -> None:
         self.sampler.release(request_id)
+        self.table_rows.drop(request_id)
 
     # -- batch preparation -----------------------------------------------------
     def prepare(self, scheduled: list[ScheduledRequest],
@@ -262,7 +267,7 @@ class ModelRunner:
             if s.spec_token_ids:
                 rows.extend(range(query_starts[i], query_starts[i + 1]))
         host = build_host_step([s.start for s in scheduled], lens,
-                               [s.block_table for s in scheduled], self.block_size)
+                               self.table_rows.gather(scheduled), self.block_size)
         positions, common, (input_ids, logit_rows) = host.to_device(
             self.device, [torch.tensor(ids, dtype=torch.long),
                           torch.tensor(rows, dtype=torch.long)])
