@@ -156,6 +156,10 @@ def add_serve_args(p: _EnvDefaults) -> None:
           help="seconds a generation request may run; then it is aborted and its "
           "choices end with finish reason \"abort\", keeping the text made so far "
           "(0: no limit)")
+    p.add("--timeout-keep-alive", 5.0, type=_non_negative(float),
+          help="seconds an idle HTTP keep-alive connection stays open (uvicorn's and "
+          "vLLM's default: 5); a client pool that keeps idle connections as long or "
+          "longer can send a request on one just as the server closes it")
     p.add("--shutdown-timeout", 30.0, type=_non_negative(float),
           help="seconds in-flight requests may run after SIGTERM/SIGINT before they "
           "are aborted")
@@ -277,7 +281,8 @@ def serve(args) -> None:
     # The drain has already waited for responses in flight; uvicorn's own wait after
     # it only has to outlast stragglers, so it is short.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=5,
+                            timeout_keep_alive=args.timeout_keep_alive)
     server = GracefulServer(config, app.state.admission, args.shutdown_timeout)
     server.run()
     if server.engine_died:

@@ -87,6 +87,7 @@ def test_serve_wires_the_flags_through(monkeypatch, tmp_path):
 
         def __init__(self, config, admission, timeout):
             seen["server"] = (config.app, admission, timeout)
+            seen["keep_alive"] = config.timeout_keep_alive
 
         def run(self):
             seen["ran"] = True
@@ -99,9 +100,11 @@ def test_serve_wires_the_flags_through(monkeypatch, tmp_path):
                     "--max-waiting-requests", "5", "--shutdown-timeout", "3",
                     "--max-waiting-tokens", "7", "--max-request-body-bytes", "100",
                     "--max-prompts-per-request", "2", "--max-n", "4",
-                    "--request-timeout", "1.5", "--protect-metrics", "true"))
+                    "--request-timeout", "1.5", "--protect-metrics", "true",
+                    "--timeout-keep-alive", "65"))
     assert seen["app"] == {"api_keys": ["k1", "k2"], "max_waiting_requests": 5,
                            "max_waiting_tokens": 7, "limits": RequestLimits(100, 2, 4),
                            "request_timeout": 1.5, "protect_metrics": True}
     assert seen["server"] == (FakeApp, "the-admission", 3.0)
+    assert seen["keep_alive"] == 65
     assert seen["ran"]
