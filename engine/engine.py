@@ -176,12 +176,37 @@ class Engine:
         if not out.is_empty:
             launched = InFlight(out, self.runner.launch(
                 out, previous.launched if previous is not None else None))
+            if launched.launched.failed:
+                self._withdraw_unwritten(launched)
         if previous is not None:
             outputs += self._complete(previous)
         self._inflight = launched if self.config.async_scheduling else None
         if launched is not None and self._inflight is None:
             outputs += self._complete(launched)
         return outputs
+
+    def _withdraw_unwritten(self, step: InFlight) -> None:
+        """Requests left out of a launched step at preparation wrote no KV in it, yet
+        its blocks were offered for sharing when the step was scheduled. They leave
+        the prefix cache now, before the next schedule could hit them. A request of
+        the step that already hit one (a prefix shared within the step) read KV that
+        nobody wrote: it fails too, and so, in turn, does anyone sharing its blocks."""
+        failed, bs = step.launched.failed, self.config.block_size
+        unwritten: set[int] = set()
+        changed = True
+        while changed:
+            changed = False
+            for s in step.out.scheduled:
+                rid = s.request.request_id
+                if rid not in failed and unwritten.isdisjoint(s.block_table[:s.start // bs]):
+                    continue
+                failed.setdefault(rid, "its cached prompt prefix came from a request "
+                                       "whose step failed")
+                if s.block_table[s.start // bs:] and not unwritten.issuperset(
+                        s.block_table[s.start // bs:]):
+                    unwritten.update(s.block_table[s.start // bs:])
+                    self.kv.uncache(rid, s.start)
+                    changed = True
 
     @staticmethod
     def _can_overlap(out: SchedulerOutput) -> bool:
@@ -207,8 +232,11 @@ class Engine:
         changed = self.scheduler.update(out, result.tokens)
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
-        return failed + [self._output(req, _new_tokens(req, result), result)
-                         for req in changed]
+        outputs = [self._output(req, _new_tokens(req, result), result) for req in changed]
+        # What reached the requests: not a token sampled for one that had ended
+        # (aborted, or stopped) while its step ran.
+        self.stats.generated_tokens += sum(len(o.new_token_ids) for o in outputs)
+        return failed + outputs
 
     def _fail(self, request_id: str, why: str, out: SchedulerOutput) -> list[RequestOutput]:
         """Ends a request the step failed for, with its siblings still to fork:
@@ -227,15 +255,12 @@ class Engine:
 
     def _count(self, out, tokens: dict[str, int | list[int]]) -> None:
         self.stats.steps += 1
-        self.stats.generated_tokens += len(tokens)
         if self.speculator is not None:
             verified = [s for s in out.scheduled if s.spec_token_ids
                         and s.request.request_id in tokens]
             self.speculator.stats.record(
                 [len(s.spec_token_ids) for s in verified],
                 [len(tokens[s.request.request_id]) - 1 for s in verified])
-            self.stats.generated_tokens += sum(len(tokens[s.request.request_id]) - 1
-                                               for s in verified)
         for s in out.scheduled:
             prompt_left = s.request.num_prompt_tokens - s.start
             self.stats.prompt_tokens_computed += max(0, min(s.num_new_tokens, prompt_left))

@@ -13,6 +13,7 @@ from engine.attention import clear_attention_context, make_backend, set_attentio
 from engine.attention.step_metadata import build_host_step
 from engine.block_table_rows import BlockTableRows
 from engine.cuda_graphs import DecodeGraphs
+from engine.host_copy import to_device
 from engine.models.llama import LlamaForCausalLM
 from engine.sampling import Sampler, StepResult
 from engine.sampling.logprobs import MAX_EXACT_ID
@@ -196,13 +197,13 @@ class ModelRunner:
         """A decode-only step through the padded (captured) forward pass."""
         host = build_host_step([s.start for s in scheduled], [1] * len(scheduled),
                                self.table_rows.gather(scheduled), self.block_size)
-        ids = torch.tensor([0 if s.num_pending else s.request.token_ids[s.start]
-                            for s in scheduled]).to(self.device, non_blocking=True)
+        ids = to_device([0 if s.num_pending else s.request.token_ids[s.start]
+                         for s in scheduled], torch.long, self.device)
         self._feed_pending(ids, scheduled, list(range(len(scheduled))), previous)
         logits = self.decode_graphs.run(host, ids)
         rows = [i for i, s in enumerate(scheduled) if s.samples]
         if len(rows) != len(scheduled):  # a one-token prompt chunk samples nothing
-            logits = logits[torch.tensor(rows, device=logits.device)]
+            logits = logits[to_device(rows, torch.long, logits.device)]
         sampling = [scheduled[i] for i in rows]
         return LaunchedStep(self.sampler.launch(logits, sampling, []) if sampling else None)
 
@@ -210,15 +211,21 @@ class ModelRunner:
                       last_rows: list[int], previous: LaunchedStep | None) -> None:
         """Writes each pending token (the last input row of a request whose token the
         previous step is still sampling) from that step's output, on the device."""
-        dst = [row for s, row in zip(scheduled, last_rows) if s.num_pending]
-        if not dst:
+        pending = [(s, row) for s, row in zip(scheduled, last_rows) if s.num_pending]
+        if not pending:
             return
-        if previous is None or any(s.num_pending > 1 for s in scheduled):
+        if previous is None or any(s.num_pending > 1 for s, _ in pending):
             raise RuntimeError("pending tokens need the one step still running")
-        tokens, index = previous.feed_source(input_ids.device)
-        # A request missing there failed in that step: its row is never used.
-        src = [index.get(s.request.request_id, 0) for s in scheduled if s.num_pending]
-        input_ids[_on(dst, input_ids.device)] = tokens[_on(src, input_ids.device)]
+        device = input_ids.device
+        tokens, index = previous.feed_source(device)
+        # A request missing there failed in that step (it samples nothing there, so
+        # it is failed before this step's results are read): its row keeps a 0.
+        pairs = [(row, index[s.request.request_id]) for s, row in pending
+                 if s.request.request_id in index]
+        if pairs:
+            dst, src = zip(*pairs)
+            input_ids[to_device(dst, torch.long, device)] = tokens[to_device(src, torch.long,
+                                                                             device)]
 
     def forward_logits(self, batch: FlatBatch) -> torch.Tensor:
         set_attention_context(self.attn_backend, batch.attention)
@@ -278,6 +285,3 @@ class ModelRunner:
                          attention=self.attn_backend.prepare(common), logit_rows=logit_rows,
                          sampling=sampling, prompt_spans=spans, verifying=verifying)
 
-
-def _on(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)

@@ -310,14 +310,25 @@ class KVCacheManager:
         if req is None:
             return
         if num_computed_tokens is not None:
-            for i in range(num_computed_tokens // self.block_size, len(req.hashes)):
-                block = self._blocks[req.block_ids[i]]
-                if block.block_hash == req.hashes[i]:  # this request registered it
-                    self._pool.unregister(block)
+            self._unregister_from(req, num_computed_tokens)
         # Reverse order: chain tails reach the free queue first, so they are
         # evicted before the parents other prompts are more likely to share.
         blocks = self._blocks
         self._pool.release([blocks[i] for i in reversed(req.block_ids)])
+
+    def uncache(self, request_id: str, num_computed_tokens: int) -> None:
+        """The request's blocks past its first num_computed_tokens tokens hold no
+        KV after all (the step that was to compute them left it out): they leave
+        the prefix cache, so no later request hits them. The request keeps them."""
+        req = self._requests.get(request_id)
+        if req is not None:
+            self._unregister_from(req, num_computed_tokens)
+
+    def _unregister_from(self, req: RequestBlocks, num_computed_tokens: int) -> None:
+        for i in range(num_computed_tokens // self.block_size, len(req.hashes)):
+            block = self._blocks[req.block_ids[i]]
+            if block.block_hash == req.hashes[i]:  # this request registered it
+                self._pool.unregister(block)
 
     # ----------------------------------------------------------- read-outs
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.host_copy import to_device
 from engine.sampling.processors import add_bias, apply_penalties, ban_tokens, token_counts
 from scheduler.request import Request
 
@@ -63,11 +64,11 @@ def build_adjustments(seqs: Sequence[Request], vocab: int,
 
 
 def _long(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+    return to_device(values, torch.long, device)
 
 
 def _floats(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)
+    return to_device(values, torch.float32, device)
 
 
 def _bans(reqs: list[Request], vocab: int, device: torch.device):

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import torch
 
+from engine.host_copy import host_tensor_to, to_device
+
 NEG_INF = float("-inf")
 
 
 def ban_tokens(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """logits[rows[i], tokens[i]] = -inf (min_tokens: no EOS or stop token yet)."""
-    return logits.index_put((rows, tokens), torch.tensor(NEG_INF, device=logits.device))
+    # A fill, not a copy of the host's -inf (which would wait for the device).
+    return logits.index_put((rows, tokens), torch.full((), NEG_INF, device=logits.device))
 
 
 def add_bias(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor,
@@ -30,7 +33,7 @@ def token_counts(token_lists: list[list[int]], vocab: int,
     flat = torch.tensor([t for ids in token_lists for t in ids], dtype=torch.long)
     if flat.numel():
         row = torch.repeat_interleave(torch.arange(num_rows), lens)
-        index = (row * vocab + flat).to(device, non_blocking=True)
+        index = host_tensor_to(row * vocab + flat, device)
         counts.scatter_add_(0, index, torch.ones(index.shape, device=device))
     return counts.view(num_rows, vocab)
 
@@ -60,7 +63,7 @@ def apply_min_p(logits: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
 
 def apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
     vocab = logits.shape[-1]
-    ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=logits.device)
+    ks = to_device([k if 0 < k < vocab else vocab for k in top_ks], torch.long, logits.device)
     sorted_desc = logits.sort(dim=-1, descending=True).values
     kth = sorted_desc.gather(1, (ks - 1).unsqueeze(1))
     return logits.masked_fill(logits < kth, NEG_INF)

@@ -48,7 +48,9 @@ class PromptLogprobs:
         return spans
 
     def add(self, span: PromptSpan, items: list[TokenLogprob]) -> None:
-        self._done[span.request.request_id].extend(items)
+        done = self._done.get(span.request.request_id)
+        if done is not None:  # None: the request ended (aborted) while its step ran
+            done.extend(items)
 
     def take(self, request_id: str) -> list[TokenLogprob | None]:
         """The whole prompt's list (the first token has none); forgets it."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.host_copy import to_device
 from engine.sampling.adjustments import LogitAdjustments
 from engine.sampling.processors import apply_min_p, apply_top_k, apply_top_p
 from scheduler.sampling_params import SamplingParams
@@ -24,7 +25,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if not random_rows:
         return tokens
-    rows = torch.tensor(random_rows, device=logits.device)
+    rows = to_device(random_rows, torch.long, logits.device)
     probs = _probabilities(logits[rows], [params[i] for i in random_rows])
     noise = torch.empty_like(probs)
     seeded = [j for j, i in enumerate(random_rows) if generators[i] is not None]
@@ -40,15 +41,15 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
 
 def _probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     dev = logits.device
-    temps = torch.tensor([p.temperature for p in params], device=dev)
+    temps = to_device([p.temperature for p in params], torch.float32, dev)
     logits = logits / temps.unsqueeze(1)
     min_ps = [p.min_p for p in params]
     if any(m > 0 for m in min_ps):
-        logits = apply_min_p(logits, torch.tensor(min_ps, device=dev))
+        logits = apply_min_p(logits, to_device(min_ps, torch.float32, dev))
     top_ks = [p.top_k for p in params]
     if any(k > 0 for k in top_ks):
         logits = apply_top_k(logits, top_ks)
     top_ps = [p.top_p for p in params]
     if any(p < 1.0 for p in top_ps):
-        logits = apply_top_p(logits, torch.tensor(top_ps, device=dev))
+        logits = apply_top_p(logits, to_device(top_ps, torch.float32, dev))
     return logits.softmax(dim=-1)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine import faults
+from engine.host_copy import to_device
 from engine.outputs import TokenLogprob
 from engine.sampling.adjustments import build_adjustments
 from engine.sampling.logprobs import (HostTransfer, decode_block, logprob_block,
@@ -115,7 +116,7 @@ class Sampler:
         step_logits = logits[:len(sampling)]
         bad = _non_finite(step_logits)
         if len(rows) != len(sampling):
-            step_logits = step_logits[torch.tensor(rows, device=logits.device)]
+            step_logits = step_logits[_index(rows, logits.device)]
         want = [j for j, q in enumerate(seqs) if q.params.logprobs is not None]
         # Before sampling: logprobs come from the raw logits.
         raw = raw_logprobs(step_logits[_index(want, self.device)]) if want else None
@@ -321,7 +322,7 @@ def _subset(logits: torch.Tensor, sampling: list[ScheduledRequest],
         if span.request.request_id in keep:
             index.extend(range(at, at + span.count))
         at += span.count
-    return (logits[torch.tensor(index, dtype=torch.long, device=logits.device)],
+    return (logits[_index(index, logits.device)],
             [s for s in sampling if s.request.request_id in keep],
             [s for s in spans if s.request.request_id in keep])
 
@@ -331,4 +332,4 @@ def _ids(seqs: list[Request]) -> list[str]:
 
 
 def _index(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+    return to_device(values, torch.long, device)

@@ -30,6 +30,8 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.host_copy import to_device
+
 from engine.sampling.sample import _probabilities
 from scheduler.sampling_params import SamplingParams
 
@@ -77,7 +79,7 @@ def pad_drafts(drafts: Sequence[Sequence[int]],
     num_draft [R] int64)."""
     width = max((len(d) for d in drafts), default=0)
     ids = [list(d) + [0] * (width - len(d)) for d in drafts]
-    return (torch.tensor(ids, dtype=torch.long).view(len(drafts), width).to(device),
+    return (to_device(ids, torch.long, device).view(len(drafts), width),
             _long([len(d) for d in drafts], device))
 
 
@@ -239,4 +241,4 @@ def _prefix_length(accept: torch.Tensor) -> torch.Tensor:
 
 
 def _long(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+    return to_device(values, torch.long, device)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine import faults
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.spec_decode.config import SpeculativeConfig
@@ -148,3 +149,98 @@ def test_not_with_speculative_decoding(tiny_model_dir):
     with pytest.raises(ValueError, match="speculative"):
         EngineConfig(model=str(tiny_model_dir("llama")), async_scheduling=True,
                      speculative=SpeculativeConfig("ngram"))
+
+
+# -- faults and aborts while a step is in flight --------------------------------------
+
+def prompt(seed: int, length: int) -> list[int]:
+    return varied_prompts(400, count=1, seed=seed, lengths=(length,))[0]
+
+
+def test_abort_of_a_prompt_logprobs_request_mid_step(tiny_engine_factory):
+    """Its prompt logprobs in progress are dropped while its chunk is in flight;
+    the chunk's results must not fail the step or touch the other request's."""
+    p0, p1 = prompt(50, 100), prompt(51, 100)
+    outputs = {}
+    for overlapped in (False, True):
+        engine = tiny_engine_factory(max_num_batched_tokens=64,
+                                     long_prefill_token_threshold=16,
+                                     async_scheduling=overlapped)
+        engine.add_request("p0", p0, greedy(3, prompt_logprobs=1))
+        engine.add_request("p1", p1, greedy(3, prompt_logprobs=1))
+        engine.step()
+        engine.abort_request("p1")
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.request_id == "p0" and o.prompt_logprobs is not None:
+                    outputs[overlapped] = [p and p.token_id for p in o.prompt_logprobs]
+        assert_idle(engine)
+    assert outputs[True] == outputs[False] == [None, *p0[1:]]
+
+
+@pytest.mark.parametrize("overlapped", [False, True])
+def test_a_prepare_fault_leaves_no_unwritten_block_to_share(tiny_engine_factory, overlapped):
+    """A request left out of its step at preparation wrote no KV, but its blocks were
+    offered for sharing when the step was scheduled. A newcomer with the same prompt
+    must not hit them (async: admitted while the step is in flight; here no cache hit
+    and the right tokens), and one that already hit them in the same step fails
+    instead of reading what nobody wrote."""
+    victim = prompt(52, 65)
+    want = tiny_engine_factory().generate([victim], greedy(8))[0]
+    engine = tiny_engine_factory(async_scheduling=overlapped)
+    engine.add_request("V", victim, greedy(8))
+    engine.add_request("same-step", victim, greedy(8))
+    outs = {}
+    with faults.armed(lambda r: r.request_id == "V", "prepare", "boom"):
+        outs.update((o.request_id, o) for o in engine.step())
+        engine.add_request("next", victim, greedy(8))
+        tokens = []
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                outs[o.request_id] = o
+                if o.request_id == "next":
+                    tokens += o.new_token_ids
+    assert outs["V"].finish_reason == "error"
+    assert outs["same-step"].finish_reason == "error"
+    assert "whose step failed" in outs["same-step"].error
+    assert outs["next"].num_cached_tokens == 0 and tokens == want
+    assert_idle(engine)
+
+
+def test_a_prepare_fault_before_a_preemption_leaves_no_shared_block(tiny_engine_factory):
+    """The failing request is preempted while its step is in flight: its blocks go
+    back before the failure is read, and must not stay in the prefix cache."""
+    victim, other = prompt(53, 65), prompt(54, 48)
+    want = tiny_engine_factory().generate([victim], greedy(8))[0]
+    engine = tiny_engine_factory(num_kv_blocks=8, async_scheduling=True)
+    engine.add_request("A", other, greedy(3))
+    engine.add_request("V", victim, greedy(8))
+    with faults.armed(lambda r: r.request_id == "V", "prepare", "boom"):
+        for _ in range(3):
+            engine.step()
+    assert engine.scheduler.num_preemptions == 1
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request("C", victim, greedy(8))
+    tokens = []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            tokens += o.new_token_ids
+            cached = o.num_cached_tokens
+    assert cached == 0 and tokens == want
+    assert_idle(engine)
+
+
+def test_a_lone_request_failing_at_preparation_on_the_decode_graph_path(
+        tiny_engine_factory):
+    """The step that failed sampled nothing, yet the next one was planned with the
+    request's pending token: it reads a 0 there, and the request still fails."""
+    engine = tiny_engine_factory(max_num_seqs=8, async_scheduling=True)
+    engine.runner.use_decode_graphs(8, engine.max_model_len, capture=False)
+    engine.add_request("R", list(range(5, 30)), greedy(8))
+    outs = []
+    with faults.armed(lambda r: r.request_id == "R", "prepare", "boom"):
+        while engine.has_unfinished_requests():
+            outs += [(o.request_id, o.finish_reason) for o in engine.step()]
+    assert outs == [("R", "error")]
+    assert_idle(engine)
