@@ -76,7 +76,8 @@ def measure(args, overlapped: bool) -> dict:
     kv_methods = ("allocate_slots", "block_table", "take_copies", "free", "lookup_prefix")
     with MethodTimer(engine.kv, kv_methods) as pool, \
             MethodTimer(engine.scheduler, ("schedule", "update")) as sched, \
-            MethodTimer(engine.runner, ("finish",)) as wait:
+            MethodTimer(engine.runner, ("finish",)) as wait, \
+            MethodTimer(engine.runner, ("prepare",)) as prepare:
         t0 = time.perf_counter()
         for _ in range(args.steps):
             engine.step()
@@ -84,6 +85,9 @@ def measure(args, overlapped: bool) -> dict:
     out = {"device_name": _device_name(engine.device), "async_scheduling": overlapped,
            "step_ms": step * 1e3, "pool_ms_per_step": pool.total_ns / args.steps / 1e6,
            "scheduler_ms_per_step_incl_pool": sched.total_ns / args.steps / 1e6,
+           # The flat batch and its metadata (eager steps; CUDA graphs' decode steps
+           # build theirs in the runner's padded path instead).
+           "prepare_ms_per_step": prepare.total_ns / args.steps / 1e6,
            # Blocked on the device (the step's tokens) plus decoding them.
            "finish_ms_per_step": wait.total_ns / args.steps / 1e6}
     out["pool_share_of_step"] = out["pool_ms_per_step"] / out["step_ms"]
