@@ -211,14 +211,20 @@ class Engine:
     @staticmethod
     def _can_overlap(out: SchedulerOutput) -> bool:
         """May the next step be planned before this one's tokens reach the host?
-        Not if it must see them there first: a parent forking its siblings, a
-        request whose logits processing reads its history (penalties, min_tokens,
-        logit_bias), logprobs (decoded after the step), prompt logprobs."""
+        Not if it must see them there first: a parent forking its siblings, prompt
+        logprobs in progress, or a request whose next token's logits processing
+        reads its history: penalties, or min_tokens not yet reached (the count
+        decides whether stop tokens are banned). Logprobs and logit_bias need
+        nothing from the host."""
         for s in out.scheduled:
             req = s.request
-            if req.needs_prompt_logits or (s.samples and (
-                    req.pending_forks or req.params.needs_processing
-                    or req.params.logprobs is not None)):
+            if req.needs_prompt_logits:
+                return False
+            params = req.params
+            if s.samples and params.needs_processing and (
+                    params.has_penalties or req.num_output_tokens < params.min_tokens):
+                return False
+            if s.samples and req.pending_forks:
                 return False
         return True
 

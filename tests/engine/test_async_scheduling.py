@@ -24,11 +24,17 @@ PROMPTS = varied_prompts(400, count=14, seed=40,
                          lengths=(5, 12, 33, 60, 700, 9, 21, 3, 48, 17, 26, 8, 40, 11))
 
 
-def mixed_requests(stop_token: int) -> dict[str, tuple[list[int], SamplingParams]]:
+# Requests whose steps always make the engine wait for them (r7, r8, r12).
+DRAINING = {"r7", "r8", "r12"}
+
+
+def mixed_requests(stop_token: int, eleventh: int
+                   ) -> dict[str, tuple[list[int], SamplingParams]]:
     """Plain decodes (greedy, seeded, top-k/p), a prompt long enough to be chunked,
     one that meets a stop token nobody could foresee (a row of the next step is
-    wasted), and one request for each feature that makes the engine wait for a step:
-    n > 1, penalties, min_tokens, logit_bias, logprobs, prompt logprobs."""
+    wasted), the features the next step needs nothing of on the host for (logprobs,
+    logit_bias, min_tokens once reached), and those it does: n > 1, penalties,
+    prompt logprobs (DRAINING)."""
     plain = [greedy(30), greedy(25),
              SamplingParams(max_tokens=28, temperature=1.0, seed=5, ignore_eos=True),
              SamplingParams(max_tokens=20, temperature=0.8, top_k=20, top_p=0.9, seed=6,
@@ -37,7 +43,11 @@ def mixed_requests(stop_token: int) -> dict[str, tuple[list[int], SamplingParams
     waiting_ones = [
         SamplingParams(max_tokens=16, temperature=1.0, seed=8, n=3, ignore_eos=True),
         greedy(20, frequency_penalty=0.5, presence_penalty=0.3, repetition_penalty=1.2),
-        greedy(18, min_tokens=10),
+        # Stops at its 11th token, the first one min_tokens=10 lets through: a count
+        # one token stale (async reading it before the last token is back) would
+        # ban the stop token once more.
+        SamplingParams(max_tokens=18, temperature=0.0, min_tokens=10,
+                       stop_token_ids=[eleventh]),
         greedy(15, logit_bias={7: 5.0}),
         greedy(14, logprobs=3),
         greedy(10, prompt_logprobs=2),
@@ -61,28 +71,49 @@ def stop_token(tiny_engine_factory) -> int:
 
 
 @pytest.fixture(scope="module")
-def sync_outputs(tiny_engine_factory, stop_token):
+def eleventh(tiny_engine_factory) -> int:
+    """The 11th token of the min_tokens request's greedy continuation, which none of
+    the 10 before it is."""
+    tokens = tiny_engine_factory().generate([PROMPTS[9]], greedy(18))[0]
+    assert tokens[10] not in tokens[:10]
+    return tokens[10]
+
+
+def workload(stop_token: int, eleventh: int, draining: bool) -> dict:
+    requests = mixed_requests(stop_token, eleventh)
+    return requests if draining else {k: v for k, v in requests.items()
+                                      if k not in DRAINING}
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["all", "no-draining"])
+def case(request, tiny_engine_factory, stop_token, eleventh):
+    """(the workload, the synchronous engine's outputs for it)."""
+    requests = workload(stop_token, eleventh, request.param)
     engine = tiny_engine_factory(max_num_batched_tokens=128)
-    out = run(engine, mixed_requests(stop_token))
+    out = run(engine, requests)
     assert out[("r13", 0)]["finish"] == "stop"
+    assert out[("r9", 0)]["finish"] == "stop" and len(out[("r9", 0)]["tokens"]) == 11
     assert_idle(engine)
-    return out
+    return requests, out
 
 
-def test_outputs_match_the_synchronous_engine(tiny_engine_factory, sync_outputs,
-                                              stop_token):
+def test_outputs_match_the_synchronous_engine(tiny_engine_factory, case):
+    requests, sync_outputs = case
     engine = tiny_engine_factory(max_num_batched_tokens=128, async_scheduling=True)
     outs = record_schedules(engine)
-    got = run(engine, mixed_requests(stop_token))
+    got = run(engine, requests)
     assert got.keys() == sync_outputs.keys()
     for key, seq in got.items():  # tokens, finish, logprob ids, then their values
         assert _exact(seq) == _exact(sync_outputs[key]), key
         assert _values(seq) == pytest.approx(_values(sync_outputs[key]), abs=1e-4), key
     assert_idle(engine)
-    # It overlapped: most steps fed a token from the step before them.
+    # It overlapped: many steps fed a token from the step before them.
     fed = [o for o in outs if any(s.num_pending for s in o.scheduled)]
-    assert len(fed) > len(outs) // 2
+    assert len(fed) > len(outs) // 3
     assert all(s.num_pending <= 1 for o in outs for s in o.scheduled)
+    if DRAINING.isdisjoint(requests):  # logprobs, logit_bias, min_tokens overlapped
+        fed_ids = {s.request.request_id for o in outs for s in o.scheduled if s.num_pending}
+        assert {"r9", "r10", "r11"} <= fed_ids
 
 
 def test_the_next_step_is_planned_before_the_last_one_is_read(tiny_engine_factory):
