@@ -74,6 +74,10 @@ class Engine:
         self.stats = EngineStats()
         self.speculator = self._make_speculator(model)
         self._inflight: InFlight | None = None  # async scheduling's running step
+        if config.async_scheduling and self.device.type != "cuda":
+            log.warning("async scheduling on %s overlaps nothing (the forward pass runs "
+                        "on the host) and reports each step one step later",
+                        self.device.type)
         log.info("KV cache: %d blocks of %d tokens (%d tokens, %.1fx concurrency at %d)",
                  num_blocks, config.block_size, num_blocks * config.block_size,
                  num_blocks * config.block_size / self.max_model_len, self.max_model_len)
