@@ -5,6 +5,8 @@ every feature (the steps that must see their tokens on the host first complete
 before the next is planned), through chunked prompts, preemption and aborts."""
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from engine import faults
@@ -275,3 +277,74 @@ def test_a_lone_request_failing_at_preparation_on_the_decode_graph_path(
             outs += [(o.request_id, o.finish_reason) for o in engine.step()]
     assert outs == [("R", "error")]
     assert_idle(engine)
+
+
+def random_workload(seed: int, count: int) -> list[tuple[int, str, list[int], SamplingParams]]:
+    """(arrival step, id, prompt, params): every feature mixed, arrivals spread."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(count):
+        prompt = [rng.randrange(3, 400) for _ in range(rng.choice([1, 5, 17, 40, 90, 200]))]
+        kw = dict(max_tokens=rng.randint(1, 30), ignore_eos=rng.random() < 0.7)
+        if rng.random() < 0.5:
+            kw.update(temperature=0.0)
+        else:
+            kw.update(temperature=rng.choice([0.7, 1.0]), seed=rng.randrange(1000),
+                      top_p=rng.choice([1.0, 0.9]))
+        feature = rng.random()
+        if feature < 0.1:
+            kw.update(n=2, temperature=1.0, seed=rng.randrange(1000))
+        elif feature < 0.2:
+            kw.update(logprobs=2)
+        elif feature < 0.27:
+            kw.update(presence_penalty=0.5)
+        elif feature < 0.34:
+            kw.update(min_tokens=min(kw["max_tokens"], 5), stop_token_ids=[rng.randrange(3, 400)])
+        elif feature < 0.4:
+            kw.update(prompt_logprobs=1)
+        elif feature < 0.5:
+            kw.update(stop_token_ids=[rng.randrange(3, 400) for _ in range(5)])
+        out.append((rng.randrange(40), f"q{i}", prompt, SamplingParams(**kw)))
+    return sorted(out, key=lambda x: x[0])
+
+
+def run_random(engine: Engine, workload, aborts: dict[int, str]) -> dict:
+    """Each sequence's tokens and finish reason; requests added at their arrival step,
+    `aborts` (step -> request id) aborted then."""
+    pending, seqs, step = list(workload), {}, 0
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][0] <= step:
+            _, rid, prompt, params = pending.pop(0)
+            engine.add_request(rid, prompt, params)
+        outputs = engine.abort_request(aborts[step]) if step in aborts else []
+        for o in outputs + engine.step():
+            seq = seqs.setdefault((o.request_id.split("#")[0], o.index), {"tokens": []})
+            seq["tokens"] += o.new_token_ids
+            if o.finished:
+                seq["finish"] = o.finish_reason
+        step += 1
+    return seqs
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_random_workloads_match_the_synchronous_engine(tiny_engine_factory, seed):
+    """Random arrivals, every feature, a cache small enough to preempt, and aborts at
+    random steps: every sequence not aborted gets the synchronous engine's tokens and
+    finish reason; an aborted one a prefix of them; nothing leaks."""
+    workload = random_workload(seed, 48)
+    rng = random.Random(seed)
+    aborts = {rng.randrange(5, 60): f"q{rng.randrange(48)}" for _ in range(6)}
+    reference = run_random(tiny_engine_factory(max_num_batched_tokens=128), workload, {})
+    engine = tiny_engine_factory(max_num_batched_tokens=128, num_kv_blocks=48,
+                                 max_num_seqs=16, async_scheduling=True)
+    got = run_random(engine, workload, aborts)
+    assert engine.scheduler.num_preemptions > 0
+    assert any(seq.get("finish") == "abort" for seq in got.values())
+    assert_idle(engine)
+    aborted = set(aborts.values())
+    for key, seq in got.items():
+        want = reference[key]
+        if key[0] in aborted and seq.get("finish") == "abort":
+            assert seq["tokens"] == want["tokens"][:len(seq["tokens"])], key
+        else:
+            assert seq == want, key
