@@ -198,17 +198,17 @@ class Engine:
         failed, bs = step.launched.failed, self.config.block_size
         unwritten: set[int] = set()
         changed = True
-        while changed:
+        while changed:  # until no one new reads what a failed request was to write
             changed = False
             for s in step.out.scheduled:
-                rid = s.request.request_id
-                if rid not in failed and unwritten.isdisjoint(s.block_table[:s.start // bs]):
+                rid, first = s.request.request_id, s.start // bs
+                if rid not in failed and unwritten.isdisjoint(s.block_table[:first]):
                     continue
                 failed.setdefault(rid, "its cached prompt prefix came from a request "
                                        "whose step failed")
-                if s.block_table[s.start // bs:] and not unwritten.issuperset(
-                        s.block_table[s.start // bs:]):
-                    unwritten.update(s.block_table[s.start // bs:])
+                own = s.block_table[first:]  # the blocks this step was to write
+                if not unwritten.issuperset(own):
+                    unwritten.update(own)
                     self.kv.uncache(rid, s.start)
                     changed = True
 

@@ -40,8 +40,7 @@ class LaunchedStep:
                 tokens = launch.tokens
             else:  # finished on the host at launch (a fault was isolated), or nothing
                 done = launch.result.tokens if launch is not None else {}
-                tokens = torch.tensor([done.get(rid, 0) for rid in ids], dtype=torch.long,
-                                      device=device)
+                tokens = to_device([done.get(rid, 0) for rid in ids], torch.long, device)
             self._feed = tokens, {rid: i for i, rid in enumerate(ids)}
         return self._feed
 
@@ -284,4 +283,3 @@ class ModelRunner:
         return FlatBatch(input_ids=input_ids, positions=positions,
                          attention=self.attn_backend.prepare(common), logit_rows=logit_rows,
                          sampling=sampling, prompt_spans=spans, verifying=verifying)
-

@@ -112,23 +112,13 @@ class Scheduler:
                     budget -= 1 + len(item.spec_token_ids)
                     i += 1
                     continue
-            while not allocate(req.request_id, req.token_ids, req.num_computed_tokens, n,
-                               0, pending):
-                finishing = self._finishing(out)
-                if self._free_blocks_of(finishing):
+            if not allocate(req.request_id, req.token_ids, req.num_computed_tokens, n,
+                            0, pending):
+                i, budget = self._make_room(req, n, out, i, budget)
+                if req.status is RequestStatus.WAITING:
+                    # It ranked lowest and went itself: everyone left in running ranks
+                    # above it (priority) or there is no one left (fcfs); serve them.
                     continue
-                victim = self._pick_victim(finishing)
-                pos = self.running.index(victim)
-                if pos < i:  # served before `req` (or skipped): take its tokens back
-                    budget += self._unschedule(victim, out)
-                    i -= 1
-                self._preempt(victim, out)
-                if victim is req:
-                    break
-            if req.status is RequestStatus.WAITING:
-                # It ranked lowest and went itself: everyone left in running ranks
-                # above it (priority) or there is no one left (fcfs); serve them.
-                continue
             item = ScheduledRequest(req, n, table(req.request_id))
             scheduled.append(item)
             req.num_computed_tokens += n
@@ -137,6 +127,27 @@ class Scheduler:
             budget -= n
             i += 1
         return budget
+
+    def _make_room(self, req: Request, n: int, out: SchedulerOutput, i: int,
+                   budget: int) -> tuple[int, int]:
+        """Frees blocks until req's n tokens (req at running[i]) fit, or req itself is
+        preempted: first the blocks of requests about to finish, then victims the
+        policy picks. Returns i and the budget, corrected for victims served earlier
+        in this step, whose tokens are taken back."""
+        while not self.kv.allocate_slots(req.request_id, req.token_ids,
+                                         req.num_computed_tokens, n, 0,
+                                         req.num_pending_tokens):
+            finishing = self._finishing(out)
+            if self._free_blocks_of(finishing):
+                continue
+            victim = self._pick_victim(finishing)
+            if self.running.index(victim) < i:  # served before req (or skipped)
+                budget += self._unschedule(victim, out)
+                i -= 1
+            self._preempt(victim, out)
+            if victim is req:
+                break
+        return i, budget
 
     def _ends_with_pending(self, req: Request) -> bool:
         """Will the tokens still on their way finish `req` by length (max_tokens or
