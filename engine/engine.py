@@ -184,9 +184,10 @@ class Engine:
                 self._withdraw_unwritten(launched)
         if previous is not None:
             outputs += self._complete(previous)
-        self._inflight = launched if self.config.async_scheduling else None
-        if launched is not None and self._inflight is None:
+        if launched is not None and not self.config.async_scheduling:
             outputs += self._complete(launched)
+            launched = None
+        self._inflight = launched
         return outputs
 
     def _withdraw_unwritten(self, step: InFlight) -> None:

@@ -130,24 +130,23 @@ class Scheduler:
 
     def _make_room(self, req: Request, n: int, out: SchedulerOutput, i: int,
                    budget: int) -> tuple[int, int]:
-        """Frees blocks until req's n tokens (req at running[i]) fit, or req itself is
-        preempted: first the blocks of requests about to finish, then victims the
-        policy picks. Returns i and the budget, corrected for victims served earlier
-        in this step, whose tokens are taken back."""
-        while not self.kv.allocate_slots(req.request_id, req.token_ids,
-                                         req.num_computed_tokens, n, 0,
-                                         req.num_pending_tokens):
+        """req's n tokens (req at running[i]) did not fit: frees blocks until they do,
+        or req itself is preempted: first the blocks of requests about to finish,
+        then victims the policy picks. Returns i and the budget, corrected for
+        victims served earlier in this step, whose tokens are taken back."""
+        while True:
             finishing = self._finishing(out)
-            if self._free_blocks_of(finishing):
-                continue
-            victim = self._pick_victim(finishing)
-            if self.running.index(victim) < i:  # served before req (or skipped)
-                budget += self._unschedule(victim, out)
-                i -= 1
-            self._preempt(victim, out)
-            if victim is req:
-                break
-        return i, budget
+            if not self._free_blocks_of(finishing):
+                victim = self._pick_victim(finishing)
+                if self.running.index(victim) < i:  # served before req (or skipped)
+                    budget += self._unschedule(victim, out)
+                    i -= 1
+                self._preempt(victim, out)
+                if victim is req:
+                    return i, budget
+            if self.kv.allocate_slots(req.request_id, req.token_ids,
+                                      req.num_computed_tokens, n, 0, req.num_pending_tokens):
+                return i, budget
 
     def _ends_with_pending(self, req: Request) -> bool:
         """Will the tokens still on their way finish `req` by length (max_tokens or
