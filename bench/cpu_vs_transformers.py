@@ -59,6 +59,7 @@ def ours_concurrent(engine: Engine, prompts: list[list[int]]) -> dict:
 
 def ours_http(engine: Engine, prompts: list[list[int]]) -> dict:
     import httpx
+    from httpx_sse import EventSource
 
     from engine.async_engine import AsyncEngine
     from server.app import build_app
@@ -70,8 +71,8 @@ def ours_http(engine: Engine, prompts: list[list[int]]) -> dict:
         n = 0
         async with client.stream("POST", url + "/v1/completions",
                                  json={**body, "prompt": prompt}) as r:
-            async for line in r.aiter_lines():
-                n += line.startswith("data: {")
+            async for event in EventSource(r).aiter_sse():
+                n += event.data.startswith("{")
         return n
 
     async def run(url):

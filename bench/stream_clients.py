@@ -11,14 +11,15 @@ import json
 import time
 
 import httpx
+from httpx_sse import EventSource
 
 
 async def _one(c: httpx.AsyncClient, body: dict) -> int:
     chunks = 0
     async with c.stream("POST", "/v1/completions", json=body) as r:
         r.raise_for_status()
-        async for line in r.aiter_lines():
-            chunks += line.startswith("data: {")
+        async for event in EventSource(r).aiter_sse():
+            chunks += event.data.startswith("{")
     return chunks
 
 

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+from httpx_sse import EventSource
 
 from kvbench.records import RequestRecord
 from kvbench.stream import StreamReader
@@ -52,10 +53,11 @@ async def send(http: httpx.AsyncClient, target: Target, prompt, max_tokens: int,
 
 
 async def _read_events(r: httpx.Response, reader: StreamReader, t0: float) -> None:
-    async for line in r.aiter_lines():
-        if not line.startswith("data:"):
-            continue  # blank separators, comments, `event:` lines
-        payload = line[5:].strip()
-        if payload == "[DONE]":
+    """Events as the SSE spec frames them: lines end at CR or LF only. (httpx's
+    aiter_lines also splits at U+2028, U+2029 and other Unicode line breaks, which
+    JSON may carry raw inside a string, and would cut such a chunk in two.)"""
+    async for event in EventSource(r).aiter_sse():
+        if event.data == "[DONE]":
             return
-        reader.feed(json.loads(payload), time.perf_counter() - t0)
+        if event.data:
+            reader.feed(json.loads(event.data), time.perf_counter() - t0)

@@ -48,8 +48,19 @@ def sse_error(status: int, message: str) -> str:
 
 
 def sse_data(body: dict) -> str:
-    """One server-sent event, compact JSON as vLLM sends it."""
-    return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    """One server-sent event, compact JSON as vLLM sends it. U+2028, U+2029 and
+    U+0085 are legal raw in JSON, but clients that read the stream with a Unicode
+    line splitter (Python's str.splitlines, httpx's aiter_lines) would cut the event
+    at them: they go out escaped, which every JSON parser reads back as the same
+    character. (json.dumps already escapes the other splitlines breaks, all below
+    U+0020.)"""
+    text = json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+    for char, escaped in _LINE_BREAKS_IN_JSON:
+        text = text.replace(char, escaped)  # the same string back when absent
+    return f"data: {text}\n\n"
+
+
+_LINE_BREAKS_IN_JSON = [(c, f"\\u{ord(c):04x}") for c in "\u2028\u2029\x85"]
 
 
 def install_error_handlers(app: FastAPI) -> None:

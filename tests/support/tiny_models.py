@@ -35,7 +35,7 @@ ARCHS = {
 }
 
 
-def make_tokenizer(path: Path):
+def make_tokenizer(path: Path, extra_tokens: tuple[str, ...] = ()):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -49,17 +49,20 @@ def make_tokenizer(path: Path):
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>",
                                    eos_token="<|im_end|>", unk_token="<|endoftext|>",
                                    pad_token="<|endoftext|>")
+    fast.add_tokens(list(extra_tokens))  # whole strings a test wants as one token
     fast.chat_template = CHATML
     fast.save_pretrained(str(path))
     return fast
 
 
-def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
-    """Writes config.json, model.safetensors and tokenizer files into `path`."""
+def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0,
+                    extra_tokens: tuple[str, ...] = (), **overrides) -> Path:
+    """Writes config.json, model.safetensors and tokenizer files into `path`;
+    `extra_tokens` become tokens of their own, after the trained vocabulary."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
-    tok = make_tokenizer(path)
+    tok = make_tokenizer(path, extra_tokens)
     spec = dict(ARCHS[arch])
     model_type = spec.pop("model_type")
     fields = dict(vocab_size=len(tok), hidden_size=96, intermediate_size=192,
