@@ -2,22 +2,22 @@
 with n choices, answered as a chat.completion or streamed chat.completion.chunks."""
 from __future__ import annotations
 
-from server.chat_template import render_chat
+from server.chat_template import chat_prompt_ids, render_chat_text
 from server.generation import ChoiceDelta, PromptGroup
 from server.logprobs import chat_logprobs
 from server.protocol import ChatCompletionRequest, chat_completion_id
 from server.response_view import ResponseView
 from server.service import GenerationService
+from server.unsupported_fields import CHAT_FIELDS
 from server.validation import check_prompt, output_budget, sampling_params
 
 
 class ChatService(GenerationService):
+    unsupported_fields = CHAT_FIELDS
+
     async def create(self, req: ChatCompletionRequest):
         model = self.served_model(req)
-        ids = check_prompt(self.engine, render_chat(
-            self.engine.tokenizer, req.message_dicts(), req.add_generation_prompt,
-            req.continue_final_message, chat_template=req.chat_template,
-            chat_template_kwargs=req.chat_template_kwargs))
+        ids = await self.tokenization.run(self._prompt_ids, req)
         param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         max_tokens = output_budget(req.max_output_tokens, len(ids),
                                    self.engine.max_model_len, param)
@@ -26,6 +26,17 @@ class ChatService(GenerationService):
                                                       num_logprobs))]
         view = _ChatView(chat_completion_id(), model, req, groups, self.engine.tokenizer)
         return await self.respond(view, groups, req)
+
+    def _prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
+        """On the tokenizer's thread: the template, then the length check on what
+        it rendered (a template need not use every message), then the tokens."""
+        text = render_chat_text(self.engine.tokenizer, req.message_dicts(),
+                                req.add_generation_prompt, req.continue_final_message,
+                                chat_template=req.chat_template,
+                                chat_template_kwargs=req.chat_template_kwargs)
+        self.tokenization.refuse_if_too_long(text, "messages")
+        return check_prompt(self.engine, chat_prompt_ids(self.engine.tokenizer, text),
+                            "messages")
 
 
 class _ChatView(ResponseView):

@@ -60,6 +60,11 @@ def render_chat_text(tokenizer, messages: list[dict], add_generation_prompt: boo
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
                 continue_final_message: bool = False, **template_args) -> list[int]:
     """The prompt token ids of a conversation."""
-    text = render_chat_text(tokenizer, messages, add_generation_prompt,
-                            continue_final_message, **template_args)
+    return chat_prompt_ids(tokenizer, render_chat_text(
+        tokenizer, messages, add_generation_prompt, continue_final_message, **template_args))
+
+
+def chat_prompt_ids(tokenizer, text: str) -> list[int]:
+    """A rendered conversation's token ids: the template wrote BOS and turn markers
+    already, so none are added."""
     return encode_text(tokenizer, text, "messages", add_special_tokens=False)

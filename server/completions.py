@@ -8,10 +8,13 @@ from server.logprobs import (completion_logprobs, merge_completion_logprobs,
 from server.protocol import CompletionRequest, completion_id
 from server.response_view import ResponseView
 from server.service import GenerationService
+from server.unsupported_fields import COMPLETION_FIELDS
 from server.validation import output_budget, prompt_token_ids, sampling_params
 
 
 class CompletionService(GenerationService):
+    unsupported_fields = COMPLETION_FIELDS
+
     async def create(self, req: CompletionRequest):
         model = self.served_model(req)
         prompts = req.prompts()
@@ -21,12 +24,18 @@ class CompletionService(GenerationService):
         if limit and len(prompts) > limit:
             raise APIError(400, f"too many prompts in one request: {len(prompts)} (limit "
                            f"{limit}, --max-prompts-per-request)", "prompt")
-        groups = [self._group(i, p, req) for i, p in enumerate(prompts)]
+        for p in prompts:
+            if isinstance(p, str):
+                self.tokenization.refuse_if_too_long(p, "prompt")
+        ids = await self.tokenization.run(
+            lambda: [prompt_token_ids(self.engine, p) for p in prompts])
+        groups = [self._group(i, p, req, prompt_ids)
+                  for i, (p, prompt_ids) in enumerate(zip(prompts, ids))]
         view = _CompletionView(completion_id(), model, req, groups, self.engine.tokenizer)
         return await self.respond(view, groups, req)
 
-    def _group(self, index: int, prompt: str | list[int], req: CompletionRequest):
-        ids = prompt_token_ids(self.engine, prompt)
+    def _group(self, index: int, prompt: str | list[int], req: CompletionRequest,
+               ids: list[int]):
         # The engine always generates; for echo_only its one token is left out.
         max_tokens = 1 if req.echo_only else output_budget(req.max_tokens, len(ids),
                                                              self.engine.max_model_len)

@@ -19,13 +19,14 @@ from server.auth import ApiKeyMiddleware, guarded
 from server.limits import BodyLimitMiddleware
 from server.metrics import ServerMetrics
 from server.metrics_frontend import ArrivalMiddleware
+from server.tokenization import Tokenization
 from server.tokenize_api import tokenize_router
 
 
 def install_ops(app: FastAPI, engine: EngineClient, model_names: list[str], version: str, *,
                 api_keys: Sequence[str] = (), max_waiting_requests: int = 0,
                 max_waiting_tokens: int = 0, max_body_bytes: int = 0,
-                protect_metrics: bool = False) -> Admission:
+                protect_metrics: bool = False, tokenization: Tokenization) -> Admission:
     admission = Admission(engine, max_waiting_requests, max_waiting_tokens)
     app.state.admission = admission  # the shutdown drain finds it here
     app.add_middleware(AdmissionMiddleware, admission=admission)
@@ -37,7 +38,7 @@ def install_ops(app: FastAPI, engine: EngineClient, model_names: list[str], vers
     server_metrics = ServerMetrics(engine, model_names[0] if model_names else "")
     # Outermost: a request's latency counts from its arrival, auth and admission included.
     app.add_middleware(ArrivalMiddleware, hist=server_metrics.frontend)
-    app.include_router(tokenize_router(engine, model_names))
+    app.include_router(tokenize_router(engine, model_names, tokenization))
 
     @app.get("/health")
     async def health():

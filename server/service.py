@@ -11,22 +11,29 @@ from server.errors import APIError
 from server.generation import PromptGroup, TextOptions
 from server.limits import RequestLimits
 from server.response_view import ResponseView
+from server.tokenization import Tokenization
+from server.unsupported_fields import Harmless, refuse_unsupported
 from server.validation import check_model
 
 
 class GenerationService:
-    def __init__(self, engine: EngineClient, model_names: list[str],
+    unsupported_fields: dict[str, Harmless] = {}  # a route's own (unsupported_fields.py)
+
+    def __init__(self, engine: EngineClient, model_names: list[str], tokenization: Tokenization,
                  limits: RequestLimits = RequestLimits(), request_timeout: float = 0.0):
         self.engine = engine
+        self.tokenization = tokenization
         self.model_names = model_names
         self.vocab_size = engine.vocab_size
         self.limits = limits
         self.request_timeout = request_timeout
 
     def served_model(self, req) -> str:
-        """The model name to answer with; 404 for an unknown one, 400 past --max-n,
+        """The model name to answer with; 404 for an unknown one, 400 past --max-n
+        or for a field this route does not support yet (server/unsupported_fields.py),
         503 (a status, not an error inside a 200 stream) when the engine is down."""
         model = check_model(req.model, self.model_names)
+        refuse_unsupported(req, self.unsupported_fields)
         if req.n > self.limits.max_n:
             raise APIError(400, f"n must be at most {self.limits.max_n} (--max-n), got "
                            f"{req.n}", "n")

@@ -12,6 +12,7 @@ from engine.engine_client import EngineClient
 from server.chat_template import render_chat, render_chat_text
 from server.errors import APIError, no_tokenizer
 from server.protocol import ChatMessage, OpenAIRequest
+from server.tokenization import Tokenization
 from server.validation import check_model, encode_text
 
 
@@ -39,7 +40,11 @@ class DetokenizeRequest(OpenAIRequest):
     tokens: list[int]
 
 
-def tokenize_router(engine: EngineClient, model_names: list[str]) -> APIRouter:
+def tokenize_router(engine: EngineClient, model_names: list[str],
+                    tokenization: Tokenization) -> APIRouter:
+    """The tokenizer runs on `tokenization`'s thread, never on the event loop. A
+    prompt longer than the context is still counted here (that is what /tokenize is
+    for), so no length shortcut applies."""
     router = APIRouter()
     tok = engine.tokenizer
 
@@ -49,13 +54,7 @@ def tokenize_router(engine: EngineClient, model_names: list[str]) -> APIRouter:
         check_model(req.model, model_names)
         if tok is None:
             raise no_tokenizer()
-        ids = (_chat_ids(tok, req) if isinstance(req, TokenizeChatRequest)
-               else encode_text(tok, req.prompt, add_special_tokens=req.add_special_tokens))
-        body: dict[str, Any] = {"count": len(ids), "max_model_len": engine.max_model_len,
-                                "tokens": ids}
-        if req.return_token_strs:
-            body["token_strs"] = tok.convert_ids_to_tokens(ids)
-        return body
+        return await tokenization.run(_tokenize, tok, req, engine.max_model_len)
 
     @router.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
@@ -66,7 +65,7 @@ def tokenize_router(engine: EngineClient, model_names: list[str]) -> APIRouter:
                            f"(0..{engine.vocab_size - 1})", "tokens")
         if tok is None:
             raise no_tokenizer()
-        return {"prompt": tok.decode(req.tokens)}
+        return {"prompt": await tokenization.run(tok.decode, req.tokens)}
 
     return router
 
@@ -84,6 +83,16 @@ async def _parse_tokenize(request: Request) -> TokenizeCompletionRequest | Token
         return model.model_validate(data)
     except ValidationError as exc:  # the app's handler turns this into OpenAI's 400
         raise RequestValidationError(exc.errors()) from None
+
+
+def _tokenize(tok, req: TokenizeCompletionRequest | TokenizeChatRequest,
+              max_model_len: int) -> dict[str, Any]:
+    ids = (_chat_ids(tok, req) if isinstance(req, TokenizeChatRequest)
+           else encode_text(tok, req.prompt, add_special_tokens=req.add_special_tokens))
+    body: dict[str, Any] = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
+    if req.return_token_strs:
+        body["token_strs"] = tok.convert_ids_to_tokens(ids)
+    return body
 
 
 def _chat_ids(tokenizer, req: TokenizeChatRequest) -> list[int]:

@@ -17,13 +17,13 @@ def check_model(requested: str | None, names: list[str]) -> str:
     return requested
 
 
-def check_prompt(engine: EngineClient, ids: list[int]) -> list[int]:
+def check_prompt(engine: EngineClient, ids: list[int], param: str = "prompt") -> list[int]:
     if not ids:
-        raise APIError(400, "the prompt is empty", "prompt")
+        raise APIError(400, "the prompt is empty", param)
     try:
         engine.validate(ids)
     except ValueError as exc:
-        raise APIError(400, str(exc), "prompt") from exc
+        raise APIError(400, str(exc), param) from exc
     return ids
 
 
