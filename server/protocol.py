@@ -1,5 +1,7 @@
 """OpenAI request bodies (pydantic). Unknown request fields are ignored with a log
-line, as vLLM does. Responses are plain dicts built where they are sent."""
+line, as vLLM does, unless they would change the output (the generation routes
+refuse those: server/unsupported_fields.py). Responses are plain dicts built where
+they are sent."""
 from __future__ import annotations
 
 import logging
@@ -17,6 +19,8 @@ MAX_LOGPROBS = 20  # OpenAI's cap on top alternatives per token
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far
+    continuous_usage_stats: bool = False
 
 
 class OpenAIRequest(BaseModel):
@@ -78,6 +82,10 @@ class SamplingFields(OpenAIRequest):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(SamplingFields):

@@ -55,7 +55,9 @@ class ResponseView:
                 parts = []
                 for item in batch:
                     last[item.index] = item
-                    parts.extend(sse_data(self.envelope(self.chunk_object, [choice]))
+                    usage = (generation.usage(self.groups, last)
+                             if self.req.continuous_usage else None)
+                    parts.extend(sse_data(self.envelope(self.chunk_object, [choice], usage))
                                  for choice in self.chunk_choices(item))
                 if error is not None:  # only ever the last item: the stream ends here
                     parts.append(sse_error(error.status, error.message))

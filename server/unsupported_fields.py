@@ -1,0 +1,69 @@
+"""Request fields kvserve does not support yet but that would change what the caller
+gets back: refused with a 400 that names the field, instead of being dropped so
+that the caller silently gets plain text (an agent's tool call that never comes, a
+JSON schema nobody enforced). A field sent with a value that leaves the output as
+it is without it (`"tools": []`, `"tool_choice": "none"`, `"response_format":
+{"type": "text"}`, `best_of` equal to `n`) passes, since clients send such
+defaults. Unknown fields outside these lists are ignored with a log line, as vLLM
+does with `user`; the README lists both kinds."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from server.errors import APIError
+
+Harmless = Callable[[Any, Any], bool]  # (value, request) -> True if output unchanged
+
+
+def _empty(value, _req) -> bool:
+    return value is None or value is False or value == "" or value == [] or value == {}
+
+
+def _no_tool_forced(value, _req) -> bool:
+    return value is None or value in ("none", "auto")
+
+
+def _plain_text(value, _req) -> bool:
+    return value is None or (isinstance(value, dict) and value.get("type") == "text")
+
+
+def _text_only(value, _req) -> bool:
+    return value is None or value == ["text"]
+
+
+def _best_of_n(value, req) -> bool:
+    return value is None or value == req.n
+
+
+# Both routes: structured outputs (OpenAI's and vLLM's spellings) and vLLM's
+# sampling extras that kvserve does not implement.
+_SHARED: dict[str, Harmless] = {
+    "response_format": _plain_text,
+    "structured_outputs": _empty, "guided_json": _empty, "guided_regex": _empty,
+    "guided_choice": _empty, "guided_grammar": _empty,
+    "use_beam_search": _empty, "bad_words": _empty, "allowed_token_ids": _empty,
+    "truncate_prompt_tokens": _empty, "prompt_logprobs": _empty, "logits_processors": _empty,
+}
+COMPLETION_FIELDS: dict[str, Harmless] = {
+    **_SHARED, "best_of": _best_of_n, "suffix": _empty,
+}
+CHAT_FIELDS: dict[str, Harmless] = {
+    **_SHARED,
+    "tools": _empty, "tool_choice": _no_tool_forced,
+    "functions": _empty, "function_call": _no_tool_forced,  # OpenAI's older spelling
+    "modalities": _text_only, "audio": _empty, "web_search_options": _empty,
+    # vLLM's chat extras: the prompt echoed back, BOS added twice, RAG documents
+    "echo": _empty, "add_special_tokens": _empty, "documents": _empty,
+}
+
+
+def refuse_unsupported(req, fields: dict[str, Harmless]) -> None:
+    """400 for the first field in `fields` that the request sets to a value that
+    would change its output."""
+    for name, value in (req.model_extra or {}).items():
+        harmless = fields.get(name)
+        if harmless is not None and not harmless(value, req):
+            raise APIError(400, f"`{name}` is not supported by this server yet, and "
+                           "without it the response would not be what the request asks "
+                           "for; leave it out", name, "unsupported_parameter")
