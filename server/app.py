@@ -17,6 +17,8 @@ from server.errors import APIError, error_response, install_error_handlers
 from server.limits import RequestLimits
 from server.ops import install_ops
 from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.tokenization import Tokenization
+from server.validation import check_model
 
 log = logging.getLogger("kvserve.server")
 
@@ -34,12 +36,15 @@ def build_app(engine: EngineClient, model_names: list[str], model_root: str = ""
     need a key too (with `api_keys`); `request_timeout` (seconds, 0: none) aborts a
     generation that runs longer (its choices end with finish reason "abort")."""
 
+    tokenization = Tokenization(engine.tokenizer, engine.max_model_len)
+
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         engine.start()
         try:
             yield
         finally:
+            tokenization.shutdown()
             engine.shutdown()
 
     app = FastAPI(title="kvserve", version=VERSION, lifespan=lifespan)
@@ -47,26 +52,34 @@ def build_app(engine: EngineClient, model_names: list[str], model_root: str = ""
     install_ops(app, engine, model_names, VERSION, api_keys=api_keys,
                 max_waiting_requests=max_waiting_requests,
                 max_waiting_tokens=max_waiting_tokens, max_body_bytes=limits.max_body_bytes,
-                protect_metrics=protect_metrics)
-    completions = CompletionService(engine, model_names, limits, request_timeout)
+                protect_metrics=protect_metrics, tokenization=tokenization)
+    completions = CompletionService(engine, model_names, tokenization, limits,
+                                    request_timeout)
     created = int(time.time())
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, request: Request):
         return await _cancel_on_disconnect(request, completions.create(req))
 
-    chat = ChatService(engine, model_names, limits, request_timeout)
+    chat = ChatService(engine, model_names, tokenization, limits, request_timeout)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, request: Request):
         return await _cancel_on_disconnect(request, chat.create(req))
 
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "kvserve",
+                "root": model_root or name, "parent": None,
+                "max_model_len": engine.max_model_len}
+
     @app.get("/v1/models")
     async def list_models():
-        data = [{"id": name, "object": "model", "created": created, "owned_by": "kvserve",
-                 "root": model_root or name, "parent": None,
-                 "max_model_len": engine.max_model_len} for name in model_names]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [model_card(name) for name in model_names]}
+
+    # `:path`: served names often hold a slash ("meta-llama/Llama-3.2-1B")
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str):
+        return model_card(check_model(model, model_names))
 
     return app
 
