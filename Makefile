@@ -1,36 +1,50 @@
 # One command to serve, one to test; both build their own virtual environment.
 # torch is installed first and alone: TORCH=torch==2.13.0 is the CPU build here; on a
-# GPU host pass the CUDA build, e.g.
-#   make serve TORCH="torch --index-url https://download.pytorch.org/whl/cu128"
+# GPU host pass the CUDA build and the gpu extra, e.g.
+#   make serve TORCH="torch --index-url https://download.pytorch.org/whl/cu128" EXTRAS=gpu
+# `make serve` installs what serving needs; `make test` adds the test extra.
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
-EXTRAS ?= test
+EXTRAS ?=
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.kvserve-installed
+TORCH_STAMP := $(VENV)/.torch-installed
+SERVE_STAMP := $(VENV)/.kvserve-installed
+TEST_STAMP := $(VENV)/.kvserve-test-installed
+comma := ,
+serve_extras := $(if $(EXTRAS),[$(EXTRAS)])
+test_extras := [test$(if $(EXTRAS),$(comma)$(EXTRAS))]
 
-.PHONY: install serve test test-fast clean
+.PHONY: install install-test serve test test-fast clean
 
-install: $(STAMP)
+install: $(SERVE_STAMP)
+install-test: $(TEST_STAMP)
 
-$(STAMP): pyproject.toml
+$(TORCH_STAMP):
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install $(TORCH)
-	$(BIN)/pip install -e '.[$(EXTRAS)]'
+	touch $@
+
+$(SERVE_STAMP): pyproject.toml $(TORCH_STAMP)
+	$(BIN)/pip install -e '.$(serve_extras)'
+	touch $@
+
+$(TEST_STAMP): pyproject.toml $(TORCH_STAMP)
+	$(BIN)/pip install -e '.$(test_extras)'
 	touch $@
 
 # Serves the embedded default model (SmolLM2-135M-Instruct) on http://127.0.0.1:8000.
 # Flags: make serve ARGS="--port 9000 --dtype bfloat16"
-serve: $(STAMP)
+serve: $(SERVE_STAMP)
 	$(BIN)/kvserve serve $(ARGS)
 
 # The whole suite (CI runs exactly this).
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)
 
 # Without the tests that load the default model.
-test-fast: $(STAMP)
+test-fast: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
 
 clean:
