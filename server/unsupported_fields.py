@@ -49,9 +49,9 @@ COMPLETION_FIELDS: dict[str, Harmless] = {
     **_SHARED, "best_of": _best_of_n, "suffix": _empty,
 }
 CHAT_FIELDS: dict[str, Harmless] = {
-    **_SHARED,
     "tools": _empty, "tool_choice": _no_tool_forced,
     "functions": _empty, "function_call": _no_tool_forced,  # OpenAI's older spelling
+    **_SHARED,
     "modalities": _text_only, "audio": _empty, "web_search_options": _empty,
     # vLLM's chat extras: the prompt echoed back, BOS added twice, RAG documents
     "echo": _empty, "add_special_tokens": _empty, "documents": _empty,
@@ -59,11 +59,14 @@ CHAT_FIELDS: dict[str, Harmless] = {
 
 
 def refuse_unsupported(req, fields: dict[str, Harmless]) -> None:
-    """400 for the first field in `fields` that the request sets to a value that
-    would change its output."""
-    for name, value in (req.model_extra or {}).items():
-        harmless = fields.get(name)
-        if harmless is not None and not harmless(value, req):
+    """400 for the first field in `fields` (in their order: `tools` before the
+    `tool_choice` that comes with it) that the request sets to a value that would
+    change its output."""
+    extra = req.model_extra
+    if not extra:  # what nearly every request costs
+        return
+    for name, harmless in fields.items():
+        if name in extra and not harmless(extra[name], req):
             raise APIError(400, f"`{name}` is not supported by this server yet, and "
                            "without it the response would not be what the request asks "
                            "for; leave it out", name, "unsupported_parameter")
