@@ -3,8 +3,11 @@ LiteLLM (`openai/` and `hosted_vllm/`) and LangChain's ChatOpenAI, whichever of 
 the running Python has. None of them is a dependency of kvserve: install them in a
 separate virtual environment, e.g.
 
-    python -m venv /tmp/clients && /tmp/clients/bin/pip install openai litellm langchain-openai
+    python -m venv /tmp/clients
+    /tmp/clients/bin/pip install openai litellm mcp langchain-openai
     /tmp/clients/bin/python bench/client_compat.py http://127.0.0.1:8000
+
+(LiteLLM imports `mcp` as soon as a request carries `tools`.)
 
 Prints one line per check, `ok` or `FAIL` with what happened, and exits non-zero if
 any failed. A refused feature (tools, structured outputs) counts as ok when the
