@@ -112,6 +112,8 @@ def _error_codes(path: str, method: str, keys: bool, protect_metrics: bool,
     codes = []
     if method == "POST":  # every POST reads a JSON body naming a model
         codes += [400, 404] + [413] * body_limit
+    if "{model}" in path:  # a model named in the path
+        codes.append(404)
     if keys and guarded(path, protect_metrics):
         codes.append(401)
     if path in GENERATION_PATHS:
