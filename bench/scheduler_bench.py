@@ -35,7 +35,8 @@ from bench.provenance import provenance  # noqa: E402
 from kvcache import KVCacheManager  # noqa: E402
 from scheduler.request import Request  # noqa: E402
 from scheduler.sampling_params import SamplingParams  # noqa: E402
-from scheduler.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from scheduler.config import SchedulerConfig
+from scheduler.scheduler import Scheduler  # noqa: E402
 
 VOCAB = 32000
 KV_METHODS = ("allocate_slots", "block_table", "take_copies", "free", "lookup_prefix", "fork")

@@ -74,7 +74,7 @@ def measure(args, overlapped: bool) -> dict:
     engine.step()
     assert len(engine.scheduler.running) == args.running
     kv_methods = ("allocate_slots", "block_table", "take_copies", "free", "lookup_prefix")
-    with MethodTimer(engine.kv, kv_methods) as pool, \
+    with MethodTimer(engine.scheduler.kv, kv_methods) as pool, \
             MethodTimer(engine.scheduler, ("schedule", "update")) as sched, \
             MethodTimer(engine.runner, ("finish",)) as wait, \
             MethodTimer(engine.runner, ("prepare",)) as prepare:

@@ -17,11 +17,11 @@ from engine.request_checks import check_request
 from engine.sampling import StepResult
 from engine.spec_decode.drafters import DraftModelDrafter, EarlyExitDrafter
 from engine.spec_decode.speculator import Speculator
-from kvcache import KVCacheManager
 from scheduler.output import SchedulerOutput
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
-from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.config import KVCacheConfig, SchedulerConfig
+from scheduler.scheduler import Scheduler
 
 log = logging.getLogger("kvserve.engine")
 
@@ -64,15 +64,17 @@ class Engine:
         num_blocks = self._num_kv_blocks(model)
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.device, self.dtype,
                                   config.attention_backend)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                 model_key=str(config.model))
         # A request longer than the whole cache could never run.
         self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)
-        self.scheduler = Scheduler(SchedulerConfig(
-            config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-            config.scheduling_policy, config.long_prefill_token_threshold), self.kv)
+        self.scheduler = Scheduler.with_kv_cache(SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len, policy=config.scheduling_policy,
+            long_prefill_token_threshold=config.long_prefill_token_threshold),
+            KVCacheConfig(num_blocks, config.block_size, config.enable_prefix_caching,
+                          model_key=str(config.model)))
         self.stats = EngineStats()
-        self.speculator = self._make_speculator(model)
+        self.speculator = self._make_speculator(model, num_blocks)
         self._inflight: InFlight | None = None  # async scheduling's running step
         if config.async_scheduling and self.device.type != "cuda":
             log.warning("async scheduling on %s overlaps nothing (the forward pass runs "
@@ -83,7 +85,7 @@ class Engine:
                  num_blocks * config.block_size / self.max_model_len, self.max_model_len)
         self._capture_decode_graphs()
 
-    def _make_speculator(self, model) -> Speculator | None:
+    def _make_speculator(self, model, num_blocks: int) -> Speculator | None:
         spec = self.config.speculative
         if spec is None:
             return None
@@ -92,19 +94,19 @@ class Engine:
                                                    self.config.block_size, self.device,
                                                    spec.draft_layers)
         elif spec.method == "draft":
-            self.runner.drafter = self._draft_model_drafter(spec.model)
+            self.runner.drafter = self._draft_model_drafter(spec.model, num_blocks)
         log.info("speculative decoding: %s, %d tokens, off above %s running", spec.method,
                  spec.num_tokens, spec.disable_batch_size or "no limit")
         return Speculator(spec)
 
-    def _draft_model_drafter(self, path: str) -> DraftModelDrafter:
+    def _draft_model_drafter(self, path: str, num_blocks: int) -> DraftModelDrafter:
         cfg = ModelConfig.from_pretrained(path)
         if cfg.vocab_size != self.model_config.vocab_size:
             raise ModelLoadError(f"the draft model's vocabulary ({cfg.vocab_size} tokens) "
                                  f"is not the model's ({self.model_config.vocab_size})")
         draft = load_model(path, cfg, self.dtype, self.device, self.max_model_len,
                            self.config.load_format, self.config.seed + 1)
-        return DraftModelDrafter(draft, self.kv.num_blocks, self.runner.attn_backend,
+        return DraftModelDrafter(draft, num_blocks, self.runner.attn_backend,
                                  self.config.block_size, self.device, self.dtype)
 
     def _capture_decode_graphs(self) -> None:
@@ -181,7 +183,8 @@ class Engine:
             launched = InFlight(out, self.runner.launch(
                 out, previous.launched if previous is not None else None))
             if launched.launched.failed:
-                self._withdraw_unwritten(launched)
+                # Before anyone can hit the blocks its failed requests never wrote.
+                self.scheduler.withdraw_unwritten(out, launched.launched.failed)
         if previous is not None:
             outputs += self._complete(previous)
         if launched is not None and not self.config.async_scheduling:
@@ -189,29 +192,6 @@ class Engine:
             launched = None
         self._inflight = launched
         return outputs
-
-    def _withdraw_unwritten(self, step: InFlight) -> None:
-        """Requests left out of a launched step at preparation wrote no KV in it, yet
-        its blocks were offered for sharing when the step was scheduled. They leave
-        the prefix cache now, before the next schedule could hit them. A request of
-        the step that already hit one (a prefix shared within the step) read KV that
-        nobody wrote: it fails too, and so, in turn, does anyone sharing its blocks."""
-        failed, bs = step.launched.failed, self.config.block_size
-        unwritten: set[int] = set()
-        changed = True
-        while changed:  # until no one new reads what a failed request was to write
-            changed = False
-            for s in step.out.scheduled:
-                rid, first = s.request.request_id, s.start // bs
-                if rid not in failed and unwritten.isdisjoint(s.block_table[:first]):
-                    continue
-                failed.setdefault(rid, "its cached prompt prefix came from a request "
-                                       "whose step failed")
-                own = s.block_table[first:]  # the blocks this step was to write
-                if not unwritten.issuperset(own):
-                    unwritten.update(own)
-                    self.kv.uncache(rid, s.start)
-                    changed = True
 
     @staticmethod
     def _can_overlap(out: SchedulerOutput) -> bool:
@@ -239,7 +219,7 @@ class Engine:
         result = self.runner.finish(step.launched)
         self._count(out, result.tokens)
         # Before update: it then skips the failed requests as finished.
-        failed = [o for rid, why in result.failed.items() for o in self._fail(rid, why, out)]
+        failed = self._fail(out, result.failed)
         changed = self.scheduler.update(out, result.tokens)
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
@@ -249,20 +229,15 @@ class Engine:
         self.stats.generated_tokens += sum(len(o.new_token_ids) for o in outputs)
         return failed + outputs
 
-    def _fail(self, request_id: str, why: str, out: SchedulerOutput) -> list[RequestOutput]:
-        """Ends a request the step failed for, with its siblings still to fork:
-        finish reason "error", `why` kept for the front end, blocks freed."""
-        req = self.scheduler.requests.get(request_id)
-        if req is None:
-            return []
-        log.error("request %s failed: %s", request_id, why)
-        # The step's new blocks hold KV never confirmed good (none at all if its
-        # batch was never prepared): they leave the prefix cache, as a preempted
-        # request's do; the scheduler's abort then finds nothing left to free.
-        start = next(s.start for s in out.scheduled if s.request is req)
-        self.kv.free(request_id, start)
+    def _fail(self, out: SchedulerOutput, failed: dict[str, str]) -> list[RequestOutput]:
+        """Ends the requests the step failed for: finish reason "error", the reason
+        kept for the front end."""
+        ended = self.scheduler.fail_requests(out, failed)
+        for req, why in ended:
+            if req.request_id in failed:  # not its siblings still to fork
+                log.error("request %s failed: %s", req.request_id, why)
         return [replace(self._output(r, []), finish_reason="error", error=why)
-                for r in self.scheduler.abort(request_id, "error")]
+                for r, why in ended]
 
     def _count(self, out, tokens: dict[str, int | list[int]]) -> None:
         self.stats.steps += 1

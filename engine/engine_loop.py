@@ -52,7 +52,7 @@ class EngineLoop:
                  report: Callable[[StepReport], None]):
         self.engine, self.commands, self.report = engine, commands, report
         self.stopped = False
-        self._counters = self._engine_counters()
+        self._last = engine.scheduler.stats()  # counters are reported as differences
         spec = engine.speculator
         self._spec = spec.stats.copy() if spec is not None else None
 
@@ -77,22 +77,17 @@ class EngineLoop:
         rep.prompt_tokens_computed = stats.prompt_tokens_computed - computed
         rep.step_tokens = rep.prompt_tokens_computed + stats.generated_tokens - sampled
 
-    def _engine_counters(self) -> tuple[int, int, int]:
-        kv_stats = self.engine.kv.stats
-        return (kv_stats.prefix_queries, kv_stats.prefix_hits,
-                self.engine.scheduler.num_preemptions)
-
     def _snapshot(self, rep: StepReport) -> None:
         """Queue lengths and KV usage as they are now; counters since the last report."""
-        engine = self.engine
-        rep.waiting, rep.running = len(engine.scheduler.waiting), len(engine.scheduler.running)
-        rep.kv_usage = engine.kv.usage
-        now = self._engine_counters()
-        rep.prefix_queries, rep.prefix_hits, rep.preemptions = (
-            a - b for a, b in zip(now, self._counters))
-        self._counters = now
+        stats = self.engine.scheduler.stats()
+        rep.waiting, rep.running, rep.kv_usage = (stats.num_waiting, stats.num_running,
+                                                  stats.kv_usage)
+        rep.prefix_queries = stats.prefix_queries - self._last.prefix_queries
+        rep.prefix_hits = stats.prefix_hits - self._last.prefix_hits
+        rep.preemptions = stats.num_preemptions - self._last.num_preemptions
+        self._last = stats
         if self._spec is not None:
-            spec = engine.speculator.stats
+            spec = self.engine.speculator.stats
             rep.spec, self._spec = spec.since(self._spec), spec.copy()
 
     def _handle(self, kind: str, arg, rep: StepReport) -> None:

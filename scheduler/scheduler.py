@@ -17,25 +17,24 @@ simply the next one it computes (the runner feeds it on the device)."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 from kvcache import KVCacheManager
+from scheduler.config import KVCacheConfig, SchedulerConfig
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import Request, RequestStatus
+from scheduler.stats import SchedulerStats
 from scheduler.waiting_queue import make_waiting_queue
 
 
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int = 2048
-    policy: str = "fcfs"  # fcfs | priority
-    # Most tokens one request may compute in a step (0: no cap beyond the budget).
-    long_prefill_token_threshold: int = 0
-
-
 class Scheduler:
+    """Owns the waiting and running queues and the KV cache manager; the engine
+    drives it by schedule / update / abort / fail_requests and reads stats()."""
+
+    @classmethod
+    def with_kv_cache(cls, config: SchedulerConfig, cache: KVCacheConfig) -> Scheduler:
+        return cls(config, KVCacheManager(cache.num_blocks, cache.block_size,
+                                          cache.enable_prefix_caching, cache.model_key))
+
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
         if config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
             raise ValueError("token budget and max_num_seqs must be positive")
@@ -73,6 +72,52 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def stats(self) -> SchedulerStats:
+        kv = self.kv
+        return SchedulerStats(len(self.waiting), len(self.running), kv.num_blocks,
+                              kv.num_free_blocks, kv.usage, kv.stats.prefix_queries,
+                              kv.stats.prefix_hits, self.num_preemptions)
+
+    # -- a step that failed on the device side ----------------------------------
+    def withdraw_unwritten(self, out: SchedulerOutput, failed: dict[str, str]) -> None:
+        """Requests of `out` left out at preparation (`failed`: request id -> why)
+        wrote no KV, yet their blocks were offered for sharing when `out` was
+        scheduled: they leave the prefix cache now, before the next schedule could hit
+        them. A request of the step that already hit one (a prefix shared within the
+        step) read KV nobody wrote: it is added to `failed`, and so, in turn, is
+        anyone sharing its blocks."""
+        bs = self.kv.block_size
+        unwritten: set[int] = set()
+        changed = True
+        while changed:  # until no one new reads what a failed request was to write
+            changed = False
+            for s in out.scheduled:
+                rid, first = s.request.request_id, s.start // bs
+                if rid not in failed and unwritten.isdisjoint(s.block_table[:first]):
+                    continue
+                failed.setdefault(rid, "its cached prompt prefix came from a request "
+                                       "whose step failed")
+                own = s.block_table[first:]  # the blocks this step was to write
+                if not unwritten.issuperset(own):
+                    unwritten.update(own)
+                    self.kv.uncache(rid, s.start)
+                    changed = True
+
+    def fail_requests(self, out: SchedulerOutput, failed: dict[str, str]
+                      ) -> list[tuple[Request, str]]:
+        """Ends the requests of `out` the step failed for (request id -> why), with
+        their siblings still to fork: finish reason "error". Returns each request
+        ended with its reason. The step's new blocks hold KV never confirmed good
+        (none at all if its batch was never prepared): they leave the prefix cache,
+        as a preempted request's do, before the rest is freed."""
+        starts = {s.request.request_id: s.start for s in out.scheduled}
+        ended = []
+        for rid, why in failed.items():
+            if rid in self.requests:
+                self.kv.free(rid, starts[rid])
+                ended += [(r, why) for r in self.abort(rid, "error")]
+        return ended
 
     # -- one step -------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

@@ -57,3 +57,31 @@ def test_layers_import_kvbench_only_lazily(package):
     `kvserve serve` never loads it."""
     for path in (ROOT / package).rglob("*.py"):
         assert "kvbench" not in module_level_imports(path), path
+
+
+# The scheduler alone owns the KV cache manager and its queues (as in vLLM v1): above
+# it, the engine and the server call its verbs and read stats(). `running` is read
+# by the speculator, which proposes drafts for the running requests.
+SCHEDULER_VERBS = {"add_request", "abort", "has_unfinished", "schedule", "update",
+                   "stats", "fail_requests", "withdraw_unwritten", "with_kv_cache",
+                   "running"}
+
+
+def _scheduler_uses(tree) -> set[str]:
+    """Attributes read off anything called `scheduler`."""
+    def named_scheduler(node) -> bool:
+        return (isinstance(node, ast.Name) and node.id == "scheduler"
+                or isinstance(node, ast.Attribute) and node.attr == "scheduler")
+    return {node.attr for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and named_scheduler(node.value)}
+
+
+@pytest.mark.parametrize("package", ["server", "engine"])
+def test_only_the_scheduler_touches_the_kv_cache_and_its_queues(package):
+    for path in (ROOT / package).rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        assert "kvcache" not in imported_top_levels(path), path
+        assert not any(isinstance(node, ast.Attribute) and node.attr == "kv"
+                       for node in ast.walk(tree)), path
+        assert _scheduler_uses(tree) <= SCHEDULER_VERBS, (
+            path, _scheduler_uses(tree) - SCHEDULER_VERBS)

@@ -74,7 +74,7 @@ def run(args, engine_config: EngineConfig, command: str | None = None) -> dict:
                          "max_num_seqs": c.max_num_seqs,
                          "max_num_batched_tokens": c.max_num_batched_tokens,
                          "block_size": c.block_size,
-                         "num_kv_blocks": engine.kv.num_blocks,
+                         "num_kv_blocks": engine.scheduler.stats().num_blocks,
                          "enable_prefix_caching": c.enable_prefix_caching,
                          "attention_backend": engine.runner.attn_backend.name,
                          "cuda_graphs": engine.device.type == "cuda"

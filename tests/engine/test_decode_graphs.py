@@ -40,7 +40,7 @@ def test_padded_decode_matches_eager(tiny_engine_factory, arch):
                              ignore_eos=True, logprobs=2) for i in range(5)]
     assert _run(padded, prompts[:5], seeded) == _run(eager, prompts[:5], seeded)
     assert calls and any(n not in (1, 2, 4, 8, 16) for n in calls)  # padding happened
-    assert padded.kv.num_free_blocks == padded.kv.num_blocks
+    assert padded.scheduler.kv.num_free_blocks == padded.scheduler.kv.num_blocks
 
 
 def test_padding_rows_write_nothing(tiny_engine_factory):

@@ -32,7 +32,7 @@ def test_requests_join_and_leave_between_steps(tiny_engine_factory):
     while engine.has_unfinished_requests():
         seen.update(o.request_id for o in engine.step())
     assert seen == {"a", "b"}
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
 
 
 def test_tiny_kv_cache_preempts_and_still_matches(tiny_engine_factory):
@@ -42,7 +42,7 @@ def test_tiny_kv_cache_preempts_and_still_matches(tiny_engine_factory):
     tight = tiny_engine_factory(num_kv_blocks=24)  # 384 tokens for 12 requests of ~110
     assert tight.generate(prompts, params) == roomy
     assert tight.scheduler.num_preemptions > 0
-    assert tight.kv.num_free_blocks == tight.kv.num_blocks
+    assert tight.scheduler.kv.num_free_blocks == tight.scheduler.kv.num_blocks
 
 
 @pytest.mark.parametrize("steps_before_abort", [0, 1, 6])
@@ -56,7 +56,7 @@ def test_abort_frees_every_block(tiny_engine_factory, steps_before_abort):
     assert out.finished and out.finish_reason == "abort"
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
     assert engine.abort_request("victim") == []  # unknown now: a no-op
 
 

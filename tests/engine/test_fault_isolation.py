@@ -54,7 +54,7 @@ def others() -> dict:
 
 def assert_idle(engine: Engine) -> None:
     assert not engine.has_unfinished_requests()
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks  # KV usage back to zero
+    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks  # KV usage back to zero
     assert not engine.runner.sampler._generators and not len(engine.runner.sampler.prompt)
 
 

@@ -21,7 +21,7 @@ def test_budget_is_what_utilization_leaves():
 def test_profile_step_runs(tiny_engine_factory):
     engine = tiny_engine_factory("llama", max_num_batched_tokens=64)
     engine.runner.profile_step(64, 8)  # a 64-token prompt, 8 sampling rows: no error
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
 
 
 def test_cpu_default_is_one_gib(tiny_model_dir):
@@ -31,7 +31,7 @@ def test_cpu_default_is_one_gib(tiny_model_dir):
 
     engine = Engine(EngineConfig(model=str(tiny_model_dir("llama")), device="cpu"))
     per_block = ModelRunner.kv_bytes_per_block(engine.model_config, 16, engine.dtype)
-    assert engine.kv.num_blocks == DEFAULT_CPU_KV_BYTES // per_block
+    assert engine.scheduler.kv.num_blocks == DEFAULT_CPU_KV_BYTES // per_block
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="measures GPU memory")
@@ -44,4 +44,4 @@ def test_cuda_cache_fills_the_utilization(tiny_model_dir):
     total = torch.cuda.mem_get_info()[1]
     used = torch.cuda.memory_allocated()
     assert 0.03 * total < used <= 0.05 * total
-    assert engine.kv.num_blocks > 1000
+    assert engine.scheduler.kv.num_blocks > 1000

@@ -21,13 +21,13 @@ def first_step_logits(engine: Engine, prompt: list[int]) -> torch.Tensor:
     from scheduler.request import Request
 
     req = Request("logits-probe", prompt, SamplingParams(max_tokens=1, temperature=0.0))
-    assert engine.kv.allocate_slots(req.request_id, prompt, 0, len(prompt))
+    assert engine.scheduler.kv.allocate_slots(req.request_id, prompt, 0, len(prompt))
     try:
-        item = ScheduledRequest(req, len(prompt), engine.kv.block_table(req.request_id))
+        item = ScheduledRequest(req, len(prompt), engine.scheduler.kv.block_table(req.request_id))
         with torch.inference_mode():
             return engine.runner.forward_logits(engine.runner.prepare([item]))[0]
     finally:
-        engine.kv.free(req.request_id)
+        engine.scheduler.kv.free(req.request_id)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -38,7 +38,7 @@ def test_tiny_model_greedy_matches_transformers(arch, tiny_engine_factory, tiny_
     ours = engine.generate(prompts, GREEDY_64)  # all 16 at once: mixed batches
     for prompt, got in zip(prompts, ours):
         assert got == reference_greedy(ref, prompt, 64), f"prompt of {len(prompt)} tokens"
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
 
 
 @pytest.mark.parametrize("arch", ARCHS)

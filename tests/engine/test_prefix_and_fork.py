@@ -23,7 +23,7 @@ def test_shared_prefix_computes_only_the_tail(tiny_engine_factory):
     out_second = cached.generate([second], greedy(32))[0]  # its owner has finished
     second_computed = cached.stats.prompt_tokens_computed - computed_before
     assert second_computed == len(tails[1])  # 256 = 16 full blocks hit
-    assert cached.kv.stats.prefix_hits == 256
+    assert cached.scheduler.kv.stats.prefix_hits == 256
 
     plain = tiny_engine_factory(enable_prefix_caching=False)
     assert plain.generate([first], greedy(32))[0] == out_first
@@ -43,13 +43,13 @@ def test_prefix_hit_keeps_the_last_prompt_token_computed(tiny_engine_factory):
 
 def test_n4_stores_the_prompt_once_and_cow_keeps_sequences_apart(tiny_engine_factory):
     engine = tiny_engine_factory()
-    bs = engine.kv.block_size
+    bs = engine.scheduler.kv.block_size
     prompt = varied_prompts(400, 1, seed=23, lengths=(100,))[0]  # last block partial
     params = SamplingParams(max_tokens=24, temperature=1.0, seed=5, n=4, ignore_eos=True)
     engine.add_request("group", prompt, params)
     engine.step()  # prompt computed once, then forked
     prompt_blocks = math.ceil(len(prompt) / bs)
-    assert engine.kv.num_blocks - engine.kv.num_free_blocks == prompt_blocks
+    assert engine.scheduler.kv.num_blocks - engine.scheduler.kv.num_free_blocks == prompt_blocks
     assert len(engine.scheduler.running) == 4
     # The next step: all four write position 100 into the shared partial block.
     schedule, planned = engine.scheduler.schedule, []
@@ -57,13 +57,13 @@ def test_n4_stores_the_prompt_once_and_cow_keeps_sequences_apart(tiny_engine_fac
     engine.step()
     engine.scheduler.schedule = schedule
     assert len(planned[0].block_copies) == 3  # 3 of the 4 writers get a private copy
-    assert engine.kv.num_blocks - engine.kv.num_free_blocks == prompt_blocks + 3
+    assert engine.scheduler.kv.num_blocks - engine.scheduler.kv.num_free_blocks == prompt_blocks + 3
 
     outputs: dict[int, list[int]] = {}
     while engine.has_unfinished_requests():
         for o in engine.step():
             outputs.setdefault(o.index, []).extend(o.new_token_ids)
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
     # Each sequence (tokens 3.. of it, the first two were taken above) equals the
     # same seeded request run alone: no sequence saw another's keys and values.
     fresh = tiny_engine_factory()
@@ -82,4 +82,4 @@ def test_abort_before_fork_ends_all_siblings(tiny_engine_factory):
     assert sorted(o.index for o in outs) == [0, 1, 2]
     assert all(o.finish_reason == "abort" for o in outs)
     assert not engine.has_unfinished_requests()
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks

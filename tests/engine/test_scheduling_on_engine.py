@@ -50,7 +50,7 @@ def test_tiny_kv_cache_preempts_32_requests_and_outputs_match(tiny_engine_factor
     tight = tiny_engine_factory(num_kv_blocks=40, max_num_seqs=32)  # 640 token slots
     together = tight.generate(prompts, params)
     assert tight.scheduler.num_preemptions > 0
-    assert tight.kv.num_free_blocks == tight.kv.num_blocks
+    assert tight.scheduler.kv.num_free_blocks == tight.scheduler.kv.num_blocks
     roomy = tiny_engine_factory()
     for p, sp, got in zip(prompts, params, together):
         assert got == roomy.generate([p], sp)[0]

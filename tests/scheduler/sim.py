@@ -33,7 +33,8 @@ from kvcache import KVCacheManager
 from scheduler.output import SchedulerOutput
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
-from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.config import SchedulerConfig
+from scheduler.scheduler import Scheduler
 from tests.kvcache.kvcache_sim import check_pool_invariants
 
 ABORT_KINDS = ("waiting", "preempted", "prefill", "decode", "mid_step", "forking_parent",

@@ -10,7 +10,8 @@ from kvcache import KVCacheManager
 from scheduler.output import SchedulerOutput
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
-from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.config import SchedulerConfig
+from scheduler.scheduler import Scheduler
 from scheduler.waiting_queue import FCFSQueue, PriorityQueue, make_waiting_queue
 from tests.kvcache.kvcache_sim import check_pool_invariants
 from tests.scheduler.sim import expected_tokens, sample_for

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from kvcache.manager import KVCacheManager
-from scheduler.scheduler import SchedulerConfig
+from scheduler.config import SchedulerConfig
 from tests.scheduler.sim import (ABORT_KINDS, SimResult, Simulation, Spec, blocks_alone,
                                  expected_tokens, make_workload, spec_len)
 

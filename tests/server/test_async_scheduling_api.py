@@ -43,7 +43,7 @@ def test_same_text_as_the_synchronous_engine(tiny_engine_factory):
     with engine_http_client(engine, "tiny") as http:
         assert texts(http) == want
         assert texts(http) == want  # and again, on a warm prefix cache
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
 
 
 def test_serve_flag_turns_it_on():

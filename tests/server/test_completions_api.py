@@ -675,7 +675,7 @@ def test_client_disconnect_mid_stream_aborts_the_request(srv):
                     break
     # the connection is closed now, long before max_tokens
     assert wait_idle(srv.engine, timeout=5.0), "the aborted request is still running"
-    assert srv.engine.kv.num_free_blocks == srv.engine.kv.num_blocks
+    assert srv.engine.scheduler.kv.num_free_blocks == srv.engine.scheduler.kv.num_blocks
     assert not srv.engine.has_unfinished_requests()
     assert srv.engine.stats.generated_tokens - generated_before < max_tokens
     # and the server still serves, streaming or not

@@ -85,4 +85,4 @@ def test_fifty_disconnects_free_their_blocks_within_a_second(served):
 
 
 def _holds(engine, rid: str) -> bool:
-    return rid in engine.scheduler.requests or bool(engine.kv.block_table(rid))
+    return rid in engine.scheduler.requests or bool(engine.scheduler.kv.block_table(rid))

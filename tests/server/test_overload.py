@@ -89,7 +89,7 @@ def test_five_hundred_at_once_against_a_queue_of_fifty(served):
     # Nothing left behind: blocks, scheduler, reservations, in-flight count.
     assert wait_idle(engine)
     assert not engine.scheduler.waiting and not engine.scheduler.running
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
     deadline = time.monotonic() + 5
     while app.state.admission.in_flight and time.monotonic() < deadline:
         time.sleep(0.01)

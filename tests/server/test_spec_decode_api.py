@@ -53,7 +53,7 @@ def test_same_text_opt_out_and_metrics(tiny_engine_factory):
     per_pos = re.findall(r'^kvserve:spec_decode_num_accepted_tokens_per_pos_total'
                          r'\{[^}]*position="(\d+)"\} (\S+)$', text, re.M)
     assert sum(float(v) for _, v in per_pos) == s.num_accepted_tokens
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
 
 
 def test_serve_flags_build_the_speculative_config():

@@ -80,7 +80,7 @@ class Idle:
         self.ok = ok
         sched = engine.scheduler
         self.state = (f"unfinished={engine.has_unfinished_requests()} "
-                      f"free={engine.kv.num_free_blocks}/{engine.kv.num_blocks} "
+                      f"free={engine.scheduler.kv.num_free_blocks}/{engine.scheduler.kv.num_blocks} "
                       f"waiting={[r.request_id for r in sched.waiting]} "
                       f"running={[r.request_id for r in sched.running]}")
 
@@ -95,7 +95,7 @@ def wait_idle(engine, timeout: float = 5.0) -> Idle:
     deadline = time.monotonic() + timeout
     while True:
         if (not engine.has_unfinished_requests()
-                and engine.kv.num_free_blocks == engine.kv.num_blocks):
+                and engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks):
             return Idle(engine, True)
         if time.monotonic() > deadline:
             return Idle(engine, False)

@@ -51,4 +51,4 @@ def test_default_model_greedy_identical_with_each_proposer(default_model_dir):
         e = engine(spec)
         assert e.generate(prompts, GREEDY) == want, spec.method
         assert e.speculator.stats.num_accepted_tokens > 0, spec.method
-        assert e.kv.num_free_blocks == e.kv.num_blocks
+        assert e.scheduler.kv.num_free_blocks == e.scheduler.kv.num_blocks

@@ -35,7 +35,7 @@ def engine_with(factory, spec: SpeculativeConfig | None, **overrides):
 
 def assert_nothing_left(engine) -> None:
     assert not engine.has_unfinished_requests()
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
 
 
 @pytest.fixture(scope="module")

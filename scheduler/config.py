@@ -1,0 +1,23 @@
+"""What the scheduler is built from: its limits and the KV cache it owns."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+    policy: str = "fcfs"  # fcfs | priority
+    # Most tokens one request may compute in a step (0: no cap beyond the budget).
+    long_prefill_token_threshold: int = 0
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """The KV cache the scheduler builds and alone owns (its KVCacheManager)."""
+    num_blocks: int
+    block_size: int
+    enable_prefix_caching: bool = True
+    model_key: str = ""  # part of every block hash: no hits across models

@@ -1,0 +1,18 @@
+"""What the scheduler tells the engine about its queues and its KV cache: one
+snapshot, so nobody above it reads the cache manager or the queues directly."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    num_waiting: int
+    num_running: int
+    num_blocks: int
+    num_free_blocks: int
+    kv_usage: float  # fraction of the KV cache's blocks in use (0..1)
+    # Running totals since start (never reset): the receiver takes differences.
+    prefix_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_hits: int  # of those, tokens found cached
+    num_preemptions: int
