@@ -24,11 +24,13 @@ class CompletionService(GenerationService):
         if limit and len(prompts) > limit:
             raise APIError(400, f"too many prompts in one request: {len(prompts)} (limit "
                            f"{limit}, --max-prompts-per-request)", "prompt")
-        for p in prompts:
-            if isinstance(p, str):
-                self.tokenization.refuse_if_too_long(p, "prompt")
-        ids = await self.tokenization.run(
-            lambda: [prompt_token_ids(self.engine, p) for p in prompts])
+        texts = [p for p in prompts if isinstance(p, str)]
+        for text in texts:
+            self.tokenization.refuse_if_too_long(text, "prompt")
+        encode = lambda: [prompt_token_ids(self.engine, p) for p in prompts]  # noqa: E731
+        # Token ids need no tokenizer: checking them costs less than parsing them
+        # did, so they do not wait behind someone else's long text.
+        ids = await self.tokenization.run(encode) if texts else encode()
         groups = [self._group(i, p, req, prompt_ids)
                   for i, (p, prompt_ids) in enumerate(zip(prompts, ids))]
         view = _CompletionView(completion_id(), model, req, groups, self.engine.tokenizer)

@@ -1,22 +1,29 @@
 """A lower bound on how many tokens a text becomes, read from the tokenizer's own
 description, so that a prompt which cannot fit the context is refused at the cost
-of len(text), without tokenizing it (5 MB of text take seconds to tokenize).
+of a scan of the text, without tokenizing it (5 MB of text take seconds).
 
 No token covers more characters of the input than its vocabulary string has: a
 byte-level token stands for one byte (a character is one or more), a SentencePiece
-piece writes a space as one '▁', a WordPiece '##' prefix only adds length. So a
-text needs at least len(text) / longest tokens, provided nothing before the model
-deletes input: normalizers and pre-tokenizers that strip, collapse or drop text,
-added tokens that swallow the whitespace around them, or a model that folds a run
-of unknown characters into one token. Where the tokenizer does any of that, or says
-nothing of itself (a slow tokenizer), there is no bound and the text is tokenized."""
+piece writes a space as one '▁', a byte-fallback token '<0xE2>' for one byte. So a
+text needs at least len(text) / longest tokens, provided nothing deletes input.
+What can: normalizers and pre-tokenizers that strip, collapse or drop text; added
+tokens that swallow the whitespace around them; a BPE model that drops a character
+it has no token for (a byte-level vocabulary missing a byte: SmolLM2's drops the
+control character U+0004) or fuses a run of them into one token; the WordPiece,
+Unigram and WordLevel models, whose one unknown token stands for a word of any
+length. Characters a byte-level BPE drops are not counted; where anything else can
+drop input, or the tokenizer says nothing of itself (a slow tokenizer, a custom
+Python component), there is no bound and the text is tokenized."""
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 
-# Unicode normalization can compose up to three code points into one (Hangul
-# jamo L+V+T -> one syllable); nothing else these normalizers do shortens text.
+from tokenizers.pre_tokenizers import ByteLevel
+
+# Unicode normalization can compose up to four code points into one (U+1FAF is an
+# omega and three combining marks); nothing else these normalizers do shortens text.
 _UNICODE_FORMS = {"NFC", "NFD", "NFKC", "NFKD"}
 _LENGTH_KEEPING_NORMALIZERS = {"Lowercase", "Prepend"}
 # Pre-tokenizers that split text without dropping any of it.
@@ -24,33 +31,82 @@ _LOSSLESS_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts"
 _SPLITTERS = {"Split", "Punctuation"}  # lossless unless their behaviour is "Removed"
 
 
-def max_chars_per_token(tokenizer) -> int | None:
-    """The most characters of input one token can stand for, or None if unbounded."""
+@dataclass(frozen=True)
+class TokenBound:
+    chars_per_token: int  # the most characters of input one token stands for
+    dropped: str = ""  # characters the tokenizer drops: they make no token
+
+    def min_tokens(self, text: str) -> int:
+        kept = len(text) - sum(map(text.count, self.dropped))
+        return math.ceil(kept / self.chars_per_token)
+
+
+def token_bound(tokenizer) -> TokenBound | None:
+    """How to bound a text's token count from below, or None if it cannot be."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
+    try:
+        spec = json.loads(backend.to_str()) if backend is not None else None
+    except Exception:  # a custom Python component cannot be described
         return None
-    spec = json.loads(backend.to_str())
-    shrink = _normalizer_shrink(spec.get("normalizer"))
-    longest = _longest_token(spec.get("model") or {}, tokenizer)
-    if shrink is None or longest is None or not _keeps_text(spec.get("pre_tokenizer")):
+    if spec is None or not _keeps_text(spec.get("pre_tokenizer")):
         return None
     if any(t.get("lstrip") or t.get("rstrip") for t in spec.get("added_tokens") or ()):
         return None  # such a token takes any run of whitespace beside it
-    return longest * shrink
+    shrink = _normalizer_shrink(spec.get("normalizer"))
+    vocab = tokenizer.get_vocab()
+    dropped = _dropped_characters(spec.get("model") or {}, vocab,
+                                  _has_byte_level(spec.get("pre_tokenizer")))
+    if shrink is None or dropped is None:
+        return None
+    return TokenBound(max(map(len, vocab)) * shrink, dropped)
 
 
-def min_tokens(text: str, chars_per_token: int) -> int:
-    return math.ceil(len(text) / chars_per_token)
+def _dropped_characters(model: dict, vocab: dict[str, int], byte_level: bool) -> str | None:
+    """The characters a BPE model drops for want of a token ("" if none), or None
+    where a character it does not know may vanish or merge with others unbounded."""
+    if model.get("type") != "BPE":
+        return None
+    if model.get("byte_fallback") and all(f"<0x{b:02X}>" in vocab for b in range(256)):
+        return ""  # an unknown character is spelled in bytes
+    if model.get("unk_token") is not None and not model.get("fuse_unk"):
+        return ""  # an unknown character is one unknown token
+    if not byte_level:
+        return None  # an unknown character is dropped, and it could be any
+    missing = {b for b, char in _BYTE_CHARS.items() if char not in vocab}
+    if missing & _CONTINUATION_BYTES:
+        return None  # whole multi-byte characters may vanish
+    # A multi-byte character keeps its continuation bytes; an ASCII one whose byte
+    # is missing makes no token at all.
+    return "".join(chr(b) for b in sorted(missing) if b < 0x80)
 
 
-def _longest_token(model: dict, tokenizer) -> int | None:
-    kind = model.get("type")
-    if kind == "BPE" and not model.get("fuse_unk"):  # an unknown character: one token
-        return max(map(len, tokenizer.get_vocab()))
-    if kind == "WordPiece":  # a word too long to split becomes one unknown token
-        return max(max(map(len, tokenizer.get_vocab())),
-                   model.get("max_input_chars_per_word") or 100)
-    return None  # Unigram and WordLevel fold unknown runs of any length into one
+def _byte_level_chars() -> dict[int, str]:
+    """Byte -> the character ByteLevel writes it as, for the bytes UTF-8 text has
+    (0xC0, 0xC1 and 0xF5-0xFF never occur in it)."""
+    def chars(text: str) -> str:
+        pieces = ByteLevel(add_prefix_space=False, use_regex=False).pre_tokenize_str(text)
+        return "".join(piece for piece, _ in pieces)
+
+    table = {b: chars(chr(b)) for b in range(0x80)}
+    table |= {0x80 + k: chars(chr(0x80 + k))[1] for k in range(64)}  # C2 80+k
+    leads = [chr(x << 6) for x in range(2, 32)] + [chr(0x800)]  # C2..DF, E0
+    leads += [chr(0x1000 * k) for k in range(1, 16)]  # E1..EF
+    leads += [chr(c) for c in (0x10000, 0x40000, 0x80000, 0xC0000, 0x100000)]  # F0..F4
+    for lead in leads:
+        table[lead.encode()[0]] = chars(lead)[0]
+    return table
+
+
+_BYTE_CHARS = _byte_level_chars()
+_CONTINUATION_BYTES = set(range(0x80, 0xC0))
+
+
+def _has_byte_level(pre_tokenizer: dict | None) -> bool:
+    if pre_tokenizer is None:
+        return False
+    if pre_tokenizer.get("type") == "Sequence":
+        return any(map(_has_byte_level, pre_tokenizer.get("pretokenizers") or ()))
+    return pre_tokenizer.get("type") == "ByteLevel"
 
 
 def _normalizer_shrink(spec: dict | None) -> int | None:
@@ -59,7 +115,7 @@ def _normalizer_shrink(spec: dict | None) -> int | None:
         return 1
     kind = spec.get("type")
     if kind in _UNICODE_FORMS:
-        return 3
+        return 4
     if kind in _LENGTH_KEEPING_NORMALIZERS:
         return 1
     if kind == "Replace":

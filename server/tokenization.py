@@ -17,17 +17,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from server.errors import APIError
-from server.prompt_length import max_chars_per_token, min_tokens
+from server.prompt_length import token_bound
 
 T = TypeVar("T")
 
 
 class Tokenization:
     def __init__(self, tokenizer, max_model_len: int):
-        self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.chars_per_token = (max_chars_per_token(tokenizer)
-                                if tokenizer is not None else None)
+        self.bound = token_bound(tokenizer) if tokenizer is not None else None
         self._worker = ThreadPoolExecutor(max_workers=1,
                                           thread_name_prefix="kvserve-tokenizer")
 
@@ -37,16 +35,17 @@ class Tokenization:
         return await asyncio.get_running_loop().run_in_executor(self._worker, call)
 
     def refuse_if_too_long(self, text: str, param: str) -> None:
-        """400 for a text that needs at least the whole context, in O(1): the refusal
-        the engine gives a prompt of max_model_len tokens or more."""
-        if self.chars_per_token is None:
+        """400 for a text that needs at least the whole context, found without
+        tokenizing it: the refusal the engine gives a prompt of max_model_len
+        tokens or more."""
+        if self.bound is None or len(text) < self.max_model_len:
             return
-        least = min_tokens(text, self.chars_per_token)
+        least = self.bound.min_tokens(text)
         if least >= self.max_model_len:
             raise APIError(400, f"the prompt has at least {least} tokens ({len(text)} "
                            f"characters, and no token of this model covers more than "
-                           f"{self.chars_per_token}) but this model's maximum context "
-                           f"length is {self.max_model_len} tokens", param)
+                           f"{self.bound.chars_per_token}) but this model's maximum "
+                           f"context length is {self.max_model_len} tokens", param)
 
     def shutdown(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)

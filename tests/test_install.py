@@ -47,13 +47,14 @@ def test_serving_needs_nothing_from_the_test_extra():
 
 def test_an_editable_install_prints_no_warning(tmp_path):
     """setuptools warned about the license table (deprecated) and the editable
-    finder; the build runs in pip's isolated environment, from the registry. Into a
+    finder (pip shows the build's output with -v, as it did for a user's first
+    `make`); the build runs in pip's isolated environment, from the registry. Into a
     throwaway venv: pip would uninstall the running environment's kvserve even when
     told to install elsewhere (--prefix)."""
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     proc = subprocess.run(
-        [str(venv / "bin" / "python"), "-m", "pip", "install", "--no-deps",
+        [str(venv / "bin" / "python"), "-m", "pip", "install", "-v", "--no-deps",
          "--disable-pip-version-check", "-e", str(ROOT)],
         capture_output=True, text=True, timeout=300)
     output = proc.stdout + proc.stderr
