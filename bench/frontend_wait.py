@@ -37,7 +37,7 @@ from bench.provenance import provenance  # noqa: E402
 from engine.async_engine import AsyncEngine  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
-from engine.engine_loop import StepReport  # noqa: E402
+from engine.messages import StepReport  # noqa: E402
 from engine.process_engine import ProcessEngine  # noqa: E402
 from scheduler.sampling_params import SamplingParams  # noqa: E402
 from server.app import build_app  # noqa: E402

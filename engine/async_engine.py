@@ -11,7 +11,8 @@ import threading
 
 from engine.engine import Engine
 from engine.engine_client import EngineClient
-from engine.engine_loop import Command, EngineLoop
+from engine.engine_loop import EngineLoop
+from engine.messages import EngineCommand, Shutdown
 
 log = logging.getLogger("kvserve.async_engine")
 
@@ -20,7 +21,7 @@ class _QueueSource:
     def __init__(self):
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
 
-    def take(self, block: bool) -> list[Command]:
+    def take(self, block: bool) -> list[EngineCommand]:
         commands = []
         try:
             commands.append(self.queue.get(block=block))
@@ -44,7 +45,7 @@ class AsyncEngine(EngineClient):
         self._thread.start()
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        self._submit(("stop", None))
+        self._submit(Shutdown())
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -52,7 +53,7 @@ class AsyncEngine(EngineClient):
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
-    def _submit(self, command: Command) -> None:
+    def _submit(self, command: EngineCommand) -> None:
         self._commands.queue.put(command)
 
     def _run(self) -> None:

@@ -162,9 +162,11 @@ class Engine:
         check_request(prompt_token_ids, params, self.max_model_len,
                       self.model_config.vocab_size)
 
-    def abort_request(self, request_id: str, reason: str = "abort") -> list[RequestOutput]:
-        """Ends the request and any siblings not yet forked from it; [] if unknown."""
-        return [self._output(req, []) for req in self.scheduler.abort(request_id, reason)]
+    def abort_request(self, request_id: str, index: int | None = None,
+                      reason: str = "abort") -> list[RequestOutput]:
+        """Ends the request's sequences, or only the one at `index`; [] if unknown."""
+        return [self._output(req, [])
+                for req in self.scheduler.abort_request(request_id, index, reason)]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
@@ -266,7 +268,7 @@ class Engine:
                 logprobs.append(result.logprobs[rid])
             prompt_logprobs = result.prompt_logprobs.get(rid)
         return RequestOutput(
-            request_id=rid, index=req.index, new_token_ids=new_tokens,
+            request_id=req.group_id, index=req.index, new_token_ids=new_tokens,
             finished=req.finished,
             finish_reason=req.finish_reason, stop_reason=req.stop_reason,
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
@@ -285,7 +287,7 @@ class Engine:
             self.add_request(f"offline-{tag}-{i}", prompt, p)
         while self.has_unfinished_requests():
             for o in self.step():
-                results[(o.request_id.split("#")[0], o.index)].extend(o.new_token_ids)
+                results[(o.request_id, o.index)].extend(o.new_token_ids)
         return [results[k] for k in keys]
 
 

@@ -15,11 +15,10 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
-from engine.engine_loop import Command, StepReport
+from engine.messages import AbortRequest, AddRequest, EngineCommand, StepReport
 from engine.outputs import RequestOutput
 from engine.request_checks import check_request
 from engine.spec_decode.speculator import SpecDecodeStats
-from scheduler.request import sequence_ids
 from scheduler.sampling_params import SamplingParams
 
 log = logging.getLogger("kvserve.engine_client")
@@ -92,7 +91,7 @@ class EngineClient:
     def is_alive(self) -> bool:
         raise NotImplementedError
 
-    def _submit(self, command: Command) -> None:
+    def _submit(self, command: EngineCommand) -> None:
         raise NotImplementedError
 
     # -- load ----------------------------------------------------------------------
@@ -145,11 +144,11 @@ class EngineClient:
         if not self.is_alive:
             raise EngineDeadError("the engine is not running")
         self.validate(prompt_token_ids, params)  # ValueError before anything is queued
-        ids = sequence_ids(request_id, params.n)
         stream: asyncio.Queue = asyncio.Queue()
-        self._register(ids, stream)
-        self._queue_add((request_id, prompt_token_ids, params, cache_salt, priority))
-        unfinished = set(ids)
+        self._register(request_id, stream)
+        self._queue_add(AddRequest(request_id, prompt_token_ids, params, cache_salt,
+                                   priority))
+        unfinished = set(range(params.n))
         waiting = len(prompt_token_ids)  # counted until the first output
         self.waiting_prompt_tokens += waiting
         try:
@@ -160,49 +159,48 @@ class EngineClient:
                 if isinstance(item, BaseException):
                     raise item
                 if item.finished:
-                    unfinished.discard(item.request_id)
+                    unfinished.discard(item.index)
                 yield item
         finally:
             self.waiting_prompt_tokens -= waiting
-            for rid in unfinished:
-                self.abort(rid)
+            if unfinished:
+                self.abort(request_id)
             with self._lock:
-                for rid in ids:
-                    self._streams.pop(rid, None)
+                self._streams.pop(request_id, None)
 
-    def _register(self, ids: list[str], stream: asyncio.Queue) -> None:
+    def _register(self, request_id: str, stream: asyncio.Queue) -> None:
         loop = asyncio.get_running_loop()
         with self._lock:
-            if any(rid in self._streams for rid in ids):
-                raise ValueError(f"duplicate request id {ids[0]!r}")
-            for rid in ids:
-                self._streams[rid] = (loop, stream)
+            if request_id in self._streams:
+                raise ValueError(f"duplicate request id {request_id!r}")
+            self._streams[request_id] = (loop, stream)
         if self.error is not None:  # died after the first check: _on_dead missed us
             with self._lock:
-                for rid in ids:
-                    self._streams.pop(rid, None)
+                self._streams.pop(request_id, None)
             raise EngineDeadError("the engine is not running")
 
-    def _queue_add(self, args: tuple) -> None:
+    def _queue_add(self, add: AddRequest) -> None:
         with self._lock:  # one step from reserved to queued: never counted twice
             self._queued_adds += 1
             slot = _reservation.get()
             if slot is not None and slot.held:
                 slot.held = False
                 self._reserved -= 1
-        self._submit(("add", args))
+        self._submit(add)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams | None = None
                  ) -> None:
         """Raises ValueError for a request the engine can never run."""
         check_request(prompt_token_ids, params, self.max_model_len, self.vocab_size)
 
-    def abort(self, request_id: str, reason: str = "abort") -> None:
-        """reason "stop": the front end found a stop string (counted as a stop)."""
+    def abort(self, request_id: str, index: int | None = None,
+              reason: str = "abort") -> None:
+        """Ends the request's sequences, or only the one at `index`; reason "stop":
+        the front end found a stop string (counted as a stop)."""
         if self.error is not None:
             return  # nothing runs any more; the request already got EngineDeadError
         try:
-            self._submit(("abort", (request_id, reason)))
+            self._submit(AbortRequest(request_id, index, reason))
         except EngineDeadError:
             # Called from cleanup (a generate() that ends): raising here would hide
             # the engine's death behind this error. The reader reports the death.

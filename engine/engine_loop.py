@@ -6,45 +6,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.engine import Engine
-from engine.outputs import RequestOutput
-from engine.spec_decode.speculator import SpecDecodeStats
-
-# Commands: ("add", (request_id, prompt_ids, params, cache_salt, priority)),
-#           ("abort", (request_id, reason)), ("stop", None).
-Command = tuple[str, object]
+from engine.messages import AbortRequest, AddRequest, EngineCommand, Shutdown, StepReport
 
 
 class CommandSource(Protocol):
-    def take(self, block: bool) -> list[Command]:
+    def take(self, block: bool) -> list[EngineCommand]:
         """Every command waiting; with block, waits for at least one."""
-
-
-@dataclass
-class StepReport:
-    """What one loop iteration did, for the front end. Picklable."""
-    outputs: list[RequestOutput] = field(default_factory=list)
-    rejected: list[tuple[str, str]] = field(default_factory=list)  # (request id, why)
-    added: int = 0  # adds taken off the command queue (accepted or rejected)
-    prompt_tokens: int = 0  # prompt tokens of the accepted adds
-    waiting: int = 0  # the scheduler's queue lengths after the iteration
-    running: int = 0
-    # The step, if one ran: when it started (time.monotonic, comparable across
-    # processes), how long it took, and how many prompt tokens it computed.
-    step_start: float | None = None
-    step_seconds: float = 0.0
-    prompt_tokens_computed: int = 0
-    step_tokens: int = 0  # prompt tokens computed plus tokens sampled in the step
-    # Engine counters since the previous report: deltas, so the receiver only adds
-    # them up and no report is counted twice or lost between steps.
-    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
-    prefix_hits: int = 0  # of those, tokens found cached
-    preemptions: int = 0
-    kv_usage: float = 0.0  # fraction of the KV cache's blocks in use, after it (0..1)
-    spec: SpecDecodeStats | None = None  # speculative decoding's counts (deltas), if on
 
 
 class EngineLoop:
@@ -61,8 +31,8 @@ class EngineLoop:
         engine = self.engine
         while not self.stopped:
             rep = StepReport()
-            for kind, arg in self.commands.take(block=not engine.has_unfinished_requests()):
-                self._handle(kind, arg, rep)
+            for command in self.commands.take(block=not engine.has_unfinished_requests()):
+                self._handle(command, rep)
             if engine.has_unfinished_requests() and not self.stopped:
                 self._step(rep)
             self._snapshot(rep)
@@ -90,17 +60,20 @@ class EngineLoop:
             spec = self.engine.speculator.stats
             rep.spec, self._spec = spec.since(self._spec), spec.copy()
 
-    def _handle(self, kind: str, arg, rep: StepReport) -> None:
-        if kind == "add":
+    def _handle(self, command: EngineCommand, rep: StepReport) -> None:
+        if isinstance(command, AddRequest):
             rep.added += 1
-            request_id, prompt, params, cache_salt, priority = arg
             try:
-                self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt,
-                                        priority=priority)
-                rep.prompt_tokens += len(prompt)
+                self.engine.add_request(command.request_id, command.prompt_token_ids,
+                                        command.params, cache_salt=command.cache_salt,
+                                        priority=command.priority)
+                rep.prompt_tokens += len(command.prompt_token_ids)
             except ValueError as exc:
-                rep.rejected.append((request_id, str(exc)))
-        elif kind == "abort":
-            rep.outputs.extend(self.engine.abort_request(*arg))
-        elif kind == "stop":
+                rep.rejected.append((command.request_id, str(exc)))
+        elif isinstance(command, AbortRequest):
+            rep.outputs.extend(self.engine.abort_request(
+                command.request_id, command.index, command.reason))
+        elif isinstance(command, Shutdown):
             self.stopped = True
+        else:
+            raise TypeError(f"not an engine command: {command!r}")

@@ -37,8 +37,8 @@ class RequestTimes:
 
 @dataclass(slots=True)
 class RequestOutput:
-    request_id: str
-    index: int = 0  # which of the prompt's n sequences (0 for the request itself)
+    request_id: str  # the request as added; its n sequences tell apart by index
+    index: int = 0  # which of the request's n sequences
     new_token_ids: list[int] = field(default_factory=list)
     finished: bool = False
     # "stop" (EOS or a stop token), "length" (max_tokens or context), "abort", "error"

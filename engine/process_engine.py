@@ -16,7 +16,7 @@ from multiprocessing.connection import Connection
 
 from engine.config import EngineConfig
 from engine.engine_client import EngineClient, EngineDeadError
-from engine.engine_loop import Command
+from engine.messages import EngineCommand, Shutdown
 
 log = logging.getLogger("kvserve.process_engine")
 
@@ -31,7 +31,7 @@ class _PipeSource:
     def __init__(self, conn: Connection):
         self.conn = conn
 
-    def take(self, block: bool) -> list[Command]:
+    def take(self, block: bool) -> list[EngineCommand]:
         commands = []
         if block or self.conn.poll():
             commands.append(self.conn.recv())
@@ -102,7 +102,7 @@ class ProcessEngine(EngineClient):
     def shutdown(self, timeout: float = 5.0) -> None:
         if self._process.is_alive():
             try:
-                self._submit(("stop", None))
+                self._submit(Shutdown())
             except EngineDeadError:  # it died meanwhile
                 pass
             self._process.join(timeout)
@@ -114,7 +114,7 @@ class ProcessEngine(EngineClient):
     def is_alive(self) -> bool:
         return self._process.is_alive() and self.error is None
 
-    def _submit(self, command: Command) -> None:
+    def _submit(self, command: EngineCommand) -> None:
         with self._send_lock:  # the event loop and shutdown may both send
             try:
                 self._conn.send(command)

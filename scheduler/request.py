@@ -45,7 +45,10 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_reason: int | None = None
         self.num_preemptions = 0
-        self.index = 0  # which of its prompt's n sequences this is
+        # The request the client sent, and which of its n sequences this is: what
+        # the engine reports it as (its own request_id is the scheduler's).
+        self.group_id = request_id
+        self.index = 0
         # Siblings that will share this request's blocks once its prompt is computed.
         self.pending_forks: list[Request] = []
         # Speculative drafts for the next step (engine's proposer sets them); the
@@ -69,7 +72,7 @@ class Request:
             child = Request(child_id, self.token_ids,
                             replace(self.params, n=1, seed=seed), self.eos_token_ids,
                             self.arrival_time, self.cache_salt, self.priority)
-            child.index = i
+            child.group_id, child.index = self.group_id, i
             self.pending_forks.append(child)
 
     @property

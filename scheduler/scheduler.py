@@ -20,6 +20,7 @@ import time
 
 from kvcache import KVCacheManager
 from scheduler.config import KVCacheConfig, SchedulerConfig
+from scheduler.failed_steps import withdraw_unwritten
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import Request, RequestStatus
 from scheduler.stats import SchedulerStats
@@ -43,14 +44,29 @@ class Scheduler:
         self.waiting = make_waiting_queue(config.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # A client's request -> its n sequences (the siblings still to fork too),
+        # until all have finished: what abort_request finds them by.
+        self.groups: dict[str, list[Request]] = {}
         self.num_preemptions = 0
 
     # -- requests in and out ------------------------------------------------
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.group_id in self.groups:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         self.requests[request.request_id] = request
+        self.groups[request.group_id] = [request, *request.pending_forks]
         self.waiting.push(request)
+
+    def abort_request(self, request_id: str, index: int | None = None,
+                      reason: str = "abort") -> list[Request]:
+        """Ends a client's request: all its sequences, or the one at `index` (a stop
+        string ended it). Returns the sequences it ended."""
+        group = self.groups.get(request_id, [])
+        ended = []
+        for seq in group if index is None else group[index:index + 1]:
+            if not seq.finished and seq.request_id in self.requests:
+                ended += self.abort(seq.request_id, reason)
+        return ended
 
     def abort(self, request_id: str, reason: str = "abort") -> list[Request]:
         """Ends the request (and any siblings still waiting to fork from it).
@@ -64,10 +80,10 @@ class Scheduler:
         else:
             self.running.remove(req)
         req.finish(reason)
-        self._release(req)
         siblings, req.pending_forks = req.pending_forks, []
         for child in siblings:
             child.finish("abort")
+        self._release(req)  # once its whole group has finished
         return [req, *siblings]
 
     def has_unfinished(self) -> bool:
@@ -81,28 +97,9 @@ class Scheduler:
 
     # -- a step that failed on the device side ----------------------------------
     def withdraw_unwritten(self, out: SchedulerOutput, failed: dict[str, str]) -> None:
-        """Requests of `out` left out at preparation (`failed`: request id -> why)
-        wrote no KV, yet their blocks were offered for sharing when `out` was
-        scheduled: they leave the prefix cache now, before the next schedule could hit
-        them. A request of the step that already hit one (a prefix shared within the
-        step) read KV nobody wrote: it is added to `failed`, and so, in turn, is
-        anyone sharing its blocks."""
-        bs = self.kv.block_size
-        unwritten: set[int] = set()
-        changed = True
-        while changed:  # until no one new reads what a failed request was to write
-            changed = False
-            for s in out.scheduled:
-                rid, first = s.request.request_id, s.start // bs
-                if rid not in failed and unwritten.isdisjoint(s.block_table[:first]):
-                    continue
-                failed.setdefault(rid, "its cached prompt prefix came from a request "
-                                       "whose step failed")
-                own = s.block_table[first:]  # the blocks this step was to write
-                if not unwritten.issuperset(own):
-                    unwritten.update(own)
-                    self.kv.uncache(rid, s.start)
-                    changed = True
+        """Takes the blocks that failed requests of `out` never wrote out of the
+        prefix cache, failing in turn those of `out` that hit them (failed_steps.py)."""
+        withdraw_unwritten(self.kv, out, failed)
 
     def fail_requests(self, out: SchedulerOutput, failed: dict[str, str]
                       ) -> list[tuple[Request, str]]:
@@ -384,3 +381,6 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         self.kv.free(req.request_id)
         self.requests.pop(req.request_id, None)
+        group = self.groups.get(req.group_id)
+        if group is not None and all(seq.finished for seq in group):
+            del self.groups[req.group_id]

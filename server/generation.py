@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from engine.engine_client import EngineClient, EngineDeadError
-from scheduler.request import sequence_ids
 from scheduler.sampling_params import SamplingParams
 from server.detokenizer import IncrementalDetokenizer
 from server.errors import APIError
@@ -133,7 +132,7 @@ async def run_group(engine: EngineClient, rid: str, group: PromptGroup, opts: Te
     gen = engine.generate(engine_id, group.prompt_ids, group.params,
                           cache_salt=opts.cache_salt, priority=opts.priority)
     async with contextlib.aclosing(gen):
-        with _deadline(engine, engine_id, group.params.n, opts.timeout):
+        with _deadline(engine, engine_id, opts.timeout):
             await _relay(engine, gen, seqs, group, emit)
 
 
@@ -150,24 +149,21 @@ async def _relay(engine: EngineClient, gen, seqs: list[_Sequence], group: Prompt
             continue
         delta.index = group.choice_index(out.index)
         if seq.done and not out.finished:
-            engine.abort(out.request_id, reason="stop")
+            engine.abort(out.request_id, out.index, reason="stop")
         await emit(delta)
 
 
 @contextlib.contextmanager
-def _deadline(engine: EngineClient, engine_id: str, n: int, timeout: float):
+def _deadline(engine: EngineClient, engine_id: str, timeout: float):
     """Past `timeout` seconds, aborts the engine request's n sequences. As in vLLM,
     an abort is an ordinary end: each choice finishes with reason "abort" and keeps
     the text made so far (none, if it never got scheduled), and blocks are freed."""
     if not timeout:
         yield
         return
-    ids = sequence_ids(engine_id, n)
-
     def expire():
         log.info("request %s ran past --request-timeout (%gs): aborted", engine_id, timeout)
-        for rid in ids:
-            engine.abort(rid)
+        engine.abort(engine_id)
 
     timer = asyncio.get_running_loop().call_later(timeout, expire)
     try:

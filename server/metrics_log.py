@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from engine.engine_loop import StepReport
+from engine.messages import StepReport
 
 log = logging.getLogger("kvserve.stats")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Histogram
 
-from engine.engine_loop import StepReport
+from engine.messages import StepReport
 from engine.outputs import RequestOutput
 from server.metrics_buckets import ITERATION_TOKENS, REQUEST_SECONDS, one_two_five
 from server.metrics_engine import LABEL, PREFIX

@@ -62,7 +62,7 @@ def test_layers_import_kvbench_only_lazily(package):
 # The scheduler alone owns the KV cache manager and its queues (as in vLLM v1): above
 # it, the engine and the server call its verbs and read stats(). `running` is read
 # by the speculator, which proposes drafts for the running requests.
-SCHEDULER_VERBS = {"add_request", "abort", "has_unfinished", "schedule", "update",
+SCHEDULER_VERBS = {"add_request", "abort_request", "has_unfinished", "schedule", "update",
                    "stats", "fail_requests", "withdraw_unwritten", "with_kv_cache",
                    "running"}
 

@@ -318,7 +318,7 @@ def run_random(engine: Engine, workload, aborts: dict[int, str]) -> dict:
             engine.add_request(rid, prompt, params)
         outputs = engine.abort_request(aborts[step]) if step in aborts else []
         for o in outputs + engine.step():
-            seq = seqs.setdefault((o.request_id.split("#")[0], o.index), {"tokens": []})
+            seq = seqs.setdefault((o.request_id, o.index), {"tokens": []})
             seq["tokens"] += o.new_token_ids
             if o.finished:
                 seq["finish"] = o.finish_reason

@@ -36,7 +36,7 @@ def run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]]) -
     seqs: dict = {}
     while engine.has_unfinished_requests():
         for o in engine.step():
-            seq = seqs.setdefault((o.request_id.split("#")[0], o.index),
+            seq = seqs.setdefault((o.request_id, o.index),
                                   {"tokens": [], "logprobs": []})
             seq["tokens"] += o.new_token_ids
             seq["logprobs"] += [(lp.token_id, lp.logprob, lp.top) for lp in o.logprobs or ()]

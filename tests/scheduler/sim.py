@@ -681,6 +681,7 @@ class Simulation:
     def _final_checks(self) -> None:
         sched, kv = self.sched, self.kv
         assert not sched.running and not len(sched.waiting) and not sched.requests
+        assert not sched.groups, "request groups leaked"
         for rid, req in self.reqs.items():
             assert req.finished, f"{rid} never finished"
             assert (rid in self.aborted) != (rid in self.finished), rid

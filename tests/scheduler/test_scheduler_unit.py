@@ -59,7 +59,7 @@ def run_all(s: Scheduler, max_steps: int = 10_000) -> None:
 
 
 def assert_empty(s: Scheduler) -> None:
-    assert not s.running and not len(s.waiting) and not s.requests
+    assert not s.running and not len(s.waiting) and not s.requests and not s.groups
     assert s.kv.num_free_blocks == s.kv.num_blocks
     check_pool_invariants(s.kv, [])
 
@@ -392,6 +392,36 @@ def test_aborting_a_forked_parent_leaves_its_siblings_running():
     run_all(s)
     for k in kids:
         assert k.output_token_ids == expected(k) and k.finish_reason == "length"
+    assert_empty(s)
+
+
+def test_aborting_a_request_ends_all_its_sequences_forked_or_not():
+    s = make(max_num_batched_tokens=4)
+    mid_prompt, forked = req("a", 10, n=3), req("b", 3, max_tokens=9, n=3)
+    s.add_request(forked)
+    s.add_request(mid_prompt)
+    step(s)
+    step(s)  # b's prompt is done and forked; a's still is not
+    assert len(s.running) == 4 and mid_prompt.pending_forks
+    for group, members in (("a", 3), ("b", 3)):
+        ended = s.abort_request(group)
+        assert len(ended) == members and all(r.finish_reason == "abort" for r in ended)
+        assert {r.index for r in ended} == {0, 1, 2} and {r.group_id for r in ended} == {group}
+    assert s.abort_request("a") == [] and s.abort_request("unknown") == []
+    assert_empty(s)
+
+
+def test_a_stop_string_ends_one_sequence_of_a_request():
+    s = make()
+    p = req("p", 3, max_tokens=9, n=3)
+    kids = list(p.pending_forks)
+    s.add_request(p)
+    step(s)  # forked
+    assert s.abort_request("p", index=1, reason="stop") == [kids[0]]
+    assert kids[0].finish_reason == "stop" and s.running == [p, kids[1]]
+    assert s.abort_request("p", index=1) == []  # already ended
+    run_all(s)
+    assert p.finish_reason == kids[1].finish_reason == "length"
     assert_empty(s)
 
 

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from engine.config import EngineConfig
-from engine.engine_loop import StepReport
+from engine.messages import StepReport
 from engine.loader import load_tokenizer
 from engine.outputs import RequestOutput, RequestTimes
 from engine.process_engine import ProcessEngine

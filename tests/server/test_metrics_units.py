@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry
 
-from engine.engine_loop import StepReport
+from engine.messages import StepReport
 from engine.outputs import RequestOutput
 from server import metrics_buckets as b
 from server.metrics_frontend import FrontendHistograms, RequestClock, current_clock

@@ -1,0 +1,60 @@
+"""What crosses between the server and the engine loop: one small typed record per
+command down, one StepReport per loop iteration up. The same records travel a
+thread's queue (AsyncEngine) and a process's pipe (ProcessEngine), so they are
+plain, picklable and slotted (a step's report is unpickled on the server's event
+loop every step)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.outputs import RequestOutput
+from engine.spec_decode.speculator import SpecDecodeStats
+from scheduler.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams  # params.n sequences, reported as (request_id, index)
+    cache_salt: str | None = None
+    priority: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRequest:
+    request_id: str
+    index: int | None = None  # one of its n sequences; None: all of them
+    reason: str = "abort"  # "stop": the front end found a stop string (counted so)
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    pass
+
+
+EngineCommand = AddRequest | AbortRequest | Shutdown
+
+
+@dataclass(slots=True)
+class StepReport:
+    """What one loop iteration did, for the front end."""
+    outputs: list[RequestOutput] = field(default_factory=list)
+    rejected: list[tuple[str, str]] = field(default_factory=list)  # (request id, why)
+    added: int = 0  # adds taken off the command queue (accepted or rejected)
+    prompt_tokens: int = 0  # prompt tokens of the accepted adds
+    waiting: int = 0  # the scheduler's queue lengths after the iteration
+    running: int = 0
+    # The step, if one ran: when it started (time.monotonic, comparable across
+    # processes), how long it took, and how many prompt tokens it computed.
+    step_start: float | None = None
+    step_seconds: float = 0.0
+    prompt_tokens_computed: int = 0
+    step_tokens: int = 0  # prompt tokens computed plus tokens sampled in the step
+    # Engine counters since the previous report: deltas, so the receiver only adds
+    # them up and no report is counted twice or lost between steps.
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0  # of those, tokens found cached
+    preemptions: int = 0
+    kv_usage: float = 0.0  # fraction of the KV cache's blocks in use, after it (0..1)
+    spec: SpecDecodeStats | None = None  # speculative decoding's counts (deltas), if on

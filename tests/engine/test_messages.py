@@ -1,0 +1,82 @@
+"""The typed messages between the server and the engine loop (engine/messages.py):
+what the client sends for a request's life, and that they cross a process pipe."""
+from __future__ import annotations
+
+import asyncio
+import pickle
+
+import pytest
+
+from engine.engine_client import EngineClient
+from engine.engine_loop import EngineLoop
+from engine.messages import AbortRequest, AddRequest, Shutdown, StepReport
+from engine.outputs import RequestOutput
+from scheduler.sampling_params import SamplingParams
+
+
+class RecordingClient(EngineClient):
+    """An engine client whose transport only records what it is asked to send."""
+
+    def __init__(self):
+        super().__init__(tokenizer=None, max_model_len=64, vocab_size=100)
+        self.sent: list = []
+
+    def start(self) -> None:
+        pass
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        pass
+
+    @property
+    def is_alive(self) -> bool:
+        return True
+
+    def _submit(self, command) -> None:
+        self.sent.append(command)
+
+
+def test_every_message_crosses_a_pipe_unchanged():
+    params = SamplingParams(max_tokens=3, n=2, seed=1)
+    report = StepReport(outputs=[RequestOutput("r", 1, [5], True, "length")], added=1)
+    for message in (AddRequest("r", [1, 2], params, "salt", 2), AbortRequest("r", 1, "stop"),
+                    Shutdown(), report):
+        assert pickle.loads(pickle.dumps(message)) == message
+
+
+def test_a_request_is_one_add_and_leaving_early_one_abort_for_all_its_sequences():
+    client = RecordingClient()
+    params = SamplingParams(max_tokens=4, n=3)
+
+    async def run():
+        gen = client.generate("req-1", [1, 2, 3], params)
+        first = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0)
+        client._on_report(StepReport(outputs=[RequestOutput("req-1", 2, [7])], added=1))
+        out = await first
+        await gen.aclose()  # the client leaves with three sequences unfinished
+        return out
+
+    out = asyncio.run(run())
+    assert (out.request_id, out.index, out.new_token_ids) == ("req-1", 2, [7])
+    assert client.sent == [AddRequest("req-1", [1, 2, 3], params), AbortRequest("req-1")]
+
+
+def test_a_finished_request_sends_no_abort():
+    client = RecordingClient()
+
+    async def run():
+        gen = client.generate("r", [1], SamplingParams(max_tokens=1, n=2))
+        pending = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0)
+        client._on_report(StepReport(outputs=[RequestOutput("r", i, [3], True, "length")
+                                              for i in (0, 1)]))
+        return [await pending] + [o async for o in gen]
+
+    assert [o.index for o in asyncio.run(run())] == [0, 1]
+    assert [type(m) for m in client.sent] == [AddRequest]
+
+
+def test_the_loop_refuses_what_is_not_a_command(tiny_engine_factory):
+    loop = EngineLoop(tiny_engine_factory(), commands=None, report=None)
+    with pytest.raises(TypeError, match="not an engine command"):
+        loop._handle(("abort", ("r", "abort")), StepReport())  # the old tuple form
