@@ -242,14 +242,14 @@ def serving(model_dir: str | Path, concurrency: int = 64):
     from engine.config import EngineConfig
     from engine.engine import Engine
     from server.app import build_app
-    from server.limits import RequestLimits
+    from server.config import ServerConfig
     from tests.support.server import running_server
 
     engine = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=1024,
                                  max_num_seqs=concurrency, max_num_batched_tokens=512,
                                  max_model_len=1024))
-    app = build_app(AsyncEngine(engine), [MODEL], api_keys=[KEY],
-                    limits=RequestLimits(max_body_bytes=BODY_LIMIT, max_n=MAX_N))
+    app = build_app(AsyncEngine(engine), [MODEL], config=ServerConfig(
+        api_keys=[KEY], max_request_body_bytes=BODY_LIMIT, max_n=MAX_N))
     with running_server(app) as url:
         yield Target(url, engine, app)
 

@@ -18,3 +18,26 @@ def parse_size(text: str) -> int:
 
 def parse_bool(text: str) -> bool:
     return str(text).lower() in ("1", "true", "yes", "on")
+
+
+def non_negative(type_):
+    """int or float, refusing values below 0 as a usage error naming the flag."""
+    def parse(text: str):
+        value = type_(text)
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+        return value
+    parse.__name__ = type_.__name__  # argparse names the type in its messages
+    return parse
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
+    return value
+
+
+def split_keys(values) -> list[str]:
+    """['a,b', 'c'] -> ['a', 'b', 'c']; blanks dropped."""
+    return [k.strip() for v in values for k in str(v).split(",") if k.strip()]

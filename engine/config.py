@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.arg_types import parse_bool, parse_size
+from engine.settings import setting
 from engine.spec_decode.config import SpeculativeConfig
 
 SUPPORTED_ARCHITECTURES = (
@@ -153,34 +155,57 @@ def _dtype_name(hf) -> str | None:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    device: str = "auto"  # auto | cpu | cuda
-    max_model_len: int | None = None  # defaults to the model's context length
-    block_size: int = 16
-    # KV cache size: an explicit block count wins; else bytes on CPU.
-    num_kv_blocks: int | None = None
-    # bytes; None: on CUDA what gpu_memory_utilization leaves, on CPU 1 GiB
-    kv_cache_memory: int | None = None
-    gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    long_prefill_token_threshold: int = 0  # 0: a request may use the whole budget
-    scheduling_policy: str = "fcfs"  # fcfs | priority
-    enable_prefix_caching: bool = True
-    load_format: str = "safetensors"  # safetensors | random
-    seed: int = 0
-    # auto (triton on CUDA, torch elsewhere) | triton | flash-attn | torch
-    attention_backend: str = "auto"
+    """The serving knobs of the engine; each is also a `kvserve serve` flag."""
+    model: str = setting(
+        help="Hugging Face model directory, or preset:NAME for a shipped model shape "
+        "with --load-format random (llama-3.2-1b, llama-3.1-8b, llama-tiny) (default: "
+        "the embedded SmolLM2-135M-Instruct, converted once into the cache)",
+        flag_default=None)
+    dtype: str = setting("auto", "weights and KV cache (auto: bf16 on CUDA, fp32 on CPU)",
+                         choices=["auto", "float32", "bfloat16", "float16"])
+    device: str = setting("auto", "auto|cpu|cuda")
+    max_model_len: int | None = setting(
+        None, "context length cap (default: the model's)", parse=int)
+    block_size: int = setting(16, "tokens per KV-cache block", parse=int)
+    # KV cache size: an explicit block count wins; else bytes.
+    num_kv_blocks: int | None = setting(
+        None, "KV cache size in blocks (overrides memory)", parse=int)
+    kv_cache_memory: int | None = setting(
+        None, "KV cache size (default: on CUDA what --gpu-memory-utilization leaves "
+        "after weights and a profiled peak step; on CPU 1GiB)", parse=parse_size)
+    gpu_memory_utilization: float = setting(
+        0.9, "share of the GPU's memory kvserve may use (weights, activations, KV)",
+        parse=float)
+    max_num_seqs: int = setting(64, "most requests running at once", parse=int)
+    max_num_batched_tokens: int = setting(512, "token budget of one step", parse=int)
+    long_prefill_token_threshold: int = setting(
+        0, "most tokens one request may compute in a step (0: no cap)", parse=int)
+    scheduling_policy: str = setting(
+        "fcfs", "admission order (priority: lower `priority` first)",
+        choices=["fcfs", "priority"])
+    enable_prefix_caching: bool = setting(True, "share cached prompt prefixes",
+                                          parse=parse_bool)
+    load_format: str = setting("safetensors", "read the checkpoint, or random weights "
+                               "of its shape", choices=["safetensors", "random"])
+    seed: int = setting(0, "global random seed", parse=int)
+    attention_backend: str = setting(
+        "auto", "attention kernels (auto: triton on CUDA, torch on CPU; flash-attn needs "
+        "the flash_attn package and a --block-size multiple of 256)",
+        choices=["auto", "triton", "flash-attn", "torch"])
     # Decode-only steps on CUDA replay CUDA graphs (one per batch-size bucket) unless
     # this is set; mixed steps always run eagerly.
-    enforce_eager: bool = False
+    enforce_eager: bool = setting(
+        False, "no CUDA graphs for decode steps (they are captured on CUDA otherwise)",
+        parse=parse_bool)
     # Speculative decoding (None: off): drafts verified by the target in one pass.
-    speculative: SpeculativeConfig | None = None
+    speculative: SpeculativeConfig | None = setting(
+        None, "speculative decoding", nested=SpeculativeConfig)
     # Plan and launch step N+1 while step N runs on the device, its sampled tokens
     # fed to N+1 there: the scheduler, batch preparation and output handling leave
     # the critical path. Not with speculative decoding (drafts need the tokens).
-    async_scheduling: bool = False
+    async_scheduling: bool = setting(
+        False, "plan and launch each step while the previous one runs on the device "
+        "(hides the scheduler's time; not with speculative decoding)", parse=parse_bool)
 
     def __post_init__(self) -> None:
         if self.async_scheduling and self.speculative is not None:

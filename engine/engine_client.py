@@ -140,10 +140,11 @@ class EngineClient:
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yields one output per step in which a sequence got tokens (for n > 1 the
         n sequences interleave; `index` tells them apart), until all n finished.
-        Leaving the iteration early aborts whatever is unfinished."""
+        Leaving the iteration early aborts whatever is unfinished. Check the request
+        with validate() first (the server does, while it can still answer 400): one
+        that the engine refuses raises ValueError here, a step later."""
         if not self.is_alive:
             raise EngineDeadError("the engine is not running")
-        self.validate(prompt_token_ids, params)  # ValueError before anything is queued
         stream: asyncio.Queue = asyncio.Queue()
         self._register(request_id, stream)
         self._queue_add(AddRequest(request_id, prompt_token_ids, params, cache_salt,
@@ -190,7 +191,8 @@ class EngineClient:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams | None = None
                  ) -> None:
-        """Raises ValueError for a request the engine can never run."""
+        """Raises ValueError for a request the engine can never run: the one check at
+        this boundary (the engine itself keeps a guard, for offline use)."""
         check_request(prompt_token_ids, params, self.max_model_len, self.vocab_size)
 
     def abort(self, request_id: str, index: int | None = None,

@@ -14,8 +14,8 @@ from engine.engine_client import EngineClient
 from server.chat import ChatService
 from server.completions import CompletionService
 from server.errors import APIError, error_response, install_error_handlers
-from server.limits import RequestLimits
 from server.ops import install_ops
+from server.config import ServerConfig
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.tokenization import Tokenization
 from server.validation import check_model
@@ -25,16 +25,12 @@ log = logging.getLogger("kvserve.server")
 VERSION = "0.1.0"
 
 
-def build_app(engine: EngineClient, model_names: list[str], model_root: str = "", *,
-              api_keys: Sequence[str] = (), max_waiting_requests: int = 0,
-              max_waiting_tokens: int = 0, limits: RequestLimits = RequestLimits(),
-              request_timeout: float = 0.0, protect_metrics: bool = False) -> FastAPI:
+def build_app(engine: EngineClient, model_names: list[str], model_root: str = "",
+              config: ServerConfig = ServerConfig()) -> FastAPI:
     """`engine` must not be started yet: the app starts it at startup and stops it at
-    shutdown, so a test server and a real one live the same way. For `api_keys`,
-    `max_waiting_requests` and `max_waiting_tokens` (0: no limit) see server/ops.py,
-    for `limits` server/limits.py; `protect_metrics`: /health, /version and /metrics
-    need a key too (with `api_keys`); `request_timeout` (seconds, 0: none) aborts a
-    generation that runs longer (its choices end with finish reason "abort")."""
+    shutdown, so a test server and a real one live the same way. `config` holds the
+    keys, the admission and request limits and the request timeout (server/config.py;
+    the host, port and the rest are for the process that serves the app)."""
 
     tokenization = Tokenization(engine.tokenizer, engine.max_model_len)
 
@@ -49,19 +45,15 @@ def build_app(engine: EngineClient, model_names: list[str], model_root: str = ""
 
     app = FastAPI(title="kvserve", version=VERSION, lifespan=lifespan)
     install_error_handlers(app)
-    install_ops(app, engine, model_names, VERSION, api_keys=api_keys,
-                max_waiting_requests=max_waiting_requests,
-                max_waiting_tokens=max_waiting_tokens, max_body_bytes=limits.max_body_bytes,
-                protect_metrics=protect_metrics, tokenization=tokenization)
-    completions = CompletionService(engine, model_names, tokenization, limits,
-                                    request_timeout)
+    install_ops(app, engine, model_names, VERSION, config, tokenization)
+    completions = CompletionService(engine, model_names, tokenization, config)
     created = int(time.time())
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, request: Request):
         return await _cancel_on_disconnect(request, completions.create(req))
 
-    chat = ChatService(engine, model_names, tokenization, limits, request_timeout)
+    chat = ChatService(engine, model_names, tokenization, config)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, request: Request):

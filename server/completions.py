@@ -20,7 +20,7 @@ class CompletionService(GenerationService):
         prompts = req.prompts()
         if not prompts:  # prompt: []
             raise APIError(400, "the prompt is empty", "prompt")
-        limit = self.limits.max_prompts
+        limit = self.config.max_prompts_per_request
         if limit and len(prompts) > limit:
             raise APIError(400, f"too many prompts in one request: {len(prompts)} (limit "
                            f"{limit}, --max-prompts-per-request)", "prompt")

@@ -1,24 +1,12 @@
-"""Per-request limits (`--max-request-body-bytes`, `--max-prompts-per-request`,
-`--max-n`): a request past one is refused with an error that names the limit, before
-it costs the engine anything."""
+"""The request body's size limit (`--max-request-body-bytes`): a body past it is
+refused with a 413 that names the flag, before anything reads or parses it. (The
+other per-request limits, `--max-prompts-per-request` and `--max-n`, are checked
+where the request is read: server/completions.py, server/service.py.)"""
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.errors import error_response
-
-DEFAULT_MAX_BODY_BYTES = 10 * 2**20
-DEFAULT_MAX_PROMPTS = 1024
-DEFAULT_MAX_N = 16
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # 0: no limit
-    max_prompts: int = DEFAULT_MAX_PROMPTS  # 0: no limit
-    max_n: int = DEFAULT_MAX_N
 
 
 def _too_large(limit: int):

@@ -7,7 +7,6 @@ draining), the request body's size limit, /health, /version, /metrics,
 schema."""
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI
@@ -16,6 +15,7 @@ from fastapi.responses import JSONResponse
 from engine.engine_client import EngineClient
 from server.admission import GENERATION_PATHS, Admission, AdmissionMiddleware
 from server.auth import ApiKeyMiddleware, guarded
+from server.config import ServerConfig
 from server.limits import BodyLimitMiddleware
 from server.metrics import ServerMetrics
 from server.metrics_frontend import ArrivalMiddleware
@@ -23,18 +23,16 @@ from server.tokenization import Tokenization
 from server.tokenize_api import tokenize_router
 
 
-def install_ops(app: FastAPI, engine: EngineClient, model_names: list[str], version: str, *,
-                api_keys: Sequence[str] = (), max_waiting_requests: int = 0,
-                max_waiting_tokens: int = 0, max_body_bytes: int = 0,
-                protect_metrics: bool = False, tokenization: Tokenization) -> Admission:
-    admission = Admission(engine, max_waiting_requests, max_waiting_tokens)
+def install_ops(app: FastAPI, engine: EngineClient, model_names: list[str], version: str,
+                config: ServerConfig, tokenization: Tokenization) -> Admission:
+    admission = Admission(engine, config.max_waiting_requests, config.max_waiting_tokens)
     app.state.admission = admission  # the shutdown drain finds it here
     app.add_middleware(AdmissionMiddleware, admission=admission)
-    if api_keys:  # added after admission, so outside it: no key, never admitted
-        app.add_middleware(ApiKeyMiddleware, keys=list(api_keys),
-                           protect_metrics=protect_metrics)
+    if config.api_keys:  # added after admission, so outside it: no key, never admitted
+        app.add_middleware(ApiKeyMiddleware, keys=list(config.api_keys),
+                           protect_metrics=config.protect_metrics)
     # Outside auth and admission: an oversized body is refused before anything reads it.
-    app.add_middleware(BodyLimitMiddleware, limit=max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, limit=config.max_request_body_bytes)
     server_metrics = ServerMetrics(engine, model_names[0] if model_names else "")
     # Outermost: a request's latency counts from its arrival, auth and admission included.
     app.add_middleware(ArrivalMiddleware, hist=server_metrics.frontend)
@@ -56,9 +54,10 @@ def install_ops(app: FastAPI, engine: EngineClient, model_names: list[str], vers
     async def metrics():
         return server_metrics.response()
 
-    _document_errors(app, keys=bool(api_keys), protect_metrics=protect_metrics,
-                     queue_limit=bool(max_waiting_requests or max_waiting_tokens),
-                     body_limit=bool(max_body_bytes))
+    _document_errors(app, keys=bool(config.api_keys), protect_metrics=config.protect_metrics,
+                     queue_limit=bool(config.max_waiting_requests
+                                      or config.max_waiting_tokens),
+                     body_limit=bool(config.max_request_body_bytes))
     return admission
 
 

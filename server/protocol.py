@@ -40,7 +40,7 @@ class SamplingFields(OpenAIRequest):
     top_p: float | None = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int | None = Field(default=0, ge=-1)
     min_p: float | None = Field(default=0.0, ge=0.0, le=1.0)
-    n: int = Field(default=1, ge=1)  # the upper bound is --max-n (server/limits.py)
+    n: int = Field(default=1, ge=1)  # the upper bound is --max-n (server/config.py)
     # torch's generators take 64-bit seeds; a bigger one must not reach the engine
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None

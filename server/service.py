@@ -9,7 +9,7 @@ from engine.engine_client import EngineClient
 from server import generation
 from server.errors import APIError
 from server.generation import PromptGroup, TextOptions
-from server.limits import RequestLimits
+from server.config import ServerConfig
 from server.response_view import ResponseView
 from server.tokenization import Tokenization
 from server.unsupported_fields import Harmless, refuse_unsupported
@@ -20,13 +20,12 @@ class GenerationService:
     unsupported_fields: dict[str, Harmless] = {}  # a route's own (unsupported_fields.py)
 
     def __init__(self, engine: EngineClient, model_names: list[str], tokenization: Tokenization,
-                 limits: RequestLimits = RequestLimits(), request_timeout: float = 0.0):
+                 config: ServerConfig):
         self.engine = engine
         self.tokenization = tokenization
         self.model_names = model_names
         self.vocab_size = engine.vocab_size
-        self.limits = limits
-        self.request_timeout = request_timeout
+        self.config = config
 
     def served_model(self, req) -> str:
         """The model name to answer with; 404 for an unknown one, 400 past --max-n
@@ -34,8 +33,8 @@ class GenerationService:
         503 (a status, not an error inside a 200 stream) when the engine is down."""
         model = check_model(req.model, self.model_names)
         refuse_unsupported(req, self.unsupported_fields)
-        if req.n > self.limits.max_n:
-            raise APIError(400, f"n must be at most {self.limits.max_n} (--max-n), got "
+        if req.n > self.config.max_n:
+            raise APIError(400, f"n must be at most {self.config.max_n} (--max-n), got "
                            f"{req.n}", "n")
         if not self.engine.is_alive:
             raise APIError(503, "the engine is not running")
@@ -44,7 +43,7 @@ class GenerationService:
     async def respond(self, view: ResponseView, groups: list[PromptGroup], req):
         opts = TextOptions(req.stop_strings(), req.include_stop_str_in_output,
                            req.skip_special_tokens, req.cache_salt, req.priority,
-                           self.request_timeout)
+                           self.config.request_timeout)
         if req.stream:
             events = generation.stream(self.engine, view.rid, groups, opts)
             return StreamingResponse(view.sse(events), media_type="text/event-stream")

@@ -18,8 +18,8 @@ def check_model(requested: str | None, names: list[str]) -> str:
 
 
 def check_prompt(engine: EngineClient, ids: list[int], param: str = "prompt") -> list[int]:
-    if not ids:
-        raise APIError(400, "the prompt is empty", param)
+    """The engine's own checks (empty, too long, ids outside the vocabulary), as a
+    400 naming `param`: done here, before any response starts."""
     try:
         engine.validate(ids)
     except ValueError as exc:

@@ -12,6 +12,7 @@ import pytest
 
 from engine.async_engine import AsyncEngine
 from server.app import build_app
+from server.config import ServerConfig
 from tests.support.http import assert_error, parse_sse, wait_idle
 from tests.support.server import running_server
 
@@ -29,7 +30,7 @@ class Served:
 @pytest.fixture(scope="module")
 def served(tiny_engine_factory):
     aengine = AsyncEngine(tiny_engine_factory("llama", max_num_seqs=1))
-    app = build_app(aengine, [MODEL], max_waiting_requests=LIMIT)
+    app = build_app(aengine, [MODEL], config=ServerConfig(max_waiting_requests=LIMIT))
     with running_server(app) as url:
         yield Served(url, app, aengine)
 

@@ -7,6 +7,7 @@ import pytest
 
 from engine.async_engine import AsyncEngine
 from server.app import build_app
+from server.config import ServerConfig
 from tests.support.http import assert_error
 from tests.support.server import running_server
 
@@ -17,7 +18,8 @@ COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "temperature": 0}
 
 @pytest.fixture(scope="module")
 def url(tiny_engine_factory):
-    app = build_app(AsyncEngine(tiny_engine_factory("llama")), [MODEL], api_keys=KEYS)
+    app = build_app(AsyncEngine(tiny_engine_factory("llama")), [MODEL],
+                    config=ServerConfig(api_keys=KEYS))
     with running_server(app) as base:
         yield base
 

@@ -8,7 +8,7 @@ import pytest
 
 from server import cli
 from server.cli import build_parser
-from server.limits import RequestLimits
+from server.config import ServerConfig
 
 
 @pytest.fixture(autouse=True)
@@ -102,9 +102,11 @@ def test_serve_wires_the_flags_through(monkeypatch, tmp_path):
                     "--max-prompts-per-request", "2", "--max-n", "4",
                     "--request-timeout", "1.5", "--protect-metrics", "true",
                     "--timeout-keep-alive", "65"))
-    assert seen["app"] == {"api_keys": ["k1", "k2"], "max_waiting_requests": 5,
-                           "max_waiting_tokens": 7, "limits": RequestLimits(100, 2, 4),
-                           "request_timeout": 1.5, "protect_metrics": True}
+    assert seen["app"] == {"config": ServerConfig(
+        api_keys=["k1", "k2"], max_waiting_requests=5, max_waiting_tokens=7,
+        max_request_body_bytes=100, max_prompts_per_request=2, max_n=4,
+        request_timeout=1.5, protect_metrics=True, timeout_keep_alive=65,
+        shutdown_timeout=3)}
     assert seen["server"] == (FakeApp, "the-admission", 3.0)
     assert seen["keep_alive"] == 65
     assert seen["ran"]

@@ -13,6 +13,7 @@ import pytest
 
 from engine.async_engine import AsyncEngine
 from server.app import build_app
+from server.config import ServerConfig
 from tests.support.http import assert_error, parse_sse, wait_idle
 from tests.support.server import running_server
 
@@ -24,7 +25,8 @@ TOKENS = 24
 @pytest.fixture(scope="module")
 def served(tiny_engine_factory):
     engine = tiny_engine_factory("llama", max_num_seqs=RUNNING)
-    app = build_app(AsyncEngine(engine), [MODEL], max_waiting_requests=QUEUE)
+    app = build_app(AsyncEngine(engine), [MODEL],
+                    config=ServerConfig(max_waiting_requests=QUEUE))
     with running_server(app) as url:
         yield url, app, engine
 

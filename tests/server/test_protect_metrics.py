@@ -9,6 +9,7 @@ import pytest
 from engine.async_engine import AsyncEngine
 from server import cli
 from server.app import build_app
+from server.config import ServerConfig
 from tests.support.http import assert_error
 from tests.support.server import running_server
 
@@ -19,8 +20,8 @@ PROBES = ["/health", "/version", "/metrics"]
 
 @pytest.fixture(scope="module")
 def http(tiny_engine_factory):
-    app = build_app(AsyncEngine(tiny_engine_factory("llama")), [MODEL], api_keys=[KEY],
-                    protect_metrics=True)
+    app = build_app(AsyncEngine(tiny_engine_factory("llama")), [MODEL],
+                    config=ServerConfig(api_keys=[KEY], protect_metrics=True))
     with running_server(app) as url, httpx.Client(base_url=url, timeout=60) as c:
         yield c
 
@@ -62,7 +63,8 @@ def test_openapi_marks_the_probes_as_secured(http):
 
 
 def test_without_the_flag_probes_stay_open(tiny_engine_factory):
-    app = build_app(AsyncEngine(tiny_engine_factory("llama")), [MODEL], api_keys=[KEY])
+    app = build_app(AsyncEngine(tiny_engine_factory("llama")), [MODEL],
+                    config=ServerConfig(api_keys=[KEY]))
     with running_server(app) as url, httpx.Client(base_url=url, timeout=60) as c:
         for path in PROBES:
             assert c.get(path).status_code == 200, path

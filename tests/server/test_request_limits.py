@@ -10,7 +10,7 @@ import pytest
 
 from engine.async_engine import AsyncEngine
 from server.app import build_app
-from server.limits import RequestLimits
+from server.config import ServerConfig
 from tests.support.http import assert_error, parse_sse, wait_idle
 from tests.support.server import running_server
 
@@ -19,7 +19,7 @@ BODY_LIMIT, MAX_PROMPTS, MAX_N, MAX_WAITING_TOKENS = 2000, 3, 2, 40
 
 
 def _serve(aengine: AsyncEngine, **kw):
-    app = build_app(aengine, [MODEL], **kw)
+    app = build_app(aengine, [MODEL], config=ServerConfig(**kw))
     return running_server(app)
 
 
@@ -27,8 +27,9 @@ def _serve(aengine: AsyncEngine, **kw):
 def limited(tiny_engine_factory):
     # One request runs at a time, so what comes after a long one waits.
     aengine = AsyncEngine(tiny_engine_factory("llama", max_num_seqs=1))
-    limits = RequestLimits(BODY_LIMIT, MAX_PROMPTS, MAX_N)
-    with _serve(aengine, limits=limits, max_waiting_tokens=MAX_WAITING_TOKENS) as url, \
+    with _serve(aengine, max_request_body_bytes=BODY_LIMIT,
+                max_prompts_per_request=MAX_PROMPTS, max_n=MAX_N,
+                max_waiting_tokens=MAX_WAITING_TOKENS) as url, \
             httpx.Client(base_url=url, timeout=60) as http:
         http.aengine = aengine
         yield http

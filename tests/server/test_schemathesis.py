@@ -19,7 +19,7 @@ from schemathesis import GenerationMode, checks
 
 from engine.async_engine import AsyncEngine
 from server.app import build_app
-from server.limits import RequestLimits
+from server.config import ServerConfig
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from tests.support.http import wait_idle
 from tests.support.server import running_server
@@ -49,7 +49,8 @@ class Served:
 def served(tiny_engine_factory):
     engine = tiny_engine_factory("llama", max_model_len=64)
     aengine = AsyncEngine(engine)
-    app = build_app(aengine, [MODEL], limits=RequestLimits(max_prompts=4, max_n=2))
+    app = build_app(aengine, [MODEL],
+                    config=ServerConfig(max_prompts_per_request=4, max_n=2))
     with running_server(app) as url:
         yield Served(url, engine, aengine)
 

@@ -1,0 +1,59 @@
+"""The server's settings (everything of `kvserve serve` that is not the engine's):
+each one a field declared once, its flag and KVSERVE_* variable made from it
+(engine/settings.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.arg_types import non_negative, parse_bool, positive_int
+from engine.settings import setting
+
+DEFAULT_MAX_BODY_BYTES = 10 * 2**20
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    served_model_name: str | None = setting(None, "name(s) clients use, comma-separated")
+    host: str = setting("127.0.0.1", "address to bind")
+    port: int = setting(8000, "port to bind", parse=int)
+    engine_mode: str = setting(
+        "auto", "where the engine runs: a thread of the server, or a process of its own "
+        "(auto: process on CUDA, thread on CPU)", choices=["auto", "thread", "process"])
+    log_level: str = setting("info", "debug|info|warning|error")
+    api_keys: list[str] = setting(
+        help="require `Authorization: Bearer <key>` on /v1 routes; comma-separated "
+        "and/or repeated for several keys", flag="--api-key", secret_list=True,
+        default_factory=list)
+    protect_metrics: bool = setting(
+        False, "require the API key on /health, /version and /metrics too (needs "
+        "--api-key; probes and scrapers must then send it)", parse=parse_bool)
+    max_waiting_requests: int = setting(
+        0, "answer 429 to new generation requests while this many wait to be scheduled "
+        "(0: no limit)", parse=non_negative(int))
+    max_waiting_tokens: int = setting(
+        0, "answer 429 to new generation requests while the prompts waiting to be "
+        "scheduled (queued, not yet prefilled) hold this many tokens (0: no limit)",
+        parse=non_negative(int))
+    max_request_body_bytes: int = setting(
+        DEFAULT_MAX_BODY_BYTES, "answer 413 to a request body larger than this (0: no "
+        "limit)", parse=non_negative(int))
+    max_prompts_per_request: int = setting(
+        1024, "most prompts in one /v1/completions list prompt (0: no limit)",
+        parse=non_negative(int))
+    max_n: int = setting(16, "most choices (`n`) one request may ask for", parse=positive_int)
+    request_timeout: float = setting(
+        0.0, "seconds a generation request may run; then it is aborted and its choices "
+        "end with finish reason \"abort\", keeping the text made so far (0: no limit)",
+        parse=non_negative(float))
+    timeout_keep_alive: float = setting(
+        5.0, "seconds an idle HTTP keep-alive connection stays open (uvicorn's and "
+        "vLLM's default: 5); a client pool that keeps idle connections as long or "
+        "longer can send a request on one just as the server closes it",
+        parse=non_negative(float))
+    shutdown_timeout: float = setting(
+        30.0, "seconds in-flight requests may run after SIGTERM/SIGINT before they are "
+        "aborted", parse=non_negative(float))
+
+    def __post_init__(self) -> None:
+        if self.protect_metrics and not self.api_keys:
+            raise ValueError("--protect-metrics needs --api-key (or KVSERVE_API_KEY)")
