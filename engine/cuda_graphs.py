@@ -48,6 +48,16 @@ class _Static:
                    torch.arange(rows + 1, dtype=torch.int32, device=device))
 
 
+@dataclass(frozen=True)
+class DecodeGraphPlan:
+    """Decode-only steps through padded static buffers, one per batch-size bucket up
+    to max_num_seqs; captured as CUDA graphs when `capture` (CUDA and a graph-safe
+    attention backend only), else run eagerly (the same padding, for tests)."""
+    max_num_seqs: int
+    max_model_len: int
+    capture: bool = True
+
+
 class DecodeGraphs:
     def __init__(self, model, backend, block_size: int, max_num_seqs: int,
                  max_model_len: int, device: torch.device, capture: bool):

@@ -7,7 +7,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from engine.attention import make_backend
 from engine.config import EngineConfig, ModelConfig
+from engine.cuda_graphs import DecodeGraphPlan
 from engine.loader import (ModelLoadError, check_fits, has_tokenizer, load_model,
                            load_tokenizer, resolve_device, resolve_dtype)
 from engine.memory_budget import profile_kv_budget
@@ -62,10 +64,18 @@ class Engine:
         model = load_model(config.model, cfg, self.dtype, self.device, self.max_model_len,
                            config.load_format, config.seed)
         num_blocks = self._num_kv_blocks(model)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, self.device, self.dtype,
-                                  config.attention_backend)
         # A request longer than the whole cache could never run.
         self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)
+        backend = make_backend(config.attention_backend, self.device, config.block_size,
+                               self.dtype)
+        t0 = time.perf_counter()
+        self.runner = ModelRunner(model, num_blocks, config.block_size, self.device,
+                                  self.dtype, backend,
+                                  self._make_drafter(model, backend, num_blocks),
+                                  self._decode_graph_plan(backend))
+        if self.runner.decode_graphs is not None:
+            log.info("captured CUDA graphs for decode batch sizes %s in %.1f s",
+                     self.runner.decode_graphs.buckets, time.perf_counter() - t0)
         self.scheduler = Scheduler.with_kv_cache(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -74,7 +84,7 @@ class Engine:
             KVCacheConfig(num_blocks, config.block_size, config.enable_prefix_caching,
                           model_key=str(config.model)))
         self.stats = EngineStats()
-        self.speculator = self._make_speculator(model, num_blocks)
+        self.speculator = self._make_speculator()
         self._inflight: InFlight | None = None  # async scheduling's running step
         if config.async_scheduling and self.device.type != "cuda":
             log.warning("async scheduling on %s overlaps nothing (the forward pass runs "
@@ -83,44 +93,45 @@ class Engine:
         log.info("KV cache: %d blocks of %d tokens (%d tokens, %.1fx concurrency at %d)",
                  num_blocks, config.block_size, num_blocks * config.block_size,
                  num_blocks * config.block_size / self.max_model_len, self.max_model_len)
-        self._capture_decode_graphs()
 
-    def _make_speculator(self, model, num_blocks: int) -> Speculator | None:
+    def _make_speculator(self) -> Speculator | None:
         spec = self.config.speculative
         if spec is None:
             return None
-        if spec.method == "early-exit":
-            self.runner.drafter = EarlyExitDrafter(model, self.runner.attn_backend,
-                                                   self.config.block_size, self.device,
-                                                   spec.draft_layers)
-        elif spec.method == "draft":
-            self.runner.drafter = self._draft_model_drafter(spec.model, num_blocks)
         log.info("speculative decoding: %s, %d tokens, off above %s running", spec.method,
                  spec.num_tokens, spec.disable_batch_size or "no limit")
         return Speculator(spec)
 
-    def _draft_model_drafter(self, path: str, num_blocks: int) -> DraftModelDrafter:
+    def _make_drafter(self, model, backend, num_blocks: int):
+        """What fills the speculator's placeholder drafts before a step: the model's
+        first layers or a draft model (None for ngram, whose drafts are tokens)."""
+        spec = self.config.speculative
+        if spec is not None and spec.method == "early-exit":
+            return EarlyExitDrafter(model, backend, self.config.block_size, self.device,
+                                    spec.draft_layers)
+        if spec is not None and spec.method == "draft":
+            return self._draft_model_drafter(spec.model, backend, num_blocks)
+        return None
+
+    def _draft_model_drafter(self, path: str, backend, num_blocks: int) -> DraftModelDrafter:
         cfg = ModelConfig.from_pretrained(path)
         if cfg.vocab_size != self.model_config.vocab_size:
             raise ModelLoadError(f"the draft model's vocabulary ({cfg.vocab_size} tokens) "
                                  f"is not the model's ({self.model_config.vocab_size})")
         draft = load_model(path, cfg, self.dtype, self.device, self.max_model_len,
                            self.config.load_format, self.config.seed + 1)
-        return DraftModelDrafter(draft, num_blocks, self.runner.attn_backend,
-                                 self.config.block_size, self.device, self.dtype)
+        return DraftModelDrafter(draft, num_blocks, backend, self.config.block_size,
+                                 self.device, self.dtype)
 
-    def _capture_decode_graphs(self) -> None:
+    def _decode_graph_plan(self, backend) -> DecodeGraphPlan | None:
+        """CUDA graphs for decode-only steps, on CUDA unless --enforce-eager."""
         if self.device.type != "cuda" or self.config.enforce_eager:
-            return
-        if not self.runner.attn_backend.graph_safe:
+            return None
+        if not backend.graph_safe:
             log.info("CUDA graphs off: the %s attention backend cannot be captured",
-                     self.runner.attn_backend.name)
-            return
-        t0 = time.perf_counter()
-        self.runner.use_decode_graphs(self.config.max_num_seqs, self.max_model_len,
-                                      capture=True)
-        log.info("captured CUDA graphs for decode batch sizes %s in %.1f s",
-                 self.runner.decode_graphs.buckets, time.perf_counter() - t0)
+                     backend.name)
+            return None
+        return DecodeGraphPlan(self.config.max_num_seqs, self.max_model_len)
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.model_config.eos_token_ids)

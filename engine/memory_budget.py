@@ -26,6 +26,7 @@ def kv_budget_bytes(total: int, utilization: float, peak_allocated: int,
 
 def profile_kv_budget(model, config, device: torch.device, dtype: torch.dtype) -> int:
     """Runs the profile step on `device` (CUDA) and returns the KV budget in bytes."""
+    from engine.attention import make_backend
     from engine.model_runner import ModelRunner
 
     torch.cuda.empty_cache()
@@ -34,8 +35,8 @@ def profile_kv_budget(model, config, device: torch.device, dtype: torch.dtype) -
     non_torch = (total - free_before) - torch.cuda.memory_reserved(device)
     tokens = config.max_num_batched_tokens
     blocks = math.ceil(tokens / config.block_size) + 1
-    runner = ModelRunner(model, blocks, config.block_size, device, dtype,
-                         config.attention_backend)
+    backend = make_backend(config.attention_backend, device, config.block_size, dtype)
+    runner = ModelRunner(model, blocks, config.block_size, device, dtype, backend)
     runner.profile_step(tokens, config.max_num_seqs)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)

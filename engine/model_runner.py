@@ -9,16 +9,19 @@ from typing import Any
 import torch
 
 from engine import faults
-from engine.attention import clear_attention_context, make_backend, set_attention_context
+from engine.attention import clear_attention_context, set_attention_context
+from engine.attention.backend import AttentionBackend
 from engine.attention.step_metadata import build_host_step
 from engine.block_table_rows import BlockTableRows
-from engine.cuda_graphs import DecodeGraphs
+from engine.cuda_graphs import DecodeGraphPlan, DecodeGraphs
 from engine.host_copy import to_device
+from engine.kv_caches import attach_kv_caches
 from engine.models.llama import LlamaForCausalLM
 from engine.sampling import Sampler, StepResult
 from engine.sampling.logprobs import MAX_EXACT_ID
 from engine.sampling.prompt_logprobs import PromptSpan
 from engine.sampling.sampler import SampleLaunch
+from engine.sampling.step_logits import LogitRows, StepLogits
 from scheduler.output import ScheduledRequest, SchedulerOutput
 
 
@@ -50,56 +53,49 @@ class FlatBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     attention: Any  # what the attention backend's prepare made of the step's metadata
-    # [R + M + V]: the last row of each request that samples, then the M prompt
-    # rows whose logits prompt logprobs need, then the V rows of verifications
+    # The hidden rows the model computes logits for, in LogitRows' order: the last
+    # row of each request that samples, the prompt rows whose logits prompt logprobs
+    # need, the k + 1 rows of each verification
     logit_rows: torch.Tensor
-    sampling: list[ScheduledRequest]  # the R requests that sample, in row order
-    prompt_spans: list[PromptSpan]  # where the M prompt rows come from
-    # Requests verifying drafts: their k + 1 rows each come last in logit_rows.
-    verifying: list[ScheduledRequest]
-
-
-def attach_kv_caches(model: LlamaForCausalLM, num_blocks: int, block_size: int,
-                     dtype: torch.dtype, device: torch.device) -> list[tuple]:
-    """A paged (K, V) pair per layer, zeroed, and each layer's attention pointed at
-    its pair: [(k, v)], each [num_blocks, block_size, kv_heads, head_dim]."""
-    cfg = model.config
-    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    caches = [(torch.zeros(shape, dtype=dtype, device=device),
-               torch.zeros(shape, dtype=dtype, device=device)) for _ in range(cfg.num_layers)]
-    for layer, (k, v) in zip(model.layers, caches):
-        layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
-    return caches
+    rows: LogitRows  # how many of each
+    sampling: list[ScheduledRequest]  # the requests that sample, in row order
+    prompt_spans: list[PromptSpan]  # where the prompt rows come from
+    verifying: list[ScheduledRequest]  # requests verifying drafts, in row order
 
 
 class ModelRunner:
+    """Everything a step uses is handed over here: the attention backend, the drafter
+    that fills model-drafted placeholders before a step (speculative early exit or a
+    draft model; None without), and the plan for decode-only steps' CUDA graphs."""
+
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype, attention_backend: str = "auto"):
-        self.decode_graphs: DecodeGraphs | None = None  # see use_decode_graphs
+                 device: torch.device, dtype: torch.dtype, attn_backend: AttentionBackend,
+                 drafter=None, decode_graphs: DecodeGraphPlan | None = None):
         self.model, self.device, self.block_size = model, device, block_size
-        self.attn_backend = make_backend(attention_backend, device, block_size, dtype)
+        self.attn_backend, self.drafter = attn_backend, drafter
         cfg = model.config
         self.kv_caches = attach_kv_caches(model, num_blocks, block_size, dtype, device)
         if cfg.vocab_size >= MAX_EXACT_ID:
             raise ValueError("vocabularies of 2**24 tokens or more are not supported")
         self.sampler = Sampler(device)
         self.table_rows = BlockTableRows()  # the running requests' block tables
-        # Fills model-drafted placeholders before the step (speculative early exit).
-        self.drafter = None
+        self.decode_graphs: DecodeGraphs | None = None
+        if decode_graphs is not None:
+            self.use_decode_graphs(decode_graphs)
 
     @staticmethod
     def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
         return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
-    def use_decode_graphs(self, max_num_seqs: int, max_model_len: int,
-                          capture: bool) -> None:
-        """Decode-only steps go through padded static buffers from now on, captured
-        as CUDA graphs when `capture` (CUDA and a graph-safe backend only)."""
-        if capture and not (self.device.type == "cuda" and self.attn_backend.graph_safe):
+    def use_decode_graphs(self, plan: DecodeGraphPlan) -> None:
+        """Decode-only steps go through padded static buffers from now on (tests
+        switch an engine's runner over to the eager padded path with this)."""
+        if plan.capture and not (self.device.type == "cuda" and self.attn_backend.graph_safe):
             raise ValueError("CUDA graphs need CUDA and a graph-safe attention backend")
         self.decode_graphs = DecodeGraphs(self.model, self.attn_backend, self.block_size,
-                                          max_num_seqs, max_model_len, self.device, capture)
-        if capture:
+                                          plan.max_num_seqs, plan.max_model_len,
+                                          self.device, plan.capture)
+        if plan.capture:
             self.decode_graphs.capture_all()
 
     def execute(self, out: SchedulerOutput) -> StepResult:
@@ -126,14 +122,13 @@ class ModelRunner:
             logits = self.forward_logits(batch)
             if self.drafter is not None:
                 self.drafter.observe(batch)  # a draft model's own cache keeps up
-            num_verify = sum(len(s.spec_token_ids) + 1 for s in batch.verifying)
             if batch.sampling or batch.prompt_spans:
-                step.sample = self.sampler.launch(logits[:len(logits) - num_verify],
+                step.sample = self.sampler.launch(StepLogits.of(logits, batch.rows),
                                                   batch.sampling, batch.prompt_spans)
             if batch.verifying:
                 step.verified = StepResult()
-                self.sampler.verify(logits[len(logits) - num_verify:], batch.verifying,
-                                    step.verified)
+                self.sampler.verify(StepLogits.verify_rows(logits, batch.rows),
+                                    batch.verifying, step.verified)
         return step
 
     @torch.inference_mode()
@@ -204,7 +199,8 @@ class ModelRunner:
         if len(rows) != len(scheduled):  # a one-token prompt chunk samples nothing
             logits = logits[to_device(rows, torch.long, logits.device)]
         sampling = [scheduled[i] for i in rows]
-        return LaunchedStep(self.sampler.launch(logits, sampling, []) if sampling else None)
+        return LaunchedStep(self.sampler.launch(StepLogits(logits, len(sampling)), sampling, [])
+                            if sampling else None)
 
     def _feed_pending(self, input_ids: torch.Tensor, scheduled: list[ScheduledRequest],
                       last_rows: list[int], previous: LaunchedStep | None) -> None:
@@ -248,10 +244,9 @@ class ModelRunner:
         self.table_rows.drop(request_id)
 
     # -- batch preparation -----------------------------------------------------
+    @faults.fault_point("prepare", lambda self, scheduled, *_: [s.request for s in scheduled])
     def prepare(self, scheduled: list[ScheduledRequest],
                 previous: LaunchedStep | None = None) -> FlatBatch:
-        if faults.ARMED:
-            faults.trip("prepare", [s.request for s in scheduled])
         # Decodes first (a stable sort): backends find them in rows 0..B-1. A request
         # verifying drafts queries k + 1 rows, like a short prompt chunk.
         scheduled = sorted(scheduled, key=lambda s: s.num_new_tokens + len(s.spec_token_ids) > 1)
@@ -268,10 +263,12 @@ class ModelRunner:
         spans = self.sampler.prompt.plan(scheduled, query_starts)
         for span in spans:
             rows.extend(range(span.row, span.row + span.count))
+        num_prompt = len(rows) - len(sampling)
         verifying = [s for s in scheduled if s.spec_token_ids]
         for i, s in enumerate(scheduled):
             if s.spec_token_ids:
                 rows.extend(range(query_starts[i], query_starts[i + 1]))
+        counts = LogitRows(len(sampling), num_prompt, len(rows) - len(sampling) - num_prompt)
         host = build_host_step([s.start for s in scheduled], lens,
                                self.table_rows.gather(scheduled), self.block_size)
         positions, common, (input_ids, logit_rows) = host.to_device(
@@ -282,4 +279,5 @@ class ModelRunner:
                             for i, s in enumerate(scheduled)], previous)
         return FlatBatch(input_ids=input_ids, positions=positions,
                          attention=self.attn_backend.prepare(common), logit_rows=logit_rows,
-                         sampling=sampling, prompt_spans=spans, verifying=verifying)
+                         rows=counts, sampling=sampling, prompt_spans=spans,
+                         verifying=verifying)

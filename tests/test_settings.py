@@ -9,9 +9,8 @@ import dataclasses
 import pytest
 
 from engine.arg_types import parse_bool, parse_size
-from engine.config import EngineConfig
+from engine.config import EngineConfig, SpeculativeConfig
 from engine.settings import dest_name, env_name, flag_name, from_args, settings_of
-from engine.spec_decode.config import SpeculativeConfig
 from server.cli import build_parser
 from server.config import ServerConfig
 

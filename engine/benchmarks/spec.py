@@ -11,9 +11,8 @@ from __future__ import annotations
 import time
 
 from engine.benchmarks.provenance import provenance
-from engine.config import EngineConfig
+from engine.config import EngineConfig, SpeculativeConfig
 from engine.engine import Engine
-from engine.spec_decode.config import SpeculativeConfig
 from scheduler.sampling_params import SamplingParams
 
 PASSAGE = ("The old lighthouse stood at the edge of the cliff for more than a hundred "

@@ -1,4 +1,5 @@
-"""Sampling: logits processors, the sampler, logprobs and prompt logprobs."""
+"""Sampling: logits processors, the sampler, logprobs and prompt logprobs, and the
+verification of speculative drafts (verify.py, rejection.py, verify_positions.py)."""
 from engine.sampling.sample import sample
 from engine.sampling.sampler import Sampler, StepResult
 

@@ -23,7 +23,8 @@ from engine.sampling.logprobs import (HostTransfer, decode_block, logprob_block,
                                       raw_logprobs)
 from engine.sampling.prompt_logprobs import PromptLogprobs, PromptSpan
 from engine.sampling.sample import sample
-from engine.spec_decode.verify import verify as verify_drafts
+from engine.sampling.step_logits import StepLogits
+from engine.sampling.verify import verify as verify_drafts
 from scheduler.output import ScheduledRequest
 from scheduler.request import Request
 
@@ -71,12 +72,7 @@ class Sampler:
         self._generators.pop(request_id, None)
         self.prompt.release(request_id)
 
-    def run(self, logits: torch.Tensor, sampling: list[ScheduledRequest],
-            spans: list[PromptSpan]) -> StepResult:
-        """logits: the rows of `sampling` in order, then the rows of `spans`."""
-        return self.finish(self.launch(logits, sampling, spans))
-
-    def launch(self, logits: torch.Tensor, sampling: list[ScheduledRequest],
+    def launch(self, logits: StepLogits, sampling: list[ScheduledRequest],
                spans: list[PromptSpan]) -> SampleLaunch:
         """The device half of run(): the tokens drawn and their copy to the host
         started, nothing waited for. A fault here is isolated at once (the launch
@@ -105,18 +101,18 @@ class Sampler:
             result.failed.update(failed)
             return result
 
-    def _run(self, logits: torch.Tensor, sampling: list[ScheduledRequest],
+    def _run(self, logits: StepLogits, sampling: list[ScheduledRequest],
              spans: list[PromptSpan]) -> StepResult:
         """One attempt, both halves, faults propagating (for _isolate)."""
         return self._finish(self._launch(logits, sampling, spans))
 
-    def _launch(self, logits: torch.Tensor, sampling: list[ScheduledRequest],
+    def _launch(self, logits: StepLogits, sampling: list[ScheduledRequest],
                 spans: list[PromptSpan]) -> SampleLaunch:
         seqs, rows = _sequences(sampling)
-        step_logits = logits[:len(sampling)]
+        step_logits = logits.sample
         bad = _non_finite(step_logits)
         if len(rows) != len(sampling):
-            step_logits = step_logits[_index(rows, logits.device)]
+            step_logits = step_logits[_index(rows, step_logits.device)]
         want = [j for j, q in enumerate(seqs) if q.params.logprobs is not None]
         # Before sampling: logprobs come from the raw logits.
         raw = raw_logprobs(step_logits[_index(want, self.device)]) if want else None
@@ -132,11 +128,12 @@ class Sampler:
         launch.k_prompt = max((s.request.params.prompt_logprobs for s in spans), default=0)
         if spans:
             targets = _index([t for s in spans for t in s.targets], self.device)
-            transfer.add(logprob_block(raw_logprobs(logits[len(sampling):]), targets,
+            transfer.add(logprob_block(raw_logprobs(logits.prompt), targets,
                                        launch.k_prompt))
         transfer.start()
         return launch
 
+    @faults.fault_point("decode", lambda self, launch, keep=None: _decoded(launch, keep))
     def _finish(self, launch: SampleLaunch, keep: set[str] | None = None) -> StepResult:
         """The launch's result, for the requests in `keep` only if given. Everything
         that can raise comes before the one change to the sampler's state that a
@@ -160,8 +157,6 @@ class Sampler:
                     if sampling[row].request.request_id in keep]
             bad_rows = [flag if s.request.request_id in keep else 0
                         for s, flag in zip(sampling, bad_rows)]
-        if faults.ARMED:
-            faults.trip("decode", seqs)
         _drop_failed(result, sampling, launch.rows, launch.seqs, bad_rows)
         for span, items in prompt_items:
             self.prompt.add(span, items)
@@ -169,7 +164,7 @@ class Sampler:
                                  or s.request.request_id in keep], result)
         return result
 
-    def _isolate(self, exc: Exception, logits: torch.Tensor,
+    def _isolate(self, exc: Exception, logits: StepLogits,
                  sampling: list[ScheduledRequest], spans: list[PromptSpan],
                  saved: dict[str, torch.Tensor]) -> StepResult:
         """The step's sampling raised. Each request is sampled again alone, on a copy
@@ -202,11 +197,10 @@ class Sampler:
         scratch.prompt = self.prompt.copy()
         return scratch
 
+    @faults.fault_point("sample", lambda self, logits, seqs: seqs)
     def _sample(self, logits: torch.Tensor, seqs: list[Request]) -> torch.Tensor | None:
         if not seqs:
             return None
-        if faults.ARMED:
-            faults.trip("sample", seqs)
         adjustments = build_adjustments(seqs, logits.shape[-1], self.device)
         return sample(logits, [q.params for q in seqs], [self._generator(q) for q in seqs],
                       adjustments)
@@ -313,18 +307,27 @@ def _owners(sampling: list[ScheduledRequest], spans: list[PromptSpan]) -> list[s
     return [s.request.request_id for s in sampling] + [s.request.request_id for s in spans]
 
 
-def _subset(logits: torch.Tensor, sampling: list[ScheduledRequest],
+def _subset(logits: StepLogits, sampling: list[ScheduledRequest],
             spans: list[PromptSpan], keep: set[str]):
-    """The arguments of run() for the requests in `keep` only."""
-    index = [i for i, s in enumerate(sampling) if s.request.request_id in keep]
-    at = len(sampling)
+    """The arguments of _run() for the requests in `keep` only."""
+    sample = [i for i, s in enumerate(sampling) if s.request.request_id in keep]
+    prompt, at = [], 0
     for span in spans:
         if span.request.request_id in keep:
-            index.extend(range(at, at + span.count))
+            prompt.extend(range(at, at + span.count))
         at += span.count
-    return (logits[_index(index, logits.device)],
+    return (logits.rows(sample, prompt),
             [s for s in sampling if s.request.request_id in keep],
             [s for s in spans if s.request.request_id in keep])
+
+
+def _decoded(launch: SampleLaunch, keep: set[str] | None) -> list[Request]:
+    """The sequences whose tokens _finish(launch, keep) reads on the host (none when
+    the launch already finished at once)."""
+    if launch.result is not None:
+        return []
+    return [q for q, row in zip(launch.seqs, launch.rows)
+            if keep is None or launch.sampling[row].request.request_id in keep]
 
 
 def _ids(seqs: list[Request]) -> list[str]:

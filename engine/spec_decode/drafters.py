@@ -17,7 +17,7 @@ import torch
 
 from engine.attention import clear_attention_context, set_attention_context
 from engine.attention.step_metadata import build_host_step
-from engine.model_runner import attach_kv_caches
+from engine.kv_caches import attach_kv_caches
 from scheduler.output import ScheduledRequest
 
 

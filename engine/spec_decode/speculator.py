@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.spec_decode.config import SpeculativeConfig
+from engine.config import SpeculativeConfig
 from engine.spec_decode.ngram import NgramProposer
 from scheduler.request import Request, RequestStatus
 

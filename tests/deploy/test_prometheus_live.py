@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from engine.async_engine import AsyncEngine
-from engine.spec_decode.config import SpeculativeConfig
+from engine.config import SpeculativeConfig
 from server.app import build_app
 from tests.deploy.files import DEPLOY, dashboard, dashboard_targets
 from tests.support.server import free_port, running_server

@@ -10,9 +10,9 @@ import random
 import pytest
 
 from engine import faults
-from engine.config import EngineConfig
+from engine.config import EngineConfig, SpeculativeConfig
+from engine.cuda_graphs import DecodeGraphPlan
 from engine.engine import Engine
-from engine.spec_decode.config import SpeculativeConfig
 from scheduler.sampling_params import SamplingParams
 from tests.engine.test_fault_isolation import _exact, _values, assert_idle, run
 from tests.support.reference import varied_prompts
@@ -145,7 +145,7 @@ def test_tiny_kv_cache_preempts_and_outputs_match(tiny_engine_factory, graphs):
               for i in range(32)]
     tight = tiny_engine_factory(num_kv_blocks=40, max_num_seqs=32, async_scheduling=True)
     if graphs:
-        tight.runner.use_decode_graphs(32, tight.max_model_len, capture=False)
+        tight.runner.use_decode_graphs(DecodeGraphPlan(32, tight.max_model_len, capture=False))
     together = tight.generate(prompts, params)
     assert tight.scheduler.num_preemptions > 0
     assert_idle(tight)
@@ -269,7 +269,7 @@ def test_a_lone_request_failing_at_preparation_on_the_decode_graph_path(
     """The step that failed sampled nothing, yet the next one was planned with the
     request's pending token: it reads a 0 there, and the request still fails."""
     engine = tiny_engine_factory(max_num_seqs=8, async_scheduling=True)
-    engine.runner.use_decode_graphs(8, engine.max_model_len, capture=False)
+    engine.runner.use_decode_graphs(DecodeGraphPlan(8, engine.max_model_len, capture=False))
     engine.add_request("R", list(range(5, 30)), greedy(8))
     outs = []
     with faults.armed(lambda r: r.request_id == "R", "prepare", "boom"):

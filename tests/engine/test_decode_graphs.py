@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from engine.cuda_graphs import batch_buckets
+from engine.cuda_graphs import DecodeGraphPlan, batch_buckets
 from scheduler.sampling_params import SamplingParams
 from tests.support.reference import varied_prompts
 
@@ -28,7 +28,7 @@ def _run(engine, prompts, params):
 def test_padded_decode_matches_eager(tiny_engine_factory, arch):
     eager = tiny_engine_factory(arch, max_num_seqs=16)
     padded = tiny_engine_factory(arch, max_num_seqs=16)
-    padded.runner.use_decode_graphs(16, padded.max_model_len, capture=False)
+    padded.runner.use_decode_graphs(DecodeGraphPlan(16, padded.max_model_len, capture=False))
     calls = []
     run = padded.runner.decode_graphs.run
     padded.runner.decode_graphs.run = lambda host, ids: calls.append(len(ids)) or run(host, ids)
@@ -45,7 +45,7 @@ def test_padded_decode_matches_eager(tiny_engine_factory, arch):
 
 def test_padding_rows_write_nothing(tiny_engine_factory):
     engine = tiny_engine_factory("llama", max_num_seqs=8)
-    engine.runner.use_decode_graphs(8, engine.max_model_len, capture=False)
+    engine.runner.use_decode_graphs(DecodeGraphPlan(8, engine.max_model_len, capture=False))
     before = [k.clone() for k, _ in engine.runner.kv_caches]
     prompts = varied_prompts(engine.model_config.vocab_size, count=3, lengths=(5, 9, 20))
     engine.generate(prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
@@ -59,7 +59,7 @@ def test_padding_rows_write_nothing(tiny_engine_factory):
 def test_capture_needs_cuda(tiny_engine_factory):
     engine = tiny_engine_factory("llama")
     with pytest.raises(ValueError, match="CUDA graphs need CUDA"):
-        engine.runner.use_decode_graphs(8, engine.max_model_len, capture=True)
+        engine.runner.use_decode_graphs(DecodeGraphPlan(8, engine.max_model_len, capture=True))
 
 
 def test_triton_planning_for_a_captured_graph(tiny_engine_factory):
@@ -68,7 +68,7 @@ def test_triton_planning_for_a_captured_graph(tiny_engine_factory):
     check the tokens against the eager torch path."""
     eager = tiny_engine_factory("llama", max_num_seqs=4)
     graphed = tiny_engine_factory("llama", max_num_seqs=4, attention_backend="triton")
-    graphed.runner.use_decode_graphs(4, graphed.max_model_len, capture=False)
+    graphed.runner.use_decode_graphs(DecodeGraphPlan(4, graphed.max_model_len, capture=False))
     g = graphed.runner.decode_graphs
 
     def as_captured(host, ids):

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from engine.spec_decode.config import SpeculativeConfig
+from engine.config import SpeculativeConfig
 from server.cli import build_parser, engine_config_from_args, main
 from tests.support.server import engine_http_client
 

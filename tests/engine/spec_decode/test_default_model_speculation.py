@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, SpeculativeConfig
 from engine.engine import Engine
-from engine.spec_decode.config import SpeculativeConfig
 from scheduler.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)

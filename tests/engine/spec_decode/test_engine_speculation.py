@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from engine.spec_decode.config import SpeculativeConfig
+from engine.config import SpeculativeConfig
 from scheduler.sampling_params import SamplingParams
 from tests.support.tiny_models import make_tiny_model
 

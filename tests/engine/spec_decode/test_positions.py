@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 
 from engine.sampling.adjustments import build_adjustments
-from engine.spec_decode.positions import draft_positions, verification_adjustments
+from engine.sampling.verify_positions import draft_positions, verification_adjustments
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
 

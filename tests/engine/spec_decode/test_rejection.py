@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from engine.sampling import sample
-from engine.spec_decode.rejection import (PAD, GeneratorCheckpoints, pad_drafts,
+from engine.sampling.rejection import (PAD, GeneratorCheckpoints, pad_drafts,
                                           pad_positions, rejection_sample, target_probs,
                                           verification_probs)
 from scheduler.sampling_params import SamplingParams

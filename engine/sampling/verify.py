@@ -8,8 +8,8 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.spec_decode.positions import verification_adjustments
-from engine.spec_decode.rejection import (GeneratorCheckpoints, pad_drafts,
+from engine.sampling.verify_positions import verification_adjustments
+from engine.sampling.rejection import (GeneratorCheckpoints, pad_drafts,
                                           rejection_sample, verification_probs)
 from scheduler.request import Request
 
