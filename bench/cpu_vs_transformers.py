@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.provenance import provenance  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.default_model import ensure_default_model  # noqa: E402
+from modelstore.default_model import ensure_default_model  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from scheduler.sampling_params import SamplingParams  # noqa: E402
 
@@ -61,7 +61,7 @@ def ours_http(engine: Engine, prompts: list[list[int]]) -> dict:
     import httpx
     from httpx_sse import EventSource
 
-    from engine.async_engine import AsyncEngine
+    from engine.client.async_engine import AsyncEngine
     from server.app import build_app
     from tests.support.server import running_server
 

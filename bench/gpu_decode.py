@@ -1,4 +1,4 @@
-"""Batch-1 speed at real model sizes, without weights: a shipped preset (engine/presets)
+"""Batch-1 speed at real model sizes, without weights: a shipped preset (modelstore/presets)
 with random weights, kvserve beside transformers in the same run, same dtype, same
 device. The measurement is `kvserve bench decode` (engine/benchmarks/decode.py, whose
 docstring lists the workloads); this script keeps the flags that bench/gpu_session.sh

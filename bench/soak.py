@@ -238,7 +238,7 @@ class Target:
 def serving(model_dir: str | Path, concurrency: int = 64):
     """A server on `model_dir` in this process, with an API key, --max-n and a body
     limit (some bad requests are judged against them)."""
-    from engine.async_engine import AsyncEngine
+    from engine.client.async_engine import AsyncEngine
     from engine.config import EngineConfig
     from engine.engine import Engine
     from server.app import build_app

@@ -40,7 +40,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if args.model is None:
-        from engine.default_model import ensure_default_model
+        from modelstore.default_model import ensure_default_model
         args.model = str(ensure_default_model())
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.async_scheduling]
     runs = [measure(args, overlapped) for overlapped in modes]

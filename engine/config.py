@@ -63,8 +63,8 @@ class ModelConfig:
 
     @staticmethod
     def from_pretrained(model_dir: str | Path) -> "ModelConfig":
-        """`model_dir` is a model directory or `preset:NAME` (engine/presets)."""
-        from engine.presets import resolve_model_path
+        """`model_dir` is a model directory or `preset:NAME` (modelstore/presets)."""
+        from modelstore.presets import resolve_model_path
 
         try:
             path = resolve_model_path(model_dir)

@@ -10,8 +10,8 @@ import torch
 from engine.attention import make_backend
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphPlan
-from engine.loader import (ModelLoadError, check_fits, has_tokenizer, load_model,
-                           load_tokenizer, resolve_device, resolve_dtype)
+from engine.loader import (ModelLoadError, check_fits, load_model, resolve_device,
+                           resolve_dtype)
 from engine.memory_budget import profile_kv_budget
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.outputs import RequestOutput, RequestTimes
@@ -22,6 +22,7 @@ from engine.spec_decode.speculator import Speculator
 from scheduler.output import SchedulerOutput
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
+from modelstore.tokenizer import has_tokenizer, load_tokenizer
 from scheduler.config import KVCacheConfig, SchedulerConfig
 from scheduler.scheduler import Scheduler
 

@@ -14,15 +14,12 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
-from engine.presets import resolve_model_path
+from modelstore.errors import ModelLoadError
+from modelstore.presets import resolve_model_path
 
 log = logging.getLogger("kvserve.loader")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ModelLoadError(RuntimeError):
-    """The model cannot be loaded: missing files, bad weights, or not enough memory."""
 
 
 def resolve_device(device: str) -> torch.device:
@@ -193,26 +190,3 @@ def _expected_weights(model, params: dict) -> set[tuple[str, int | None]]:
         else:
             expected.add((name, None))
     return expected
-
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
-                    "vocab.json")
-
-
-def has_tokenizer(model_dir: str | Path) -> bool:
-    """False for a preset or a directory with only config.json (and maybe weights):
-    such a model is served token ids only."""
-    try:
-        path = resolve_model_path(model_dir)
-    except ValueError:
-        return False
-    return any((path / f).is_file() for f in _TOKENIZER_FILES)
-
-
-def load_tokenizer(model_dir: str | Path):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
-    except Exception as exc:
-        raise ModelLoadError(f"cannot load the tokenizer from {model_dir}: {exc}") from exc

@@ -1,6 +1,6 @@
 """A decoder-only (Llama-family) model's sizes from its Hugging Face config.json, and
 where that file is: a path, a model directory, or a preset name shipped under
-engine/presets/NAME/config.json (read as a file; engine's Python is never imported)."""
+modelstore/presets/NAME/config.json (read as a file; engine's Python is never imported)."""
 from __future__ import annotations
 
 import importlib.util
@@ -54,12 +54,11 @@ class ModelShape:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
 
-def presets_dir() -> Path | None:
-    """engine/presets, found without importing engine (whose __init__ needs torch)."""
-    spec = importlib.util.find_spec("engine")
-    roots = list(spec.submodule_search_locations or []) if spec else []
-    roots.append(str(Path(__file__).resolve().parents[1] / "engine"))
-    return next((Path(r) / "presets" for r in roots if (Path(r) / "presets").is_dir()), None)
+def presets_dir() -> Path:
+    """modelstore/presets (plain files; modelstore imports neither torch nor engine)."""
+    from modelstore.presets import PRESETS_DIR
+
+    return PRESETS_DIR
 
 
 def config_path(model: str) -> Path:
@@ -70,9 +69,9 @@ def config_path(model: str) -> Path:
         return path
     name = model.removeprefix("preset:")
     root = presets_dir()
-    if root is not None and (root / name / "config.json").is_file():
+    if (root / name / "config.json").is_file():
         return root / name / "config.json"
-    known = sorted(p.parent.name for p in root.glob("*/config.json")) if root else []
+    known = sorted(p.parent.name for p in root.glob("*/config.json"))
     raise FileNotFoundError(f"no config.json at {model!r} and no such preset "
                             f"(known: {', '.join(known) or 'none'})")
 

@@ -174,9 +174,7 @@ class KVCacheManager:
         bs = self.block_size
         ids = req.block_ids if req is not None else ()
         have = len(ids)
-        grow = -(-reach // bs) - have
-        if grow < 0:
-            grow = 0
+        grow = max(0, -(-reach // bs) - have)
         first = num_computed_tokens // bs
         shared = ()
         # Hot path (decode): the write lands in the private last block, so the

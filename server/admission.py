@@ -13,7 +13,7 @@ from collections.abc import Callable
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from engine.engine_client import EngineClient
+from engine.client.engine_client import EngineClient
 from server.errors import error_response
 
 # Routes that put work on the engine. Everything else (models, tokenize, health,

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from engine.engine_client import EngineClient
+from engine.client.engine_client import EngineClient
 from server.chat import ChatService
 from server.completions import CompletionService
 from server.errors import APIError, error_response, install_error_handlers

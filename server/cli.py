@@ -49,7 +49,7 @@ def server_config_from_args(args) -> ServerConfig:
 def resolve_model(args) -> tuple[str, list[str]]:
     """(model directory, served names)."""
     if args.model is None:
-        from engine.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+        from modelstore.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 
         path, names = str(ensure_default_model()), [DEFAULT_MODEL_NAME]
     else:
@@ -61,7 +61,7 @@ def resolve_model(args) -> tuple[str, list[str]]:
 
 
 def _check_model_arg(model: str, load_format: str) -> None:
-    from engine.presets import is_preset, resolve_model_path
+    from modelstore.presets import is_preset, resolve_model_path
 
     if not is_preset(model):
         if not os.path.isdir(model):
@@ -82,9 +82,9 @@ def serve(args) -> None:
 
     from engine.attention import AttentionBackendError
     from engine.config import ModelConfigError
-    from engine.launch import start_engine
+    from engine.client.launch import start_engine
     from engine.loader import ModelLoadError
-    from engine.process_engine import EngineStartError
+    from engine.client.process_engine import EngineStartError
     from server.app import build_app
     from server.shutdown import GracefulServer
 

@@ -12,13 +12,13 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from engine.engine_client import EngineClient
+from engine.client.engine_client import EngineClient
 from server.admission import GENERATION_PATHS, Admission, AdmissionMiddleware
 from server.auth import ApiKeyMiddleware, guarded
 from server.config import ServerConfig
 from server.limits import BodyLimitMiddleware
 from server.metrics import ServerMetrics
-from server.metrics_frontend import ArrivalMiddleware
+from server.metrics.frontend import ArrivalMiddleware
 from server.tokenization import Tokenization
 from server.tokenize_api import tokenize_router
 

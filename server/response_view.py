@@ -10,7 +10,7 @@ from server import generation
 from server.errors import APIError, sse_data, sse_error
 from server.generation import ChoiceDelta, PromptGroup
 from server.logprobs import TokenText
-from server.metrics_frontend import current_clock
+from server.metrics.frontend import current_clock
 
 
 class ResponseView:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from engine.engine_client import EngineClient
+from engine.client.engine_client import EngineClient
 from server import generation
 from server.errors import APIError
 from server.generation import PromptGroup, TextOptions

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import Field, ValidationError
 
-from engine.engine_client import EngineClient
+from engine.client.engine_client import EngineClient
 from server.chat_template import render_chat, render_chat_text
 from server.errors import APIError, no_tokenizer
 from server.protocol import ChatMessage, OpenAIRequest

@@ -2,7 +2,7 @@
 model names; each failure is an APIError with OpenAI's status and wording."""
 from __future__ import annotations
 
-from engine.engine_client import EngineClient
+from engine.client.engine_client import EngineClient
 from scheduler.sampling_params import SamplingParams
 from server.errors import APIError, no_tokenizer
 from server.protocol import SamplingFields

@@ -28,7 +28,7 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def default_model_dir():
-    from engine.default_model import ensure_default_model
+    from modelstore.default_model import ensure_default_model
 
     return ensure_default_model()
 

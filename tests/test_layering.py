@@ -44,6 +44,15 @@ def test_pure_python_packages_do_not_import_torch(package):
         assert "torch" not in imported_top_levels(path), path
 
 
+def test_modelstore_imports_nothing_of_kvserve():
+    """Getting a model directory needs no engine: the server, the engine and the
+    bench client use it, and it uses none of them (torch only inside the default
+    model's conversion, so the bench client can read the presets without it)."""
+    for path in (ROOT / "modelstore").rglob("*.py"):
+        assert not imported_top_levels(path) & (set(LAYERS) | {"kvbench", "bench"}), path
+        assert "torch" not in module_level_imports(path), path
+
+
 def test_kvbench_is_a_client_of_the_http_api_only():
     """kvbench runs on machines without torch: it talks to servers over HTTP."""
     forbidden = set(LAYERS) | {"torch", "transformers"}

@@ -108,10 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
 def resolve_model(args) -> None:
     """args.model becomes a directory or preset:NAME, args.model_name what to call it;
     SystemExit with a clear message for one that cannot load."""
-    from engine.presets import is_preset, resolve_model_path
+    from modelstore.presets import is_preset, resolve_model_path
 
     if args.model is None:
-        from engine.default_model import (DEFAULT_MODEL_NAME, DefaultModelError,
+        from modelstore.default_model import (DEFAULT_MODEL_NAME, DefaultModelError,
                                           ensure_default_model)
         try:
             args.model = str(ensure_default_model())

@@ -33,7 +33,7 @@ from engine.benchmarks.utilisation import (Clock, bytes_per_decode_step, copy_ba
 from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.loader import resolve_device, resolve_dtype, weight_bytes
-from engine.presets import PREFIX, is_preset
+from modelstore.presets import PREFIX, is_preset
 from scheduler.sampling_params import SamplingParams
 
 DECODE_PROMPT_LEN = 128

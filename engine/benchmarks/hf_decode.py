@@ -11,7 +11,7 @@ from engine.benchmarks.decode import (DECODE_PROMPT_LEN, decode_row, free_device
                                       split_row)
 from engine.benchmarks.utilisation import Clock
 from engine.config import ModelConfig
-from engine.presets import resolve_model_path
+from modelstore.presets import resolve_model_path
 
 
 def build_hf(args, device: torch.device, dtype: torch.dtype):

@@ -10,7 +10,7 @@ import pytest
 from server.cli import build_parser
 from tests.deploy.files import compose, dockerfile_stages, exec_form
 
-NOT_FLAGS = {"KVSERVE_CACHE"}  # engine/default_model.py's cache root, not a flag
+NOT_FLAGS = {"KVSERVE_CACHE"}  # modelstore/default_model.py's cache root, not a flag
 
 
 def _serve_parser() -> argparse.ArgumentParser:

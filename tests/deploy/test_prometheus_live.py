@@ -19,7 +19,7 @@ import httpx
 import pytest
 import yaml
 
-from engine.async_engine import AsyncEngine
+from engine.client.async_engine import AsyncEngine
 from engine.config import SpeculativeConfig
 from server.app import build_app
 from tests.deploy.files import DEPLOY, dashboard, dashboard_targets

@@ -1,4 +1,4 @@
-"""The typed messages between the server and the engine loop (engine/messages.py):
+"""The typed messages between the server and the engine loop (engine/client/messages.py):
 what the client sends for a request's life, and that they cross a process pipe."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import pickle
 
 import pytest
 
-from engine.engine_client import EngineClient
-from engine.engine_loop import EngineLoop
-from engine.messages import AbortRequest, AddRequest, Shutdown, StepReport
+from engine.client.engine_client import EngineClient
+from engine.client.engine_loop import EngineLoop
+from engine.client.messages import AbortRequest, AddRequest, Shutdown, StepReport
 from engine.outputs import RequestOutput
 from scheduler.sampling_params import SamplingParams
 

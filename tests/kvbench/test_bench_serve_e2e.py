@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from engine.async_engine import AsyncEngine
+from engine.client.async_engine import AsyncEngine
 from server import cli
 from server.app import build_app
 from tests.support.server import running_server

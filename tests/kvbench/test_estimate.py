@@ -1,5 +1,5 @@
 """The roofline calculator on Llama-3.1-8B and Llama-3.2-1B (numbers inline, so the
-test does not depend on engine/presets)."""
+test does not depend on modelstore/presets)."""
 from __future__ import annotations
 
 import json
@@ -99,7 +99,7 @@ def test_preset_names_resolve_when_shipped():
     try:
         path = config_path("llama-3.1-8b")
     except FileNotFoundError:
-        pytest.skip("engine/presets/llama-3.1-8b is not there")
+        pytest.skip("modelstore/presets/llama-3.1-8b is not there")
     assert load_shape(str(path)) == ModelShape.from_config(LLAMA_8B)
     assert config_path("preset:llama-3.1-8b") == path
 

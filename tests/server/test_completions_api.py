@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from engine.async_engine import AsyncEngine
+from engine.client.async_engine import AsyncEngine
 from engine.engine import Engine
 from scheduler.sampling_params import SamplingParams
 from server.app import VERSION, build_app

@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from engine.config import EngineConfig
-from engine.loader import load_tokenizer
-from engine.process_engine import EngineStartError, ProcessEngine
+from modelstore.tokenizer import load_tokenizer
+from engine.client.process_engine import EngineStartError, ProcessEngine
 from scheduler.sampling_params import SamplingParams
 from server.app import build_app
 from tests.support.http import assert_error, parse_sse
@@ -113,7 +113,7 @@ def test_a_model_that_cannot_load_fails_at_construction(tmp_path):
 
 
 def test_auto_mode_is_a_thread_on_cpu_and_a_process_on_cuda(tiny_model_dir):
-    from engine.launch import pick_mode
+    from engine.client.launch import pick_mode
 
     config = EngineConfig(model=str(tiny_model_dir("llama")), device="cpu")
     assert pick_mode("auto", config) == "thread"

@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 import server.generation
-from engine.async_engine import AsyncEngine
+from engine.client.async_engine import AsyncEngine
 from server.app import build_app
 from server.detokenizer import IncrementalDetokenizer
 from tests.support.http import assert_error, parse_sse, wait_idle

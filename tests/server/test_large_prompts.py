@@ -10,7 +10,7 @@ import json
 import time
 
 import httpx
-from engine.async_engine import AsyncEngine
+from engine.client.async_engine import AsyncEngine
 from server.app import build_app
 from tests.server.test_ops_shutdown import serving
 from tests.support.server import running_server

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from engine.async_engine import AsyncEngine
+from engine.client.async_engine import AsyncEngine
 from server.app import build_app
 from tests.support.http import wait_idle
 from tests.support.server import running_server

@@ -6,7 +6,7 @@ import time
 
 import httpx
 
-from engine.async_engine import AsyncEngine
+from engine.client.async_engine import AsyncEngine
 from server.app import build_app
 from tests.support.http import post_completions_concurrently
 from tests.support.metrics_script import Scrapes

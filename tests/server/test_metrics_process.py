@@ -9,10 +9,10 @@ import httpx
 import pytest
 
 from engine.config import EngineConfig
-from engine.messages import StepReport
-from engine.loader import load_tokenizer
+from engine.client.messages import StepReport
+from modelstore.tokenizer import load_tokenizer
 from engine.outputs import RequestOutput, RequestTimes
-from engine.process_engine import ProcessEngine
+from engine.client.process_engine import ProcessEngine
 from server.app import build_app
 from tests.support.metrics_script import Scrapes, complete
 from tests.support.server import running_server

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from engine.async_engine import AsyncEngine
+from engine.client.async_engine import AsyncEngine
 from server.app import build_app
 from tests.support.metrics_script import Scrapes, assert_in_buckets, complete
 from tests.support.server import running_server

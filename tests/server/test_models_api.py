@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from engine.async_engine import AsyncEngine
+from engine.client.async_engine import AsyncEngine
 from server.app import build_app
 from tests.support.http import assert_error
 from tests.support.server import running_server

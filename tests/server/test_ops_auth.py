@@ -5,7 +5,7 @@ import httpx
 import openai
 import pytest
 
-from engine.async_engine import AsyncEngine
+from engine.client.async_engine import AsyncEngine
 from server.app import build_app
 from server.config import ServerConfig
 from tests.support.http import assert_error

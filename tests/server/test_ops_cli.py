@@ -67,7 +67,7 @@ def test_negative_or_bad_limits_are_usage_errors(flag, value, capsys):
 def test_serve_wires_the_flags_through(monkeypatch, tmp_path):
     """serve() hands the keys and the queue limit to build_app, and the drain timeout
     to the graceful server (the shutdown tests run the real thing)."""
-    import engine.async_engine
+    import engine.client.async_engine
     import engine.engine
     import server.app
     import server.shutdown
@@ -93,7 +93,7 @@ def test_serve_wires_the_flags_through(monkeypatch, tmp_path):
             seen["ran"] = True
 
     monkeypatch.setattr(engine.engine, "Engine", lambda config: object())
-    monkeypatch.setattr(engine.async_engine, "AsyncEngine", lambda e: e)
+    monkeypatch.setattr(engine.client.async_engine, "AsyncEngine", lambda e: e)
     monkeypatch.setattr(server.app, "build_app", fake_build_app)
     monkeypatch.setattr(server.shutdown, "GracefulServer", FakeServer)
     cli.serve(_args("--model", str(tmp_path), "--api-key", "k1,k2",

@@ -4,7 +4,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from engine.async_engine import AsyncEngine
+from engine.client.async_engine import AsyncEngine
 from server.app import build_app
 from server.chat_template import render_chat
 from tests.support.http import assert_error

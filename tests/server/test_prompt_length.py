@@ -31,7 +31,7 @@ def tiny_tokenizer(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def default_tokenizer(default_model_dir):
-    from engine.loader import load_tokenizer
+    from modelstore.tokenizer import load_tokenizer
 
     return load_tokenizer(str(default_model_dir))
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from engine.async_engine import AsyncEngine
+from engine.client.async_engine import AsyncEngine
 from server import cli
 from server.app import build_app
 from server.config import ServerConfig

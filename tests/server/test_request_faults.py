@@ -12,10 +12,10 @@ import httpx
 import pytest
 
 from engine import faults
-from engine.async_engine import AsyncEngine
+from engine.client.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.loader import load_tokenizer
-from engine.process_engine import ProcessEngine
+from modelstore.tokenizer import load_tokenizer
+from engine.client.process_engine import ProcessEngine
 from scheduler.sampling_params import SamplingParams
 from server.app import build_app
 from tests.engine.test_fault_isolation import poisoned_copy

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from engine.async_engine import AsyncEngine
+from engine.client.async_engine import AsyncEngine
 from server.app import build_app
 from server.config import ServerConfig
 from tests.support.http import assert_error, parse_sse, wait_idle

@@ -17,7 +17,7 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode, checks
 
-from engine.async_engine import AsyncEngine
+from engine.client.async_engine import AsyncEngine
 from server.app import build_app
 from server.config import ServerConfig
 from server.protocol import ChatCompletionRequest, CompletionRequest

@@ -11,7 +11,7 @@ import json
 import httpx
 import pytest
 
-from engine.async_engine import AsyncEngine
+from engine.client.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.engine import Engine
 from kvbench.client import Target, send

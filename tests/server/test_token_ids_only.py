@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from engine.async_engine import AsyncEngine
+from engine.client.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.engine import Engine
 from scheduler.sampling_params import SamplingParams

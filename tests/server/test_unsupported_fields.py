@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from engine.async_engine import AsyncEngine
+from engine.client.async_engine import AsyncEngine
 from server.app import build_app
 from server.unsupported_fields import CHAT_FIELDS, COMPLETION_FIELDS
 from tests.support.http import assert_error, parse_sse

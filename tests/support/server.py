@@ -42,7 +42,7 @@ def engine_http_client(engine, model_name: str, timeout: float = 120.0):
     httpx.Client on it, with the engine at `.engine` for leak checks."""
     import httpx
 
-    from engine.async_engine import AsyncEngine
+    from engine.client.async_engine import AsyncEngine
     from server.app import build_app
 
     app = build_app(AsyncEngine(engine), [model_name])

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Histogram
 
-from engine.messages import StepReport
+from engine.client.messages import StepReport
 from engine.outputs import RequestOutput
 from server.metrics_buckets import ITERATION_TOKENS, REQUEST_SECONDS, one_two_five
-from server.metrics_engine import LABEL, PREFIX
+from server.metrics.engine import LABEL, PREFIX
 
 
 def histogram(registry: CollectorRegistry, name: str, doc: str, buckets,

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from engine.engine import Engine
-from engine.messages import AbortRequest, AddRequest, EngineCommand, Shutdown, StepReport
+from engine.client.messages import AbortRequest, AddRequest, EngineCommand, Shutdown, StepReport
 
 
 class CommandSource(Protocol):

@@ -1,4 +1,4 @@
-"""Tests for engine.default_model.
+"""Tests for modelstore.default_model.
 
 The slow tests use the real default cache so the ~30 s conversion happens once per
 machine and later runs reuse it.  The rest exercise the wheel/lock/marker logic
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import default_model as dm
+from modelstore import default_model as dm
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,7 +62,7 @@ def test_second_call_is_fast_and_imports_nothing_heavy(model_dir):
     assert again == model_dir
     # In a fresh interpreter the fast path must not pull in torch/transformers:
     # the server calls this at startup before deciding what to load.
-    code = ("import sys; from engine import default_model as dm; p = dm.ensure_default_model(); "
+    code = ("import sys; from modelstore import default_model as dm; p = dm.ensure_default_model(); "
             "print(p); print('transformers' in sys.modules, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
                          text=True, check=True, timeout=60).stdout.split("\n")

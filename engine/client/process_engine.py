@@ -15,8 +15,8 @@ import threading
 from multiprocessing.connection import Connection
 
 from engine.config import EngineConfig
-from engine.engine_client import EngineClient, EngineDeadError
-from engine.messages import EngineCommand, Shutdown
+from engine.client.engine_client import EngineClient, EngineDeadError
+from engine.client.messages import EngineCommand, Shutdown
 
 log = logging.getLogger("kvserve.process_engine")
 
@@ -49,7 +49,7 @@ def _child_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
     logging.basicConfig(level=log_level,
                         format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
     from engine.engine import Engine
-    from engine.engine_loop import EngineLoop
+    from engine.client.engine_loop import EngineLoop
 
     try:
         engine = Engine(config)

@@ -6,7 +6,7 @@ process would only compete for the same few cores."""
 from __future__ import annotations
 
 from engine.config import EngineConfig
-from engine.engine_client import EngineClient
+from engine.client.engine_client import EngineClient
 
 ENGINE_MODES = ("auto", "thread", "process")
 
@@ -25,12 +25,12 @@ def start_engine(config: EngineConfig, mode: str = "auto") -> EngineClient:
     """Loads the model (in whichever place) and returns its client, not yet started.
     Raises what loading raises (ModelLoadError, ModelConfigError, EngineStartError...)."""
     if pick_mode(mode, config) == "thread":
-        from engine.async_engine import AsyncEngine
+        from engine.client.async_engine import AsyncEngine
         from engine.engine import Engine
 
         return AsyncEngine(Engine(config))
-    from engine.loader import has_tokenizer, load_tokenizer
-    from engine.process_engine import ProcessEngine
+    from modelstore.tokenizer import has_tokenizer, load_tokenizer
+    from engine.client.process_engine import ProcessEngine
 
     tokenizer = load_tokenizer(config.model) if has_tokenizer(config.model) else None
     return ProcessEngine(config, tokenizer)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from engine.engine_client import EngineClient
+from engine.client.engine_client import EngineClient
 
 PREFIX = "kvserve:"
 LABEL = "model_name"

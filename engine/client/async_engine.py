@@ -10,9 +10,9 @@ import queue
 import threading
 
 from engine.engine import Engine
-from engine.engine_client import EngineClient
-from engine.engine_loop import EngineLoop
-from engine.messages import EngineCommand, Shutdown
+from engine.client.engine_client import EngineClient
+from engine.client.engine_loop import EngineLoop
+from engine.client.messages import EngineCommand, Shutdown
 
 log = logging.getLogger("kvserve.async_engine")
 

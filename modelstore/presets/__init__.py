@@ -9,11 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 
 PREFIX = "preset:"
-_ROOT = Path(__file__).resolve().parent
+PRESETS_DIR = Path(__file__).resolve().parent
 
 
 def preset_names() -> list[str]:
-    return sorted(p.parent.name for p in _ROOT.glob("*/config.json"))
+    return sorted(p.parent.name for p in PRESETS_DIR.glob("*/config.json"))
 
 
 def is_preset(model: str | Path) -> bool:
@@ -29,4 +29,4 @@ def resolve_model_path(model: str | Path) -> Path:
     names = preset_names()
     if name not in names:  # also keeps a name like '../x' from leaving this folder
         raise ValueError(f"unknown preset {name!r}; kvserve ships {', '.join(names)}")
-    return _ROOT / name
+    return PRESETS_DIR / name

@@ -3,13 +3,13 @@
 Every series carries `model_name`, the first served model name.
 
 Where each value comes from:
-  - gauges and counters (metrics_engine): read at scrape time from the totals that
+  - gauges and counters (engine.py): read at scrape time from the totals that
     EngineClient sums from the engine's StepReports;
-  - per-sequence engine timings and lengths, tokens per step (metrics_requests): a
+  - per-sequence engine timings and lengths, tokens per step (requests.py): a
     report listener, once per step;
-  - TTFT, inter-token and e2e latency (metrics_frontend): the front end, when
+  - TTFT, inter-token and e2e latency (frontend.py): the front end, when
     tokens are sent;
-  - the periodic log line (metrics_log): another report listener.
+  - the periodic log line (log.py): another report listener.
 
 Each app gets its own CollectorRegistry, so several apps in one process (tests)
 never collide in prometheus-client's global registry."""
@@ -18,11 +18,11 @@ from __future__ import annotations
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from engine.engine_client import EngineClient
-from server.metrics_engine import EngineCollector
-from server.metrics_frontend import FrontendHistograms
-from server.metrics_log import StatsLogger
-from server.metrics_requests import EngineHistograms
+from engine.client.engine_client import EngineClient
+from server.metrics.engine import EngineCollector
+from server.metrics.frontend import FrontendHistograms
+from server.metrics.log import StatsLogger
+from server.metrics.requests import EngineHistograms
 
 
 class ServerMetrics:

@@ -1,4 +1,4 @@
-"""Shipped model shapes (engine/presets): real Llama sizes counted on the meta device,
+"""Shipped model shapes (modelstore/presets): real Llama sizes counted on the meta device,
 a tiny one run end to end with random weights and no tokenizer, and the CLI's checks."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from engine import loader
 from engine.config import EngineConfig, ModelConfig, ModelConfigError
 from engine.engine import Engine
-from engine.presets import preset_names, resolve_model_path
+from modelstore.presets import preset_names, resolve_model_path
 from scheduler.sampling_params import SamplingParams
 
 # Parameter counts of the released checkpoints (Hugging Face model cards / safetensors).
@@ -111,8 +111,8 @@ def test_package_data_ships_every_preset():
     tomllib = pytest.importorskip("tomllib")
     root = Path(__file__).resolve().parents[2]
     data = tomllib.loads((root / "pyproject.toml").read_text())
-    globs = data["tool"]["setuptools"]["package-data"]["engine.presets"]
-    shipped = {p for g in globs for p in (root / "engine" / "presets").glob(g)}
+    globs = data["tool"]["setuptools"]["package-data"]["modelstore.presets"]
+    shipped = {p for g in globs for p in (root / "modelstore" / "presets").glob(g)}
     assert {resolve_model_path(f"preset:{n}") / "config.json" for n in preset_names()} <= shipped
 
 

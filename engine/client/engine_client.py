@@ -15,7 +15,7 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
-from engine.messages import AbortRequest, AddRequest, EngineCommand, StepReport
+from engine.client.messages import AbortRequest, AddRequest, EngineCommand, StepReport
 from engine.outputs import RequestOutput
 from engine.request_checks import check_request
 from engine.spec_decode.speculator import SpecDecodeStats

@@ -25,7 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.admission import GENERATION_PATHS
 from server.metrics_buckets import ITL_SECONDS, REQUEST_SECONDS, TTFT_SECONDS
-from server.metrics_requests import histogram
+from server.metrics.requests import histogram
 
 
 class FrontendHistograms:

@@ -1,0 +1,30 @@
+"""A model directory's tokenizer, when it has one: presets and config-only
+directories have none, and such a model is served token ids only."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from modelstore.errors import ModelLoadError
+from modelstore.presets import resolve_model_path
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+                    "vocab.json")
+
+
+def has_tokenizer(model_dir: str | Path) -> bool:
+    """False for a preset or a directory with only config.json (and maybe weights):
+    such a model is served token ids only."""
+    try:
+        path = resolve_model_path(model_dir)
+    except ValueError:
+        return False
+    return any((path / f).is_file() for f in _TOKENIZER_FILES)
+
+
+def load_tokenizer(model_dir: str | Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load the tokenizer from {model_dir}: {exc}") from exc
