@@ -33,7 +33,9 @@ COPY engine ./engine
 COPY scheduler ./scheduler
 COPY kvcache ./kvcache
 COPY modelstore ./modelstore
-COPY kvbench ./kvbench
+COPY bench/__init__.py bench/provenance.py ./bench/
+COPY bench/client ./bench/client
+COPY bench/in_process ./bench/in_process
 # kvserve itself, from this checkout (DL3013 wants a version: it is the checkout's).
 # hadolint ignore=DL3013
 RUN pip install ".[gpu]"

@@ -1,6 +1,6 @@
 """Batch-1 speed at real model sizes, without weights: a shipped preset (modelstore/presets)
 with random weights, kvserve beside transformers in the same run, same dtype, same
-device. The measurement is `kvserve bench decode` (engine/benchmarks/decode.py, whose
+device. The measurement is `kvserve bench decode` (bench/in_process/decode.py, whose
 docstring lists the workloads); this script keeps the flags that bench/gpu_session.sh
 uses, turns transformers on, and prints the result as JSON.
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.benchmarks.decode import run  # noqa: E402
+from bench.in_process.decode import run  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -1,8 +1,31 @@
-"""Where a benchmark result came from: machine, commit and the exact command. The
-logic lives in engine/benchmarks/provenance.py (so an installed `kvserve bench` has
-it); the scripts in bench/ keep importing it from here."""
+"""Where a benchmark result came from: machine, commit and the exact command (every
+benchmark of the tree records it; no torch, so bench/client can use it too)."""
 from __future__ import annotations
 
-from engine.benchmarks.provenance import git_commit, provenance  # noqa: F401
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
 
-__all__ = ["git_commit", "provenance"]
+
+def git_commit() -> str:
+    """Short commit of the source tree this file is in; '' without git or a .git. A
+    copy of the tree sent to another machine may have neither: KVSERVE_COMMIT then
+    names the commit."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=10, cwd=Path(__file__).resolve().parent)
+        commit = out.stdout.strip() if out.returncode == 0 else ""
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return commit or os.environ.get("KVSERVE_COMMIT", "")
+
+
+def provenance(device: str | None = None, command: str | None = None) -> dict:
+    """`device`: a name for it (default: this CPU); `command`: how the run was started
+    (default: python and sys.argv)."""
+    return {"device": device or f"cpu ({platform.machine()}, {os.cpu_count()} cores)",
+            "commit": git_commit(),
+            "command": command or " ".join(["python"] + sys.argv),
+            "python": platform.python_version()}

@@ -1,5 +1,5 @@
 """Argument parsers shared by every kvserve command line (`kvserve serve` in server/
-and `kvserve bench offline|decode` in engine/benchmarks/)."""
+and `kvserve bench offline|decode` in bench/in_process/)."""
 from __future__ import annotations
 
 import argparse

@@ -1,6 +1,11 @@
-"""The one error of getting a model: its files are missing or unreadable, its
-weights are bad, or it does not fit (engine/loader.py raises it too)."""
+"""What can go wrong getting a model: the default model cannot be provided (the
+message says what to do), or a model's files are missing or unreadable, its
+weights bad, or it does not fit (engine/loader.py raises that one too)."""
 
 
 class ModelLoadError(RuntimeError):
     """The model cannot be loaded: missing files, bad weights, or not enough memory."""
+
+
+class DefaultModelError(RuntimeError):
+    """The default model could not be provided; the message says what to do."""

@@ -18,8 +18,8 @@ log = logging.getLogger("kvserve")
 CLIENT_TOOLS = {"bench": "benchmarks: bench serve|plot load-test an OpenAI-compatible "
                          "server; bench offline|decode|spec run the engine in process",
                 "estimate": "roofline: memory, KV capacity, speed and cost on a GPU"}
-# `kvserve bench TOOL` for these goes to engine/benchmarks (the engine in this process);
-# every other bench tool to kvbench, which is a client of the HTTP API only.
+# `kvserve bench TOOL` for these goes to bench/in_process (the engine in this process);
+# every other bench tool to bench/client, which is a client of the HTTP API only.
 ENGINE_BENCH_TOOLS = ("offline", "decode", "spec")
 
 
@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the OpenAI-compatible server")
     add_flags(serve, EngineConfig)
     add_flags(serve, ServerConfig)
-    # Tools parsed by kvbench or engine/benchmarks: with "\0" as the only prefix
+    # Tools parsed by bench/client or bench/in_process: with "\0" as the only prefix
     # character every flag passes through unparsed, and neither package is imported
     # unless one of its tools runs.
     for name, what in CLIENT_TOOLS.items():
@@ -118,13 +118,13 @@ def serve(args) -> None:
 def main(argv: list[str] | None = None) -> int | None:
     args = build_parser().parse_args(argv)
     if args.command == "bench" and args.argv[:1] and args.argv[0] in ENGINE_BENCH_TOOLS:
-        from engine.benchmarks.cli import main as engine_bench_main
+        from bench.in_process.cli import main as engine_bench_main
 
         return engine_bench_main(args.argv)
     if args.command in CLIENT_TOOLS:
-        from kvbench.cli import main as kvbench_main
+        from bench.client.cli import main as client_main
 
-        return kvbench_main([args.command, *args.argv])
+        return client_main([args.command, *args.argv])
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":

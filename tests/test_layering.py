@@ -49,23 +49,26 @@ def test_modelstore_imports_nothing_of_kvserve():
     bench client use it, and it uses none of them (torch only inside the default
     model's conversion, so the bench client can read the presets without it)."""
     for path in (ROOT / "modelstore").rglob("*.py"):
-        assert not imported_top_levels(path) & (set(LAYERS) | {"kvbench", "bench"}), path
+        assert not imported_top_levels(path) & (set(LAYERS) | {"bench"}), path
         assert "torch" not in module_level_imports(path), path
 
 
-def test_kvbench_is_a_client_of_the_http_api_only():
-    """kvbench runs on machines without torch: it talks to servers over HTTP."""
+def test_the_bench_client_is_a_client_of_the_http_api_only():
+    """bench/client runs on machines without torch: it talks to servers over HTTP
+    (of the rest of the tree it uses only bench/provenance.py, which needs nothing)."""
     forbidden = set(LAYERS) | {"torch", "transformers"}
-    for path in (ROOT / "kvbench").rglob("*.py"):
+    for path in [*(ROOT / "bench" / "client").rglob("*.py"), ROOT / "bench" / "provenance.py"]:
         assert not imported_top_levels(path) & forbidden, path
+        assert not any(line.startswith(("from bench.in_process", "import bench.in_process"))
+                       for line in path.read_text().splitlines()), path
 
 
 @pytest.mark.parametrize("package", LAYERS)
-def test_layers_import_kvbench_only_lazily(package):
-    """server/cli.py hands `bench`/`estimate` to kvbench from inside a function, so
+def test_layers_import_the_benchmarks_only_lazily(package):
+    """server/cli.py hands `bench`/`estimate` to bench/ from inside a function, so
     `kvserve serve` never loads it."""
     for path in (ROOT / package).rglob("*.py"):
-        assert "kvbench" not in module_level_imports(path), path
+        assert "bench" not in module_level_imports(path), path
 
 
 # The scheduler alone owns the KV cache manager and its queues (as in vLLM v1): above
@@ -94,3 +97,60 @@ def test_only_the_scheduler_touches_the_kv_cache_and_its_queues(package):
                        for node in ast.walk(tree)), path
         assert _scheduler_uses(tree) <= SCHEDULER_VERBS, (
             path, _scheduler_uses(tree) - SCHEDULER_VERBS)
+
+
+PACKAGES = [*LAYERS, "modelstore", "bench"]
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the project modules it imports anywhere (lazily too), with the
+    packages whose __init__ such an import runs first."""
+    modules = {_module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+
+    def resolve(name: str) -> str | None:
+        parts = name.split(".")
+        return next((".".join(parts[:i]) for i in range(len(parts), 0, -1)
+                     if ".".join(parts[:i]) in modules), None)
+
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets.update(f"{node.module}.{alias.name}" for alias in node.names)
+        deps = {m for m in map(resolve, targets) if m is not None}
+        for dep in list(deps):  # importing a.b.c runs a/__init__ and a/b/__init__
+            parts = dep.split(".")
+            deps.update(p for p in (".".join(parts[:i]) for i in range(1, len(parts)))
+                        if p in modules and not name.startswith(p + "."))
+        graph[name] = deps - {name}
+    return graph
+
+
+def test_no_import_cycles_anywhere():
+    import graphlib
+
+    try:
+        list(graphlib.TopologicalSorter(_import_graph()).static_order())
+    except graphlib.CycleError as exc:
+        pytest.fail(f"import cycle: {' -> '.join(exc.args[1])}")
+
+
+@pytest.mark.parametrize("package", [*LAYERS, "modelstore"])
+def test_small_files_and_functions(package):
+    """No file over 400 lines and no function over 60 in the serving packages: a
+    file is one job, a function one step of it."""
+    for path in (ROOT / package).rglob("*.py"):
+        text = path.read_text()
+        assert text.count("\n") <= 400, f"{path}: {text.count(chr(10))} lines"
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                assert length <= 60, f"{path}:{node.lineno} {node.name} has {length} lines"

@@ -1,4 +1,4 @@
-"""`kvserve bench offline` and `kvserve bench decode` (engine/benchmarks): both end to
+"""`kvserve bench offline` and `kvserve bench decode` (bench/in_process): both end to
 end in this process on the CPU with tiny sizes, the MFU/MBU arithmetic on numbers
 worked by hand, and the routing of `kvserve bench TOOL`."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.benchmarks.utilisation import (attention_flops, bytes_per_decode_step,
+from bench.in_process.utilisation import (attention_flops, bytes_per_decode_step,
                                            matmul_params, mbu, mfu, peak_tflops,
                                            prefill_flops, table_peak_tflops)
 from engine.config import ModelConfig
@@ -65,7 +65,7 @@ def test_bench_decode_end_to_end(tmp_path, capsys):
         ours["decode"]["achieved_read_gbps"] / r["copy_bandwidth"]["gbps"])
     assert "transformers" not in r  # --transformers is off unless asked for
     # `kvserve estimate --calibrate` takes the first mbu/mfu it finds: kvserve's
-    from kvbench.estimate import find_number
+    from bench.client.estimate import find_number
     assert find_number(r, "mbu") == ours["decode"]["mbu"]
     assert find_number(r, "mfu") == ours["prefill"]["mfu"]
     table = capsys.readouterr().out
@@ -150,27 +150,26 @@ def test_cpu_peak_is_measured():
 
 # -- routing -------------------------------------------------------------------------
 def test_bench_tools_are_routed(monkeypatch):
-    import engine.benchmarks.cli
-    import kvbench.cli
+    import bench.in_process.cli
+    import bench.client.cli
 
     calls = []
-    monkeypatch.setattr(engine.benchmarks.cli, "main", lambda argv: calls.append(
+    monkeypatch.setattr(bench.in_process.cli, "main", lambda argv: calls.append(
         ("engine", argv)) or 0)
-    monkeypatch.setattr(kvbench.cli, "main", lambda argv: calls.append(("kvbench", argv)) or 0)
+    monkeypatch.setattr(bench.client.cli, "main", lambda argv: calls.append(("client", argv)) or 0)
     for argv in (["bench", "decode", "--model", "x"], ["bench", "offline"],
                  ["bench", "serve", "--base-url", "u"], ["bench", "plot", "a.json"],
                  ["estimate", "--model", "m"]):
         cli.main(argv)
     assert calls == [("engine", ["decode", "--model", "x"]), ("engine", ["offline"]),
-                     ("kvbench", ["bench", "serve", "--base-url", "u"]),
-                     ("kvbench", ["bench", "plot", "a.json"]),
-                     ("kvbench", ["estimate", "--model", "m"])]
+                     ("client", ["bench", "serve", "--base-url", "u"]),
+                     ("client", ["bench", "plot", "a.json"]),
+                     ("client", ["estimate", "--model", "m"])]
 
 
 def test_serve_imports_no_benchmark_package():
     code = ("import sys, server.cli; server.cli.build_parser().parse_args(['serve']); "
-            "print(sorted(m for m in sys.modules if m.startswith(('engine.benchmarks', "
-            "'kvbench', 'torch'))))")
+            "print(sorted(m for m in sys.modules if m.startswith(('bench', 'torch'))))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                          text=True, timeout=60, check=True).stdout
     assert out.strip() == "[]"

@@ -14,7 +14,8 @@ import pytest
 from tests.deploy.files import ROOT, dockerfile_stages, exec_form
 
 # The packages setuptools installs (pyproject's packages.find include list).
-PACKAGES = ("server", "engine", "scheduler", "kvcache", "modelstore", "kvbench")
+PACKAGES = ("server", "engine", "scheduler", "kvcache", "modelstore", "bench/client",
+            "bench/in_process")
 
 
 def _hadolint() -> str | None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from modelstore import default_model as dm
+from modelstore.gguf_convert import dtype_kwargs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -84,7 +85,7 @@ def test_saved_model_answers_paris(model_dir, tokenizer):
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, **dm._dtype_kwargs()).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **dtype_kwargs()).eval()
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                         return_tensors="pt", return_dict=True)

@@ -14,7 +14,7 @@ import pytest
 from engine.client.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.engine import Engine
-from kvbench.client import Target, send
+from bench.client.client import Target, send
 from server.app import build_app
 from tests.support.http import parse_sse
 from tests.support.server import running_server

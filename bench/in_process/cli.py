@@ -1,0 +1,211 @@
+"""`kvserve bench offline|decode`: the engine in this process, no HTTP. server/cli.py
+hands these commands' arguments here unparsed (`bench serve|plot` go to bench/client), and
+imports this module only when one of them runs, so `kvserve serve` never loads it.
+Torch and the engine are imported only once the arguments have parsed."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shlex
+import sys
+
+TOOLS = {"offline": "engine throughput without HTTP: N requests at once to "
+                    "Engine.generate",
+         "decode": "batch-1 decode tok/s and MBU, prefill tok/s and MFU, prefill/decode "
+                   "split of one long request",
+         "spec": "batch-1 tok/s with and without speculative decoding, on an "
+                 "input-grounded task and on open-ended chat"}
+
+from engine.arg_types import parse_bool, parse_size
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="Hugging Face model directory, or preset:NAME (llama-3.2-1b, "
+                   "llama-3.1-8b, llama-tiny) with --load-format random (default: the "
+                   "embedded default model)")
+    p.add_argument("--load-format", default="safetensors", choices=["safetensors", "random"],
+                   help="read the checkpoint, or random weights of its shape")
+    p.add_argument("--dtype", default="auto",
+                   choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and KV cache (auto: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--device", default="auto", help="auto|cpu|cuda")
+    p.add_argument("--attention-backend", default="auto",
+                   choices=["auto", "triton", "flash-attn", "torch"])
+    p.add_argument("--enforce-eager", default=False, type=parse_bool,
+                   help="no CUDA graphs for decode steps")
+    p.add_argument("--seed", type=int, default=0,
+                   help="random weights and (offline) the prompts' token ids")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="write the result with device, commit and command")
+    p.add_argument("--log-level", default="warning", help="debug|info|warning|error")
+
+
+def add_offline_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--input-len", type=int, default=1024, help="prompt tokens")
+    p.add_argument("--output-len", type=int, default=128,
+                   help="new tokens per request (ignore_eos)")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="sampling temperature (as `vllm bench throughput`; 0: greedy)")
+    # The engine's options, with `kvserve serve`'s defaults.
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory", type=parse_size, default=None,
+                   help="KV cache size (default: on CUDA what --gpu-memory-utilization "
+                   "leaves; on CPU 1GiB)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    p.add_argument("--enable-prefix-caching", type=parse_bool, default=True)
+
+
+def add_decode_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt-len", type=int, default=1024,
+                   help="prompt of the TTFT/prefill and split workloads")
+    p.add_argument("--decode-tokens", type=int, default=256,
+                   help="new tokens of the decode workload (128-token prompt)")
+    p.add_argument("--split-decode-tokens", type=int, default=512,
+                   help="new tokens of the split workload")
+    p.add_argument("--repeats", type=int, default=3, help="median of this many runs")
+    p.add_argument("--copy-mib", type=int, default=None,
+                   help="copy-bandwidth buffer (default: 2048 on CUDA, 64 on CPU)")
+    p.add_argument("--matmul-size", type=int, default=None,
+                   help="n of the n x n matmul that measures peak FLOP/s where the GPU "
+                   "table has no number (default: 8192 on CUDA, 2048 on CPU)")
+    p.add_argument("--transformers", default="off", choices=["on", "off"],
+                   help="also run the workloads through transformers' generate")
+    p.add_argument("--generate-batch", default="auto", choices=["auto", "on", "off"],
+                   help="with --transformers on, time generate_batch (auto: CUDA only)")
+
+
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts per step")
+    p.add_argument("--draft-layers", type=int, default=0,
+                   help="also time early-exit drafts from this many layers (0: skip)")
+    p.add_argument("--speculative-model", default=None,
+                   help="also time drafts from this model (same vocabulary)")
+    p.add_argument("--output-len", type=int, default=128, help="new tokens per prompt (greedy)")
+    p.add_argument("--batch-sizes", type=lambda t: [int(x) for x in t.split(",") if x],
+                   default=[], help="also n-gram vs none at these batch sizes, e.g. 1,4,8,16 "
+                   "(where speculation stops paying)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve bench", description=__doc__)
+    tools = parser.add_subparsers(dest="tool", required=True)
+    for name, add in (("offline", add_offline_args), ("decode", add_decode_args),
+                      ("spec", add_spec_args)):
+        p = tools.add_parser(name, help=TOOLS[name], description=TOOLS[name])
+        add_model_args(p)
+        add(p)
+    return parser
+
+
+def resolve_model(args) -> None:
+    """args.model becomes a directory or preset:NAME, args.model_name what to call it;
+    SystemExit with a clear message for one that cannot load."""
+    from modelstore.presets import is_preset, resolve_model_path
+
+    if args.model is None:
+        from modelstore.default_model import (DEFAULT_MODEL_NAME, DefaultModelError,
+                                          ensure_default_model)
+        try:
+            args.model = str(ensure_default_model())
+        except DefaultModelError as exc:
+            raise SystemExit(f"kvserve: {exc}") from None
+        args.model_name = DEFAULT_MODEL_NAME
+        return
+    args.model_name = args.model
+    if not is_preset(args.model):
+        if not os.path.isdir(args.model):
+            raise SystemExit(f"kvserve: model directory not found: {args.model}")
+        return
+    try:
+        resolve_model_path(args.model)
+    except ValueError as exc:
+        raise SystemExit(f"kvserve: {exc}") from None
+    if args.load_format != "random":
+        raise SystemExit(f"kvserve: {args.model} is a model shape without weights; "
+                         "add --load-format random")
+
+
+def offline_engine_config(args):
+    from engine.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device,
+        max_model_len=args.max_model_len, block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        enable_prefix_caching=args.enable_prefix_caching, load_format=args.load_format,
+        seed=args.seed, attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager)
+
+
+def spec_engine_config(args):
+    """Batch 1: a cache for one request, every prompt computed (no prefix caching)."""
+    from engine.config import EngineConfig
+
+    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                        load_format=args.load_format, seed=args.seed,
+                        max_model_len=4096, kv_cache_memory=1 << 30, max_num_seqs=1,
+                        max_num_batched_tokens=2048, enable_prefix_caching=False,
+                        attention_backend=args.attention_backend,
+                        enforce_eager=args.enforce_eager)
+
+
+def run_tool(args, command: str) -> dict:
+    if args.tool == "spec":
+        from bench.in_process import spec
+        from bench.in_process.decode import save
+
+        result = spec.run(args, spec_engine_config(args), command)
+        save(result, args.json)
+        return result
+    if args.tool == "offline":
+        from bench.in_process import offline
+        from bench.in_process.decode import save
+
+        result = offline.run(args, offline_engine_config(args), command)
+        save(result, args.json)
+        return result
+    from bench.in_process import decode
+
+    return decode.run(args, command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`argv` without `kvserve bench`: ['decode', '--model', ...]."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # as `python -m bench.in_process.cli bench ...`
+        argv = argv[1:]
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    resolve_model(args)
+    from engine.attention import AttentionBackendError
+    from engine.config import ModelConfigError
+    from engine.loader import ModelLoadError
+
+    try:
+        result = run_tool(args, "kvserve bench " + shlex.join(argv))
+    except (ModelLoadError, ModelConfigError, AttentionBackendError, ValueError) as exc:
+        raise SystemExit(f"kvserve: {exc}") from None
+    from bench.in_process.spec import table as spec_table
+    from bench.in_process.tables import decode_table, offline_table
+
+    tables = {"offline": offline_table, "decode": decode_table, "spec": spec_table}
+    print(tables[args.tool](result), flush=True)
+    if args.json:
+        print(f"result written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
