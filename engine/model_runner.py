@@ -98,11 +98,6 @@ class ModelRunner:
         if plan.capture:
             self.decode_graphs.capture_all()
 
-    def execute(self, out: SchedulerOutput) -> StepResult:
-        """Runs the step: the sampled token of every request that samples (a forking
-        parent's siblings included) and the logprobs asked for."""
-        return self.finish(self.launch(out))
-
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput, previous: LaunchedStep | None = None
                ) -> LaunchedStep:
