@@ -49,8 +49,11 @@ def dest_name(f: dataclasses.Field) -> str:
     return flag_name(f).lstrip("-").replace("-", "_")
 
 
-def add_flags(parser: argparse.ArgumentParser, cls) -> None:
+def add_flags(parser: argparse.ArgumentParser, cls, only: set[str] | None = None) -> None:
+    """cls's settings as flags (`only`: these fields of it)."""
     for f in settings_of(cls):
+        if only is not None and f.name not in only:
+            continue
         if f.metadata["nested"] is not None:
             add_flags(parser, f.metadata["nested"])
         elif f.metadata["secret_list"]:

@@ -10,6 +10,9 @@ import os
 import shlex
 import sys
 
+from engine.config import EngineConfig  # light: imports no torch
+from engine.settings import add_flags, from_args
+
 TOOLS = {"offline": "engine throughput without HTTP: N requests at once to "
                     "Engine.generate",
          "decode": "batch-1 decode tok/s and MBU, prefill tok/s and MFU, prefill/decode "
@@ -17,26 +20,13 @@ TOOLS = {"offline": "engine throughput without HTTP: N requests at once to "
          "spec": "batch-1 tok/s with and without speculative decoding, on an "
                  "input-grounded task and on open-ended chat"}
 
-from engine.arg_types import parse_bool, parse_size
+# The engine settings every tool takes (the rest of EngineConfig's are offline's, or
+# fixed by the tool: one request at a time).
+MODEL_SETTINGS = {"model", "load_format", "dtype", "device", "attention_backend",
+                  "enforce_eager", "seed"}
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="Hugging Face model directory, or preset:NAME (llama-3.2-1b, "
-                   "llama-3.1-8b, llama-tiny) with --load-format random (default: the "
-                   "embedded default model)")
-    p.add_argument("--load-format", default="safetensors", choices=["safetensors", "random"],
-                   help="read the checkpoint, or random weights of its shape")
-    p.add_argument("--dtype", default="auto",
-                   choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and KV cache (auto: bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--device", default="auto", help="auto|cpu|cuda")
-    p.add_argument("--attention-backend", default="auto",
-                   choices=["auto", "triton", "flash-attn", "torch"])
-    p.add_argument("--enforce-eager", default=False, type=parse_bool,
-                   help="no CUDA graphs for decode steps")
-    p.add_argument("--seed", type=int, default=0,
-                   help="random weights and (offline) the prompts' token ids")
+def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, metavar="PATH",
                    help="write the result with device, commit and command")
     p.add_argument("--log-level", default="warning", help="debug|info|warning|error")
@@ -49,18 +39,6 @@ def add_offline_args(p: argparse.ArgumentParser) -> None:
                    help="new tokens per request (ignore_eos)")
     p.add_argument("--temperature", type=float, default=1.0,
                    help="sampling temperature (as `vllm bench throughput`; 0: greedy)")
-    # The engine's options, with `kvserve serve`'s defaults.
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-memory", type=parse_size, default=None,
-                   help="KV cache size (default: on CUDA what --gpu-memory-utilization "
-                   "leaves; on CPU 1GiB)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--long-prefill-token-threshold", type=int, default=0)
-    p.add_argument("--enable-prefix-caching", type=parse_bool, default=True)
 
 
 def add_decode_args(p: argparse.ArgumentParser) -> None:
@@ -100,7 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, add in (("offline", add_offline_args), ("decode", add_decode_args),
                       ("spec", add_spec_args)):
         p = tools.add_parser(name, help=TOOLS[name], description=TOOLS[name])
-        add_model_args(p)
+        # offline takes every engine setting, with `kvserve serve`'s defaults
+        add_flags(p, EngineConfig, only=None if name == "offline" else MODEL_SETTINGS)
+        add_bench_args(p)
         add(p)
     return parser
 
@@ -133,25 +113,12 @@ def resolve_model(args) -> None:
                          "add --load-format random")
 
 
-def offline_engine_config(args):
-    from engine.config import EngineConfig
-
-    return EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device,
-        max_model_len=args.max_model_len, block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
-        enable_prefix_caching=args.enable_prefix_caching, load_format=args.load_format,
-        seed=args.seed, attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager)
+def offline_engine_config(args) -> EngineConfig:
+    return from_args(EngineConfig, args)
 
 
-def spec_engine_config(args):
+def spec_engine_config(args) -> EngineConfig:
     """Batch 1: a cache for one request, every prompt computed (no prefix caching)."""
-    from engine.config import EngineConfig
-
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                         load_format=args.load_format, seed=args.seed,
                         max_model_len=4096, kv_cache_memory=1 << 30, max_num_seqs=1,
