@@ -5,7 +5,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response

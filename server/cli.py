@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from engine.arg_types import parse_size, split_keys  # noqa: F401  (imports no torch)
+from engine.arg_types import split_keys  # light: imports no torch
 from engine.config import EngineConfig
 from engine.settings import add_flags, from_args
 from server.config import ServerConfig

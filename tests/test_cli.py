@@ -6,8 +6,9 @@ import os
 
 import pytest
 
+from engine.arg_types import parse_size
 from server import cli
-from server.cli import build_parser, engine_config_from_args, parse_size, resolve_model
+from server.cli import build_parser, engine_config_from_args, resolve_model
 
 GiB, MiB, KiB = 2**30, 2**20, 2**10
 
