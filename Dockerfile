@@ -57,10 +57,11 @@ RUN python -m modelstore.default_model && rm -rf "$KVSERVE_CACHE/downloads"
 
 # -- runtime ---------------------------------------------------------------------
 FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu${UBUNTU_VERSION}
-# Triton compiles its small launcher with the C compiler and Python's headers the
-# first time a kernel runs, so those stay in the runtime image.
+# A C/C++ compiler and Python's headers stay in the runtime image: Triton compiles
+# its small launcher with them the first time a kernel runs, and Inductor
+# (torch.compile, the compiled forward pass) compiles its C++ kernels on CPU.
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-dev gcc libc6-dev \
+    && apt-get install -y --no-install-recommends python3 python3-dev gcc g++ libc6-dev \
     && rm -rf /var/lib/apt/lists/* \
     && useradd --create-home --uid 10001 --shell /usr/sbin/nologin kvserve
 COPY --from=build /opt/venv /opt/venv

@@ -41,6 +41,10 @@ def parse_args(argv=None):
     ap.add_argument("--transformers", default="on", choices=["on", "off"])
     ap.add_argument("--generate-batch", default="auto", choices=["auto", "on", "off"],
                     help="time transformers' generate_batch (auto: on CUDA only)")
+    ap.add_argument("--compile", default="off", choices=["wait", "off"],
+                    help="the Inductor-compiled forward pass, built before timing")
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="no compiled forward pass and no CUDA graphs")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     if args.decode_tokens < 2 or args.split_decode_tokens < 2 or args.repeats < 1:

@@ -8,7 +8,7 @@
 #
 # COMMIT is optional: the copy sent to the machine may have no .git, so say which
 # commit it is. Results land in $OUT (at most 8 files come back): summary.txt,
-# env.txt, tests.log, bench_<preset>.log, gpu_decode_<preset>.json and
+# tests.log, forward_1b.log, bench_<preset>.log, gpu_decode_<preset>.json and
 # step_overhead_1b.log. Each stage has its own time limit, so a hang in one still
 # leaves the others' results, all inside the tool's 600 s. Overrides: TESTS (test paths), TESTS_S (their limit), RUNS ("preset:
 # seconds" pairs), BENCH_ARGS (flags for every bench run, e.g. "--attention-backend
@@ -41,7 +41,7 @@ stage() {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
   $PY -c 'import sys, torch, transformers; print(sys.version); print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available()); print("transformers", transformers.__version__)'
   $PY -c 'import triton; print("triton", triton.__version__)'
-} >"$OUT/env.txt" 2>&1
+} >>"$OUT/summary.txt" 2>&1
 
 # Not `slow`: those need the default model, which comes from a package registry. A
 # module whose imports are missing there (fastapi, httpx?) fails alone, not the stage.
@@ -61,6 +61,17 @@ done
 stage step_overhead_1b "${STEP_S:-110}" $PY bench/step_overhead.py \
   --model preset:llama-3.2-1b --load-format random --running 256 --steps 20 \
   --async-scheduling both
+
+# Issue 18: the 1B shape's batch-1 decode eager (no CUDA graphs), with CUDA graphs
+# (today's default), and with the Inductor-compiled forward pass as well (mixed steps
+# compiled; decode graphs still capture the eager forward: see engine/compiled_model.py).
+# One stage, one log (forward_1b.log): at most 8 files come back. Last, as the
+# stages together can outlast the tool's 600 s (trim RUNS to make room).
+stage forward_1b "${FORWARD_S:-120}" bash -c 'for mode in "--enforce-eager" \
+    "--compile off" "--compile wait"; do echo "== $mode"; '"$PY"' bench/gpu_decode.py \
+    --preset llama-3.2-1b --transformers off --prompt-len 256 --decode-tokens 64 \
+    --split-decode-tokens 8 --repeats 2 $mode | grep -E "\"(tok_s|step_ms|median_s)\""
+  done'
 
 tail -n 3 "$OUT/tests.log" >>"$OUT/summary.txt"
 $PY bench/gpu_summary.py "$OUT"/gpu_decode_*.json | tee -a "$OUT/summary.txt"

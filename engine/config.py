@@ -222,7 +222,8 @@ class EngineConfig:
         "with --load-format random (llama-3.2-1b, llama-3.1-8b, llama-tiny) (default: "
         "the embedded SmolLM2-135M-Instruct, converted once into the cache)",
         flag_default=None)
-    dtype: str = setting("auto", "weights and KV cache (auto: bf16 on CUDA, fp32 on CPU)",
+    dtype: str = setting("auto", "weights and KV cache (auto: bf16 on CUDA and on CPUs with "
+                         "native bf16 such as AVX512-BF16 or AMX, fp32 on other CPUs)",
                          choices=["auto", "float32", "bfloat16", "float16"])
     device: str = setting("auto", "auto|cpu|cuda")
     max_model_len: int | None = setting(
@@ -253,11 +254,18 @@ class EngineConfig:
         "auto", "attention kernels (auto: triton on CUDA, torch on CPU; flash-attn needs "
         "the flash_attn package and a --block-size multiple of 256)",
         choices=["auto", "triton", "flash-attn", "torch"])
-    # Decode-only steps on CUDA replay CUDA graphs (one per batch-size bucket) unless
-    # this is set; mixed steps always run eagerly.
+    # Decode-only steps on CUDA replay CUDA graphs (one per batch-size bucket) and
+    # the forward pass is compiled (see `compile`) unless this is set.
     enforce_eager: bool = setting(
-        False, "no CUDA graphs for decode steps (they are captured on CUDA otherwise)",
+        False, "eager PyTorch only: no compiled forward pass, no CUDA graphs",
         parse=parse_bool)
+    # engine/compiled_model.py. CUDA stays eager under auto until a GPU session has
+    # measured the compiled path there (bench/gpu_session.sh).
+    compile: str = setting(
+        "auto", "compile the forward pass with torch.compile (needs a C++ compiler on "
+        "CPU): background = serve eagerly while it compiles, wait = compile before "
+        "serving; auto = background on CPU, off on CUDA",
+        choices=["auto", "background", "wait", "off"])
     # Speculative decoding (None: off): drafts verified by the target in one pass.
     speculative: SpeculativeConfig | None = setting(
         None, "speculative decoding", nested=SpeculativeConfig)

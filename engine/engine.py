@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine.attention import make_backend
+from engine.compiled_model import c_compiler, use_cache_dir
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphPlan
 from engine.loader import (ModelLoadError, check_fits, load_model, resolve_device,
@@ -22,6 +23,7 @@ from engine.spec_decode.speculator import Speculator
 from scheduler.output import SchedulerOutput
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
+from modelstore.default_model import cache_root
 from modelstore.tokenizer import has_tokenizer, load_tokenizer
 from scheduler.config import KVCacheConfig, SchedulerConfig
 from scheduler.scheduler import Scheduler
@@ -77,6 +79,7 @@ class Engine:
         if self.runner.decode_graphs is not None:
             log.info("captured CUDA graphs for decode batch sizes %s in %.1f s",
                      self.runner.decode_graphs.buckets, time.perf_counter() - t0)
+        self._compile_forward()
         self.scheduler = Scheduler.with_kv_cache(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -133,6 +136,21 @@ class Engine:
                      backend.name)
             return None
         return DecodeGraphPlan(self.config.max_num_seqs, self.max_model_len)
+
+    def _compile_forward(self) -> None:
+        """The Inductor-compiled forward pass, as `compile` and --enforce-eager say."""
+        mode = "off" if self.config.enforce_eager else self.config.compile
+        if mode == "auto":
+            mode = "off" if self.device.type == "cuda" else "background"
+        if mode == "off":
+            return
+        if c_compiler() is None:
+            log.warning("no C++ compiler found (g++ or $CXX): the forward pass stays "
+                        "eager, several times slower on CPU; install one (apt-get "
+                        "install g++) or pass --enforce-eager to silence this")
+            return
+        use_cache_dir(str(cache_root()))
+        self.runner.compile_forward(background=mode == "background")
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.model_config.eos_token_ids)

@@ -12,7 +12,9 @@ from engine import faults
 from engine.attention import clear_attention_context, set_attention_context
 from engine.attention.backend import AttentionBackend
 from engine.attention.step_metadata import build_host_step
+from engine.attention.torch_backend import TorchBackend
 from engine.block_table_rows import BlockTableRows
+from engine.compiled_model import CompiledModel
 from engine.cuda_graphs import DecodeGraphPlan, DecodeGraphs
 from engine.host_copy import to_device
 from engine.kv_caches import attach_kv_caches
@@ -82,6 +84,50 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         if decode_graphs is not None:
             self.use_decode_graphs(decode_graphs)
+        self.compiled: CompiledModel | None = None  # set by compile_forward
+
+    def compile_forward(self, background: bool) -> CompiledModel:
+        """Steps go through Inductor-compiled graphs once they are built (on a thread
+        of their own with `background`, steps staying eager meanwhile)."""
+        compiled = CompiledModel(self.model)
+        # Decode attention compiled too, where the backend has such a path: the
+        # graphs are warmed up through a copy that takes it, and steps take it
+        # from when the graphs are ready (a step keeps the path it was prepared on).
+        paged = isinstance(self.attn_backend, TorchBackend) and self.device.type == "cpu"
+        warm_backend = TorchBackend(paged_decode=True) if paged else self.attn_backend
+
+        def ready() -> None:
+            if paged:
+                self.attn_backend.paged_decode = True
+            self.compiled = compiled
+
+        compiled.build(lambda fn, n, decode: self._warm_up_step(warm_backend, fn, n, decode),
+                       background, ready)
+        return compiled
+
+    @torch.inference_mode()
+    def _warm_up_step(self, backend: AttentionBackend, fn, num_tokens: int,
+                      decode: bool) -> None:
+        """fn(ids, positions) over a step that writes nothing to the cache (every
+        slot -1) and reads block 0: num_tokens one-token requests (two blocks of
+        context each, as no dimension of size 1 may be specialised on), or one
+        request of num_tokens."""
+        num_tokens = min(num_tokens, self.model.rotary.max_positions)
+        if decode:
+            start = min(2 * self.block_size, self.model.rotary.max_positions) - 1
+            host = build_host_step([start] * num_tokens, [1] * num_tokens,
+                                   [[0, 0]] * num_tokens, self.block_size)
+        else:
+            host = build_host_step([0], [num_tokens],
+                                   [[0] * -(-num_tokens // self.block_size)], self.block_size)
+        host.slot_mapping.fill_(-1)
+        ids = torch.zeros(num_tokens, dtype=torch.long)
+        positions, common, (input_ids,) = host.to_device(self.device, [ids])
+        set_attention_context(backend, backend.prepare(common))
+        try:
+            fn(input_ids, positions)
+        finally:
+            clear_attention_context()
 
     @staticmethod
     def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
@@ -220,7 +266,13 @@ class ModelRunner:
     def forward_logits(self, batch: FlatBatch) -> torch.Tensor:
         set_attention_context(self.attn_backend, batch.attention)
         try:
-            hidden = self.model(batch.input_ids, batch.positions)
+            if self.compiled is None:
+                hidden = self.model(batch.input_ids, batch.positions)
+            elif batch.rows.num_sample == batch.rows.total == len(batch.input_ids):
+                # Decode-only: every row samples, in order (one graph, LM head in it).
+                return self.compiled.decode_logits(batch.input_ids, batch.positions)
+            else:
+                hidden = self.compiled.hidden(batch.input_ids, batch.positions)
         finally:
             clear_attention_context()
         return self.model.compute_logits(hidden[batch.logit_rows])

@@ -16,11 +16,11 @@ log = logging.getLogger("kvserve")
 
 
 CLIENT_TOOLS = {"bench": "benchmarks: bench serve|plot load-test an OpenAI-compatible "
-                         "server; bench offline|decode|spec run the engine in process",
+                         "server; bench offline|decode|spec|profile run the engine in process",
                 "estimate": "roofline: memory, KV capacity, speed and cost on a GPU"}
 # `kvserve bench TOOL` for these goes to bench/in_process (the engine in this process);
 # every other bench tool to bench/client, which is a client of the HTTP API only.
-ENGINE_BENCH_TOOLS = ("offline", "decode", "spec")
+ENGINE_BENCH_TOOLS = ("offline", "decode", "spec", "profile")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -129,6 +129,9 @@ def main(argv: list[str] | None = None) -> int | None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
         serve(args)
+        from engine.compiled_model import exit_if_compiling
+
+        exit_if_compiling(0)
 
 
 if __name__ == "__main__":

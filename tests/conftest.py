@@ -11,6 +11,38 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.support.tiny_models import make_tiny_model
 
+# The suite runs eager: every engine compiling its forward pass (a minute of CPU each
+# on a cold cache) would take hours. KVSERVE_TEST_COMPILE=wait runs it compiled
+# (engines left at --compile auto compile before their first step); the compiled path
+# has tests of its own (tests/engine/test_compiled_forward.py) either way.
+# Likewise float32 where the dtype is left at auto (which picks bf16 on CPUs with
+# native bf16): the tests compare against float32 references, the same on any CPU.
+# Servers started as subprocesses keep kvserve's own defaults.
+TEST_COMPILE = os.environ.get("KVSERVE_TEST_COMPILE", "off")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _compile_mode():
+    """Engines built in this process with compile or dtype "auto" get TEST_COMPILE
+    and float32. Session-wide, so module- and session-scoped engines get it too."""
+    import dataclasses
+
+    from engine.engine import Engine
+    from engine.loader import resolve_device
+
+    init = Engine.__init__
+
+    def patched(self, config, *args, **kwargs):
+        if config.compile == "auto":
+            config = dataclasses.replace(config, compile=TEST_COMPILE)
+        if config.dtype == "auto" and resolve_device(config.device).type == "cpu":
+            config = dataclasses.replace(config, dtype="float32")
+        init(self, config, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Engine, "__init__", patched)
+        yield
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):

@@ -18,12 +18,15 @@ TOOLS = {"offline": "engine throughput without HTTP: N requests at once to "
          "decode": "batch-1 decode tok/s and MBU, prefill tok/s and MFU, prefill/decode "
                    "split of one long request",
          "spec": "batch-1 tok/s with and without speculative decoding, on an "
-                 "input-grounded task and on open-ended chat"}
+                 "input-grounded task and on open-ended chat",
+         "profile": "where a CPU decode step's time goes (matmuls, attention gather and "
+                    "compute, elementwise, dispatch, sampler, host) per dtype, batch "
+                    "size and eager/compiled forward, against the bytes-read floor"}
 
 # The engine settings every tool takes (the rest of EngineConfig's are offline's, or
 # fixed by the tool: one request at a time).
 MODEL_SETTINGS = {"model", "load_format", "dtype", "device", "attention_backend",
-                  "enforce_eager", "seed"}
+                  "enforce_eager", "compile", "seed"}
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -72,11 +75,22 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    "(where speculation stops paying)")
 
 
+def add_profile_args(p: argparse.ArgumentParser) -> None:
+    def names(text):
+        return [x for x in text.split(",") if x]
+    p.add_argument("--dtypes", type=names, default=["float32", "bfloat16"])
+    p.add_argument("--modes", type=names, default=["eager", "compiled"],
+                   help="forward passes to profile: eager, compiled")
+    p.add_argument("--batch-sizes", type=lambda t: [int(x) for x in names(t)],
+                   default=[1, 32])
+    p.add_argument("--steps", type=int, default=20, help="decode steps timed per case")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve bench", description=__doc__)
     tools = parser.add_subparsers(dest="tool", required=True)
     for name, add in (("offline", add_offline_args), ("decode", add_decode_args),
-                      ("spec", add_spec_args)):
+                      ("spec", add_spec_args), ("profile", add_profile_args)):
         p = tools.add_parser(name, help=TOOLS[name], description=TOOLS[name])
         # offline takes every engine setting, with `kvserve serve`'s defaults
         add_flags(p, EngineConfig, only=None if name == "offline" else MODEL_SETTINGS)
@@ -113,8 +127,14 @@ def resolve_model(args) -> None:
                          "add --load-format random")
 
 
+def _bench_compile(args) -> str:
+    from bench.in_process.measure import bench_compile
+    return bench_compile(args)
+
+
 def offline_engine_config(args) -> EngineConfig:
-    return from_args(EngineConfig, args)
+    import dataclasses
+    return dataclasses.replace(from_args(EngineConfig, args), compile=_bench_compile(args))
 
 
 def spec_engine_config(args) -> EngineConfig:
@@ -124,7 +144,8 @@ def spec_engine_config(args) -> EngineConfig:
                         max_model_len=4096, kv_cache_memory=1 << 30, max_num_seqs=1,
                         max_num_batched_tokens=2048, enable_prefix_caching=False,
                         attention_backend=args.attention_backend,
-                        enforce_eager=args.enforce_eager)
+                        enforce_eager=args.enforce_eager, compile=_bench_compile(args))
+
 
 
 def run_tool(args, command: str) -> dict:
@@ -140,6 +161,13 @@ def run_tool(args, command: str) -> dict:
         from bench.in_process.decode import save
 
         result = offline.run(args, offline_engine_config(args), command)
+        save(result, args.json)
+        return result
+    if args.tool == "profile":
+        from bench.in_process import profile
+        from bench.in_process.decode import save
+
+        result = profile.run(args, command)
         save(result, args.json)
         return result
     from bench.in_process import decode
@@ -167,7 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     from bench.in_process.spec import table as spec_table
     from bench.in_process.tables import decode_table, offline_table
 
-    tables = {"offline": offline_table, "decode": decode_table, "spec": spec_table}
+    from bench.in_process.profile import table as profile_table
+
+    tables = {"offline": offline_table, "decode": decode_table, "spec": spec_table,
+              "profile": profile_table}
     print(tables[args.tool](result), flush=True)
     if args.json:
         print(f"result written to {args.json}")

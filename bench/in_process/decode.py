@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from bench.in_process.measure import (DECODE_PROMPT_LEN, decode_row, free_device_memory,
-                                      make_prompt, peak_memory, reset_peak_memory,
-                                      split_row)
+from bench.in_process.measure import (DECODE_PROMPT_LEN, bench_compile, decode_row,
+                                      free_device_memory, make_prompt, peak_memory,
+                                      reset_peak_memory, split_row)
 from bench.in_process.utilisation import (Clock, copy_bandwidth, mbu, mfu, peak_tflops,
                                            prefill_flops)
 from bench.provenance import provenance
@@ -58,7 +58,8 @@ def build_engine(args, device: torch.device) -> Engine:
         max_num_seqs=4, max_num_batched_tokens=max(2048, args.prompt_len),
         enable_prefix_caching=False, seed=args.seed,
         attention_backend=args.attention_backend or "auto",
-        enforce_eager=bool(getattr(args, "enforce_eager", False))))
+        enforce_eager=bool(getattr(args, "enforce_eager", False)),
+        compile=bench_compile(args) if hasattr(args, "compile") else "off"))
 
 
 def run_request(engine: Engine, clock: Clock, prompt: list[int], new_tokens: int) -> dict:

@@ -47,3 +47,14 @@ def free_device_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def bench_compile(args) -> str:
+    """A timed run measures one forward pass: compiled before the first step (on CPU
+    under auto), never halfway through."""
+    if args.compile == "background":
+        return "wait"
+    if args.compile == "auto":
+        from engine.loader import resolve_device
+        return "wait" if resolve_device(args.device).type == "cpu" else "off"
+    return args.compile

@@ -13,6 +13,9 @@ if [[ -n "${KVSERVE_SRC:-}" ]]; then
 fi
 model_args=()
 [[ -n "${MODEL:-}" ]] && model_args=(--model "$MODEL")
+# kvserve's defaults (dtype auto: bf16 where the CPU has native bf16), except that
+# the forward pass is compiled before the server answers (--compile wait) instead of
+# in the background while it serves eagerly: the same compiled path, but none of the
+# timed requests runs before it is ready.
 exec "$py" -c 'import sys; from server.cli import main; sys.argv[0] = "kvserve"; sys.exit(main())' \
-  serve "${model_args[@]}" --host 127.0.0.1 --port "$port" \
-  --dtype bfloat16 --max-num-seqs 32 --max-num-batched-tokens 1024 "$@"
+  serve "${model_args[@]}" --host 127.0.0.1 --port "$port" --compile wait "$@"

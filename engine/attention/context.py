@@ -1,10 +1,17 @@
-"""One global attention context per forward pass (as nano-vllm does), so the model
-code does not thread batch metadata through every layer. The model runner builds the
+"""One attention context per forward pass (as nano-vllm does), so the model code does
+not thread batch metadata through every layer. The model runner builds the
 backend-agnostic metadata once per step, hands it to the attention backend's
 `prepare`, and sets the backend and the result here; every attention layer calls
-`paged_attention`, which reads them."""
+`paged_attention`, which reads them.
+
+`paged_attention` is a registered custom op (`torch.ops.kvserve.paged_attention`):
+torch.compile sees one opaque call per layer and compiles the rest of the decoder
+around it (vLLM's piecewise split), so the step's metadata never enters a compiled
+graph and no shape of it causes a recompilation. The context is per thread: the
+compiler warms its graphs up on a thread of its own while steps run eagerly."""
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,32 +48,39 @@ class AttentionMetadata:
         return self.num_decodes + self.num_prefills
 
 
-_current: tuple[Any, Any] | None = None  # (backend, what its prepare returned)
+_local = threading.local()  # .current: (backend, what its prepare returned) or None
 
 
 def set_attention_context(backend: Any, meta: Any) -> None:
-    global _current
-    _current = (backend, meta)
+    _local.current = (backend, meta)
 
 
 def clear_attention_context() -> None:
-    global _current
-    _current = None
+    _local.current = None
+
+
+def _current() -> tuple[Any, Any]:
+    current = getattr(_local, "current", None)
+    if current is None:
+        raise RuntimeError("attention called outside a model runner step")
+    return current
 
 
 def get_attention_metadata() -> Any:
     """What the step's backend `prepare` returned."""
-    if _current is None:
-        raise RuntimeError("attention called outside a model runner step")
-    return _current[1]
+    return _current()[1]
 
 
+@torch.library.custom_op("kvserve::paged_attention", mutates_args=())
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
                     scale: float) -> torch.Tensor:
     """The attention call of every layer: stores the new tokens' K/V and attends,
     through the step's backend. q: [T, Hq, D]; k, v: [T, Hkv, D]; returns [T, Hq, D]."""
-    if _current is None:
-        raise RuntimeError("attention called outside a model runner step")
-    backend, meta = _current
+    backend, meta = _current()
     return backend.forward(q, k, v, k_cache, v_cache, meta, scale)
+
+
+@paged_attention.register_fake
+def _paged_attention_shape(q, k, v, k_cache, v_cache, scale):
+    return torch.empty_like(q)

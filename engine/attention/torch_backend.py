@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.context import AttentionMetadata
+from engine.attention.cpu_paged import paged_decode
 from engine.attention.step_metadata import context_slots
 
 
@@ -33,13 +34,15 @@ class TorchAttentionMetadata:
     store_slots: torch.Tensor  # their slots
     prefills: list[PrefillSpan]
     # The decodes (rows 0..B-1) in one padded call: [B, max_context] slots padded
-    # with 0, and [B, 1, 1, max_context] True where a real key is.
+    # with 0, and [B, 1, 1, max_context] True where a real key is. With paged
+    # decode instead: their block tables [B, W] and context lengths [B].
     decode_slots: torch.Tensor | None
     decode_mask: torch.Tensor | None
     # Short queries (speculative verifications, tiny prompts) in one padded call too:
     # [S, Q] batch rows (a short request's padding repeats its last row), [S, L]
     # context slots, [S, 1, Q, L] causal mask. None when there are none.
     short: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    paged_decode: bool = False  # decode_slots/mask are block tables and lengths
 
 
 # A request computing at most this many tokens joins the padded batched call instead
@@ -49,18 +52,30 @@ SHORT_QUERY = 16
 
 
 class TorchBackend(AttentionBackend):
+    """paged_decode: decodes through the compiled kernel that reads K/V in place
+    (cpu_paged.py) instead of gathering each context; the rest stays the reference."""
     name = "torch"
+
+    def __init__(self, paged_decode: bool = False):
+        self.paged_decode = paged_decode
 
     def prepare(self, common: AttentionMetadata) -> TorchAttentionMetadata:
         rows = torch.nonzero(common.slot_mapping >= 0).squeeze(1)
-        slots, mask = self._decodes(common) if common.num_decodes else (None, None)
+        paged = self.paged_decode  # read once: switched on while steps run
+        slots, mask = None, None
+        if common.num_decodes and paged:
+            nd = common.num_decodes
+            slots, mask = common.block_tables[:nd], common.seq_lens[:nd]
+        elif common.num_decodes:
+            slots, mask = self._decodes(common)
         lens = common.query_start_loc_cpu.diff().tolist()
         short = [i for i in range(common.num_decodes, common.num_reqs)
                  if lens[i] <= SHORT_QUERY]
         long = [i for i in range(common.num_decodes, common.num_reqs) if lens[i] > SHORT_QUERY]
         return TorchAttentionMetadata(rows, common.slot_mapping[rows],
                                       self._prefills(common, long), slots, mask,
-                                      self._shorts(common, short) if short else None)
+                                      self._shorts(common, short) if short else None,
+                                      paged)
 
     @staticmethod
     def _decodes(c: AttentionMetadata):
@@ -116,7 +131,11 @@ class TorchBackend(AttentionBackend):
             rows = slice(span.query_start, span.query_start + span.query_len)
             out[rows] = _prefill(q[rows], k_flat[span.context_slots],
                                  v_flat[span.context_slots], span.mask, scale)
-        if meta.decode_slots is not None:
+        if meta.decode_slots is not None and meta.paged_decode:
+            nd = meta.decode_slots.shape[0]
+            out[:nd] = paged_decode(q[:nd], k_cache, v_cache, meta.decode_slots,
+                                    meta.decode_mask, scale)
+        elif meta.decode_slots is not None:
             nd = meta.decode_slots.shape[0]
             out[:nd] = _decode(q[:nd], k_flat[meta.decode_slots],
                                v_flat[meta.decode_slots], meta.decode_mask, scale)

@@ -63,6 +63,9 @@ def _child_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
     except BaseException as exc:
         logging.getLogger("kvserve.engine").exception("engine loop died")
         conn.send(("dead", f"{type(exc).__name__}: {exc}"))
+    from engine.compiled_model import exit_if_compiling
+
+    exit_if_compiling(0)
 
 
 class ProcessEngine(EngineClient):

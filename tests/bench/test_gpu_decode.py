@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SMALL = ["--preset", "llama-tiny", "--device", "cpu", "--prompt-len", "64",
+SMALL = ["--preset", "llama-tiny", "--device", "cpu", "--dtype", "float32", "--prompt-len", "64",
          "--decode-tokens", "8", "--split-decode-tokens", "8", "--repeats", "1",
          "--copy-mib", "8"]
 

@@ -67,8 +67,20 @@ def test_kv_cache_that_does_not_fit(tiny_model_dir, monkeypatch):
 def test_unknown_dtype_is_an_error():
     with pytest.raises(ModelLoadError, match="unknown dtype"):
         loader.resolve_dtype("float8", torch.device("cpu"))
-    assert loader.resolve_dtype("auto", torch.device("cpu")) == torch.float32
+
+
+def test_auto_dtype_is_bf16_only_where_the_cpu_computes_it_natively(tmp_path):
+    cpu = torch.device("cpu")
+    assert loader.resolve_dtype("auto", cpu, flags={"avx2", "fma"}) == torch.float32
+    assert loader.resolve_dtype("auto", cpu, flags={"avx2", "avx512_bf16"}) == torch.bfloat16
+    assert loader.resolve_dtype("auto", cpu, flags={"amx_bf16"}) == torch.bfloat16
+    assert loader.resolve_dtype("auto", cpu, flags={"asimd", "bf16"}) == torch.bfloat16
     assert loader.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512_bf16\n\n"
+                       "processor\t: 1\nflags\t\t: fpu avx2 avx512_bf16\n")
+    assert loader.cpu_flags(str(cpuinfo)) == {"fpu", "avx2", "avx512_bf16"}
+    assert loader.cpu_flags(str(tmp_path / "missing")) == set()
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

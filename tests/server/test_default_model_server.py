@@ -41,6 +41,10 @@ def server(default_model_dir, tmp_path_factory):
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("KVSERVE_") or k == "KVSERVE_CACHE"}
     env["KVSERVE_PORT"] = str(port)
+    # Concurrent answers equal sequential ones only where no kernel changes with the
+    # batch size: float32, eager (bf16, or the compiled batch-1 GEMV beside oneDNN's
+    # batched GEMM, round differently; the compiled path has tests of its own).
+    env.update(KVSERVE_DTYPE="float32", KVSERVE_COMPILE="off")
     log_path = tmp_path_factory.mktemp("kvserve-cli") / "server.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve"], cwd=REPO_ROOT,

@@ -22,7 +22,9 @@ PROMPT = "The capital of France is"
 
 
 def _config(model_dir) -> EngineConfig:
-    return EngineConfig(model=str(model_dir), num_kv_blocks=512, max_num_batched_tokens=256)
+    # Stated, not auto: the engine process does not get the suite's eager float32.
+    return EngineConfig(model=str(model_dir), num_kv_blocks=512, max_num_batched_tokens=256,
+                        dtype="float32", compile="off")
 
 
 @pytest.fixture(scope="module")

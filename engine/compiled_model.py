@@ -1,0 +1,171 @@
+"""The decoder's forward pass compiled by Inductor (torch.compile), with eager steps
+until the compiled graphs are ready.
+
+Why: eager PyTorch pays Python and dispatch for every one of ~30 layers x ~20 ops,
+and on CPU its matmuls read the weights at a third of the memory bandwidth at batch 1
+(bench/in_process/profile.py measures both). Inductor fuses the elementwise ops,
+freezes the weights (prepacked for oneDNN), and at batch 1 generates its own GEMV
+kernels (the CPP GEMM template) that read them near the bandwidth.
+
+Three graphs, so no workload recompiles once they exist (the step's metadata stays
+outside them, behind the attention custom op):
+- decode, one request: logits of one token (static shape; the CPP GEMM template);
+- decode, 2+ requests: logits of every row, the row count dynamic;
+- hidden: the final hidden states of a mixed step of 2+ tokens, dynamic; the runner
+  takes the logits of the rows it needs.
+Compiling takes a minute or two on two cores the first time; Inductor keeps what it
+built under $KVSERVE_CACHE/inductor, so later starts load it in seconds. Either way
+the graphs are built on a thread of their own, and steps run eagerly until then."""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+import torch._inductor.config
+
+from engine.models.llama import LlamaForCausalLM
+
+log = logging.getLogger("kvserve.compile")
+
+# Batch-1 decode reads each weight once for one row: Inductor's own GEMV kernels
+# beat oneDNN's there (and only there: they lose from ~8 rows on).
+BATCH_ONE = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+# The weights never change once loaded: checking each one's identity before every
+# call (Dynamo's default guards) cost ~0.7 ms a step. Only torch's own modules
+# (Linear, Embedding: the weights) lose their guards; ours keep theirs, so a second
+# engine in the process (tests, benchmarks) gets graphs of its own, never the first
+# one's weights and KV cache.
+NO_MODULE_GUARDS = {"guard_filter_fn": torch.compiler.skip_guard_on_inbuilt_nn_modules_unsafe}
+
+
+def c_compiler() -> str | None:
+    """The C++ compiler Inductor would use on CPU, if one is installed."""
+    return shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+
+
+def use_cache_dir(root: str) -> None:
+    """Inductor's and Triton's on-disk caches under `root`, unless the user chose
+    (torch itself sets TORCHINDUCTOR_CACHE_DIR to its default the first time it
+    looks: that one is replaced)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not inductor or inductor == default_cache_dir():
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "inductor")
+    if not os.environ.get("TRITON_CACHE_DIR"):
+        os.environ["TRITON_CACHE_DIR"] = os.path.join(root, "triton")
+
+
+_builders: list[threading.Thread] = []  # background builds of this process
+
+
+def exit_if_compiling(code: int = 0) -> None:
+    """Ends the process at once (os._exit) if a background build is still running:
+    a compiler thread cannot be stopped, and tearing the interpreter down under it
+    crashes (a C++ terminate or a segfault) instead of exiting. Called last, once
+    everything else has shut down."""
+    if any(t.is_alive() for t in _builders):
+        log.info("exiting while the forward pass was still compiling")
+        logging.shutdown()
+        os._exit(code)
+
+
+def graphs_compiled() -> int:
+    """Graphs Dynamo has compiled in this process (a recompilation adds one)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+class CompiledModel:
+    """The model's decode logits and hidden states, compiled once `ready`."""
+
+    def __init__(self, model: LlamaForCausalLM):
+        self.model = model
+        # Every graph freezes the weights (constants, prepacked once for oneDNN).
+        # Set globally: passed in `options`, freezing is not applied.
+        torch._inductor.config.freezing = True
+        self._one = torch.compile(self._decode_one, dynamic=False,
+                                  options={**BATCH_ONE, **NO_MODULE_GUARDS})
+        self._many = torch.compile(self._decode_many, options=NO_MODULE_GUARDS)
+        self._hidden = torch.compile(self._hidden_many, options=NO_MODULE_GUARDS)
+        self.ready = threading.Event()
+        self.failed: BaseException | None = None
+        self.seconds: float | None = None
+
+    # Three functions, so each compiled object owns its own code object and cache.
+    def _decode_one(self, ids, positions):
+        return self.model.compute_logits(self.model(ids, positions))
+
+    def _decode_many(self, ids, positions):
+        return self.model.compute_logits(self.model(ids, positions))
+
+    def _hidden_many(self, ids, positions):
+        return self.model(ids, positions)
+
+    def decode_logits(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits of every row of a decode-only step (the attention context set)."""
+        if not self.ready.is_set():
+            return self.model.compute_logits(self.model(ids, positions))
+        if len(ids) == 1:
+            return self._one(ids, positions)
+        return self._many(*_dynamic(ids, positions))
+
+    def hidden(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Final hidden states of any step (the attention context set)."""
+        if not self.ready.is_set() or len(ids) < 2:
+            return self.model(ids, positions)
+        return self._hidden(*_dynamic(ids, positions))
+
+    def build(self, run_step: Callable[[Callable, int, bool], None], background: bool,
+              on_ready: Callable[[], None] = lambda: None) -> threading.Thread | None:
+        """Compiles the three graphs. run_step(fn, num_tokens, decode) runs
+        fn(ids, positions) over a harmless step of that many tokens (decode: one per
+        request, else one request's), its attention context set (the runner knows
+        how). background: on a thread, steps staying eager meanwhile. on_ready runs
+        once they are built, before steps use them."""
+        if not background:
+            self._build(run_step, on_ready)
+            return None
+        thread = threading.Thread(target=self._build, args=(run_step, on_ready),
+                                  name="kvserve-compile", daemon=True)
+        _builders.append(thread)
+        thread.start()
+        return thread
+
+    def _build(self, run_step, on_ready) -> None:
+        t0 = time.perf_counter()
+        # Example sizes: what each graph mostly runs (oneDNN packs for them).
+        plan = [("decode, 1 request", self._one, 1, True),
+                ("decode, 2+ requests", _marking(self._many), 16, True),
+                ("mixed steps", _marking(self._hidden), 256, False)]
+        try:
+            with torch.inference_mode():
+                for i, (what, fn, tokens, decode) in enumerate(plan, 1):
+                    log.info("compiling the forward pass (%d/%d: %s)...", i, len(plan), what)
+                    run_step(fn, tokens, decode)
+        except Exception as exc:  # noqa: BLE001 - eager steps go on; said once
+            self.failed = exc
+            log.warning("compiling the forward pass failed, steps stay eager: %s", exc, exc_info=True)
+            return
+        self.seconds = time.perf_counter() - t0
+        on_ready()
+        log.info("forward pass compiled in %.1f s (Inductor cache: %s)", self.seconds,
+                 os.environ.get("TORCHINDUCTOR_CACHE_DIR", "default"))
+        self.ready.set()
+
+
+def _dynamic(ids: torch.Tensor, positions: torch.Tensor):
+    """The row count of these inputs may vary (at least 2) without a recompilation."""
+    for t in (ids, positions):
+        torch._dynamo.mark_dynamic(t, 0)
+    return ids, positions
+
+
+def _marking(fn):
+    return lambda ids, positions: fn(*_dynamic(ids, positions))
