@@ -12,7 +12,8 @@ from engine import faults
 from engine.attention import clear_attention_context, set_attention_context
 from engine.attention.backend import AttentionBackend
 from engine.attention.step_metadata import build_host_step
-from engine.attention.torch_backend import TorchBackend
+from engine.attention.cpu_paged import PagedDecode
+from engine.attention.torch_backend import TorchAttentionMetadata, TorchBackend
 from engine.block_table_rows import BlockTableRows
 from engine.compiled_model import CompiledModel
 from engine.cuda_graphs import DecodeGraphPlan, DecodeGraphs
@@ -76,7 +77,10 @@ class ModelRunner:
         self.model, self.device, self.block_size = model, device, block_size
         self.attn_backend, self.drafter = attn_backend, drafter
         cfg = model.config
-        self.kv_caches = attach_kv_caches(model, num_blocks, block_size, dtype, device)
+        # One block more than the KV cache manager hands out: the compiled graphs'
+        # warm-up steps write there (background compiling runs beside live steps).
+        self.spare_block = num_blocks
+        self.kv_caches = attach_kv_caches(model, num_blocks + 1, block_size, dtype, device)
         if cfg.vocab_size >= MAX_EXACT_ID:
             raise ValueError("vocabularies of 2**24 tokens or more are not supported")
         self.sampler = Sampler(device)
@@ -84,12 +88,15 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         if decode_graphs is not None:
             self.use_decode_graphs(decode_graphs)
-        self.compiled: CompiledModel | None = None  # set by compile_forward
+        # compile_forward's graphs: being built, or built (`compiling.ready`); steps
+        # take them from when `compiled` is set, once they are ready.
+        self.compiling: CompiledModel | None = None
+        self.compiled: CompiledModel | None = None
 
     def compile_forward(self, background: bool) -> CompiledModel:
         """Steps go through Inductor-compiled graphs once they are built (on a thread
         of their own with `background`, steps staying eager meanwhile)."""
-        compiled = CompiledModel(self.model)
+        compiled = self.compiling = CompiledModel(self.model)
         # Decode attention compiled too, where the backend has such a path: the
         # graphs are warmed up through a copy that takes it, and steps take it
         # from when the graphs are ready (a step keeps the path it was prepared on).
@@ -108,26 +115,34 @@ class ModelRunner:
     @torch.inference_mode()
     def _warm_up_step(self, backend: AttentionBackend, fn, num_tokens: int,
                       decode: bool) -> None:
-        """fn(ids, positions) over a step that writes nothing to the cache (every
-        slot -1) and reads block 0: num_tokens one-token requests (two blocks of
-        context each, as no dimension of size 1 may be specialised on), or one
-        request of num_tokens."""
-        num_tokens = min(num_tokens, self.model.rotary.max_positions)
+        """Runs a compiled function over steps that read and write only the spare
+        block. decode: num_tokens one-token requests with two blocks of context each
+        (no dimension of size 1 may be specialised on), as fn(ids, positions, paged).
+        Else fn(ids, positions) twice, over one prompt of num_tokens beside one
+        decode, then two: the decodes of mixed steps have graphs of their own, for
+        one request and for more (cpu_paged.paged_decode)."""
+        spare, bs = self.spare_block, self.block_size
+        limit = self.model.rotary.max_positions
+        start = min(2 * bs, limit) - 1
         if decode:
-            start = min(2 * self.block_size, self.model.rotary.max_positions) - 1
-            host = build_host_step([start] * num_tokens, [1] * num_tokens,
-                                   [[0, 0]] * num_tokens, self.block_size)
+            steps = [([start] * num_tokens, [1] * num_tokens, [[spare, spare]] * num_tokens)]
         else:
-            host = build_host_step([0], [num_tokens],
-                                   [[0] * -(-num_tokens // self.block_size)], self.block_size)
-        host.slot_mapping.fill_(-1)
-        ids = torch.zeros(num_tokens, dtype=torch.long)
-        positions, common, (input_ids,) = host.to_device(self.device, [ids])
-        set_attention_context(backend, backend.prepare(common))
-        try:
-            fn(input_ids, positions)
-        finally:
-            clear_attention_context()
+            prompt = min(num_tokens, limit)
+            steps = [([start] * d + [0], [1] * d + [prompt], [[spare, spare]] * d + [[spare]])
+                     for d in (1, 2)]
+        for starts, lens, tables in steps:
+            host = build_host_step(starts, lens, tables, bs)
+            ids = torch.zeros(len(host.positions), dtype=torch.long)
+            positions, common, (input_ids,) = host.to_device(self.device, [ids])
+            meta = backend.prepare(common)
+            set_attention_context(backend, meta)
+            try:
+                if decode:
+                    fn(input_ids, positions, _decode_inputs(meta))
+                else:
+                    fn(input_ids, positions)
+            finally:
+                clear_attention_context()
 
     @staticmethod
     def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
@@ -270,7 +285,8 @@ class ModelRunner:
                 hidden = self.model(batch.input_ids, batch.positions)
             elif batch.rows.num_sample == batch.rows.total == len(batch.input_ids):
                 # Decode-only: every row samples, in order (one graph, LM head in it).
-                return self.compiled.decode_logits(batch.input_ids, batch.positions)
+                return self.compiled.decode_logits(batch.input_ids, batch.positions,
+                                                   _decode_inputs(batch.attention))
             else:
                 hidden = self.compiled.hidden(batch.input_ids, batch.positions)
         finally:
@@ -328,3 +344,9 @@ class ModelRunner:
                          attention=self.attn_backend.prepare(common), logit_rows=logit_rows,
                          rows=counts, sampling=sampling, prompt_spans=spans,
                          verifying=verifying)
+
+
+def _decode_inputs(meta) -> PagedDecode | None:
+    """A decode-only step's attention inputs, where its attention can be traced into
+    a compiled graph (the torch backend's paged decode); None: the custom op."""
+    return meta.decode_only() if isinstance(meta, TorchAttentionMetadata) else None

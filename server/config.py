@@ -18,7 +18,7 @@ class ServerConfig:
     port: int = setting(8000, "port to bind", parse=int)
     engine_mode: str = setting(
         "auto", "where the engine runs: a thread of the server, or a process of its own "
-        "(auto: process on CUDA, thread on CPU)", choices=["auto", "thread", "process"])
+        "(auto: a process)", choices=["auto", "thread", "process"])
     log_level: str = setting("info", "debug|info|warning|error")
     api_keys: list[str] = setting(
         help="require `Authorization: Bearer <key>` on /v1 routes; comma-separated "

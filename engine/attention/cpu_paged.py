@@ -5,14 +5,39 @@ new tensor in every layer, then calls SDPA on it. Here the same maths is written
 with the gather inside the reductions (scores = q . K[slot], out = sum p * V[slot]),
 and Inductor compiles it into loops that load each key and value straight from its
 block: the only tensors written are the scores (Hq floats per context token, not
-2 x Hkv x D). Two graphs, batch 1 and any other batch, each for any context length
-(dynamic shapes), built from the torch wheel's own compiler: no C++ build step at
+2 x Hkv x D). Built from the torch wheel's own compiler: no C++ build step at
 install time.
+
+It runs two ways:
+- inside the compiled decode graphs (`decode_in_place`, called by the model when a
+  step hands it a `PagedDecode`): the store of the new K/V and the attention are
+  traced with the rest of the decoder, so a decode step is one graph with no Python
+  between its layers (on CPU no CUDA graph hides the per-layer cost of leaving a
+  graph for a custom op: ~0.18 ms a layer, a third of a batch-1 step);
+- as a function compiled on its own (`paged_decode`), for the decodes of mixed steps,
+  which reach it through the attention custom op.
 
 Scores and softmax are float32 whatever the cache's dtype, as in SDPA."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+
+class PagedDecode(NamedTuple):
+    """A decode-only step's attention inputs, as graph inputs: one row per request."""
+    block_tables: torch.Tensor  # [B, W] int32 (W >= 2: see `widened`)
+    seq_lens: torch.Tensor  # [B] int32, the new token included
+    slots: torch.Tensor  # [B] int64, where each new token's K/V goes
+
+
+def widened(block_tables: torch.Tensor) -> torch.Tensor:
+    """A table one block wide is given a second column (never read: past seq_len), so
+    no graph specialises on a width of one, as Dynamo would for a dimension of 1."""
+    if block_tables.shape[1] == 1:
+        return torch.cat([block_tables, block_tables], dim=1)
+    return block_tables
 
 
 def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -34,6 +59,19 @@ def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out.reshape(b, hq, d).to(q.dtype)
 
 
+def decode_in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, step: PagedDecode,
+                    scale: float) -> torch.Tensor:
+    """Stores the step's K/V [B, Hkv, D] at step.slots, then attends: what the attention
+    custom op does for decodes, as plain ops a compiled graph can take in (Inductor
+    writes the store into the cache in place)."""
+    kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, step.slots, k)
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, step.slots, v)
+    return paged_decode_reference(q, k_cache, v_cache, step.block_tables, step.seq_lens,
+                                  scale)
+
+
 _compiled = None
 
 
@@ -42,8 +80,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float) -> t
     global _compiled
     if _compiled is None:
         _compiled = torch.compile(paged_decode_reference, fullgraph=True)
-    if block_tables.shape[1] == 1:  # no graph of its own for one-block contexts
-        block_tables = torch.cat([block_tables, block_tables], dim=1)
+    block_tables = widened(block_tables)
     # Batch size and table width vary (a batch of one has a graph of its own).
     for t, dims in ((q, (0,)), (block_tables, (0, 1)), (seq_lens, (0,))):
         for dim in dims:

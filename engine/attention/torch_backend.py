@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.context import AttentionMetadata
-from engine.attention.cpu_paged import paged_decode
+from engine.attention.cpu_paged import PagedDecode, paged_decode, widened
 from engine.attention.step_metadata import context_slots
 
 
@@ -34,15 +34,23 @@ class TorchAttentionMetadata:
     store_slots: torch.Tensor  # their slots
     prefills: list[PrefillSpan]
     # The decodes (rows 0..B-1) in one padded call: [B, max_context] slots padded
-    # with 0, and [B, 1, 1, max_context] True where a real key is. With paged
-    # decode instead: their block tables [B, W] and context lengths [B].
+    # with 0, and [B, 1, 1, max_context] True where a real key is.
     decode_slots: torch.Tensor | None
     decode_mask: torch.Tensor | None
     # Short queries (speculative verifications, tiny prompts) in one padded call too:
     # [S, Q] batch rows (a short request's padding repeats its last row), [S, L]
     # context slots, [S, 1, Q, L] causal mask. None when there are none.
     short: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    paged_decode: bool = False  # decode_slots/mask are block tables and lengths
+    # With paged decode, the decodes read the cache in place instead (decode_slots
+    # and decode_mask None); `paged.slots` are those of the decodes only.
+    paged: PagedDecode | None = None
+
+    def decode_only(self) -> PagedDecode | None:
+        """The step's attention inputs for a compiled decode graph, if every row
+        of the step is a paged decode."""
+        if self.paged is None or self.prefills or self.short is not None:
+            return None
+        return self.paged if len(self.paged.slots) == len(self.store_slots) else None
 
 
 # A request computing at most this many tokens joins the padded batched call instead
@@ -61,12 +69,12 @@ class TorchBackend(AttentionBackend):
 
     def prepare(self, common: AttentionMetadata) -> TorchAttentionMetadata:
         rows = torch.nonzero(common.slot_mapping >= 0).squeeze(1)
-        paged = self.paged_decode  # read once: switched on while steps run
-        slots, mask = None, None
-        if common.num_decodes and paged:
-            nd = common.num_decodes
-            slots, mask = common.block_tables[:nd], common.seq_lens[:nd]
-        elif common.num_decodes:
+        slots, mask, paged = None, None, None
+        nd = common.num_decodes
+        if nd and self.paged_decode:  # read once: it is switched on while steps run
+            paged = PagedDecode(widened(common.block_tables[:nd]), common.seq_lens[:nd],
+                                common.slot_mapping[:nd])
+        elif nd:
             slots, mask = self._decodes(common)
         lens = common.query_start_loc_cpu.diff().tolist()
         short = [i for i in range(common.num_decodes, common.num_reqs)
@@ -131,11 +139,11 @@ class TorchBackend(AttentionBackend):
             rows = slice(span.query_start, span.query_start + span.query_len)
             out[rows] = _prefill(q[rows], k_flat[span.context_slots],
                                  v_flat[span.context_slots], span.mask, scale)
-        if meta.decode_slots is not None and meta.paged_decode:
-            nd = meta.decode_slots.shape[0]
-            out[:nd] = paged_decode(q[:nd], k_cache, v_cache, meta.decode_slots,
-                                    meta.decode_mask, scale)
-        elif meta.decode_slots is not None:
+        if meta.paged is not None:
+            nd = meta.paged.block_tables.shape[0]
+            out[:nd] = paged_decode(q[:nd], k_cache, v_cache, meta.paged.block_tables,
+                                    meta.paged.seq_lens, scale)
+        if meta.decode_slots is not None:
             nd = meta.decode_slots.shape[0]
             out[:nd] = _decode(q[:nd], k_flat[meta.decode_slots],
                                v_flat[meta.decode_slots], meta.decode_mask, scale)

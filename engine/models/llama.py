@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import paged_attention
+from engine.attention.cpu_paged import PagedDecode, decode_in_place
 from engine.config import ModelConfig
 from engine.models.layers import PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary
 
@@ -28,7 +29,8 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+                paged: PagedDecode | None = None) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -39,7 +41,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        o = paged_attention(q, k, v, self.k_cache, self.v_cache, self.scale)
+        if paged is None:  # the attention custom op, through the step's backend
+            o = paged_attention(q, k, v, self.k_cache, self.v_cache, self.scale)
+        else:  # a compiled decode graph: attention traced with the rest
+            o = decode_in_place(q, k, v, self.k_cache, self.v_cache, paged, self.scale)
         return self.o_proj(o.reshape(n, q_size))
 
 
@@ -63,8 +68,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x))
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+                paged: PagedDecode | None = None) -> torch.Tensor:
+        x = x + self.self_attn(rope, self.input_layernorm(x), paged)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -87,17 +93,20 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                num_layers: int | None = None) -> torch.Tensor:
+                num_layers: int | None = None, paged: PagedDecode | None = None
+                ) -> torch.Tensor:
         """Returns the final hidden states [T, hidden] (logits are taken only for the
         rows that need them, see compute_logits). num_layers: stop after that many
         layers and normalise there (early-exit drafts: the first layers plus the
-        LM head make a draft model with no weights of its own)."""
+        LM head make a draft model with no weights of its own). paged: a decode-only
+        step's attention inputs, for attention written as plain ops (compiled decode
+        graphs on CPU); without it every layer calls the attention custom op."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary.table(positions, x.dtype)
         # (Slicing a ModuleList builds a new one: only when asked.)
         layers = self.layers if num_layers is None else self.layers[:num_layers]
         for layer in layers:
-            x = layer(rope, x)
+            x = layer(rope, x, paged)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -172,3 +172,25 @@ def test_paged_decode_matches_the_gathering_reference(dtype):
         got = paged_decode(q, k_cache, v_cache, tables, seq_lens, d ** -0.5)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def test_background_compile_serves_eagerly_meanwhile(tiny_model_dir, ref):
+    """compile="background" (auto on CPU): the engine steps at once, eagerly, while
+    the graphs are warmed up on their own thread over the spare block; then its steps
+    go through them, with the same tokens, and no block of a live request was touched."""
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+
+    engine = Engine(EngineConfig(model=str(tiny_model_dir("llama")), num_kv_blocks=512,
+                                 max_num_batched_tokens=37, compile="background"))
+    building = engine.runner.compiling
+    assert building is not None
+    prompts = varied_prompts(engine.model_config.vocab_size, count=8, seed=11)
+    during = engine.generate(prompts, greedy(48))
+    assert building.ready.wait(600), "the forward pass did not compile"
+    assert building.failed is None and engine.runner.compiled is building
+    compiled_before = graphs_compiled()
+    after = engine.generate(prompts, greedy(48))
+    assert graphs_compiled() == compiled_before  # no recompilation: the graphs served
+    assert_same_tokens(ref, prompts, after, during)
+    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks

@@ -96,14 +96,14 @@ def test_serve_wires_the_flags_through(monkeypatch, tmp_path):
     monkeypatch.setattr(engine.client.async_engine, "AsyncEngine", lambda e: e)
     monkeypatch.setattr(server.app, "build_app", fake_build_app)
     monkeypatch.setattr(server.shutdown, "GracefulServer", FakeServer)
-    cli.serve(_args("--model", str(tmp_path), "--api-key", "k1,k2",
+    cli.serve(_args("--model", str(tmp_path), "--engine-mode", "thread", "--api-key", "k1,k2",
                     "--max-waiting-requests", "5", "--shutdown-timeout", "3",
                     "--max-waiting-tokens", "7", "--max-request-body-bytes", "100",
                     "--max-prompts-per-request", "2", "--max-n", "4",
                     "--request-timeout", "1.5", "--protect-metrics", "true",
                     "--timeout-keep-alive", "65"))
     assert seen["app"] == {"config": ServerConfig(
-        api_keys=["k1", "k2"], max_waiting_requests=5, max_waiting_tokens=7,
+        engine_mode="thread", api_keys=["k1", "k2"], max_waiting_requests=5, max_waiting_tokens=7,
         max_request_body_bytes=100, max_prompts_per_request=2, max_n=4,
         request_timeout=1.5, protect_metrics=True, timeout_keep_alive=65,
         shutdown_timeout=3)}

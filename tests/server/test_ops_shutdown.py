@@ -30,7 +30,10 @@ def serving(model_dir: Path, log_path: Path, *flags: str):
            if not k.startswith("KVSERVE_") or k == "KVSERVE_CACHE"}
     cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir),
            "--port", str(port), "--device", "cpu", "--num-kv-blocks", "1024",
-           "--max-num-batched-tokens", "256", "--log-level", "info", *flags]
+           "--max-num-batched-tokens", "256", "--log-level", "info",
+           # eager, as the suite's engines: a tiny model's background compile is a
+           # minute of both cores, which would skew every timing these servers measure
+           "--compile", "off", *flags]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
