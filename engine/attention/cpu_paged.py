@@ -81,15 +81,19 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float) -> t
     if _compiled is None:
         _compiled = torch.compile(paged_decode_reference, fullgraph=True)
     block_tables = widened(block_tables)
-    # Batch size and table width vary (a batch of one has a graph of its own).
-    for t, dims in ((q, (0,)), (block_tables, (0, 1)), (seq_lens, (0,))):
-        for dim in dims:
-            torch._dynamo.maybe_mark_dynamic(t, dim)
     # Fresh views: the caches themselves are inputs of the model's compiled graphs,
     # which mark them static, and a static input is guarded on its identity (a
     # recompilation per layer). Always below autograd's view tracking, as inside a
     # compiled graph: the guards check the thread's dispatch state too, and a call
     # from eager code would otherwise be a recompilation.
     with torch.inference_mode(), torch._C._AutoDispatchBelowADInplaceOrView():
-        return _compiled(q, k_cache.view(k_cache.shape), v_cache.view(v_cache.shape),
-                         block_tables, seq_lens, scale)
+        k_view, v_view = k_cache.view(k_cache.shape), v_cache.view(v_cache.shape)
+        # Batch size and table width vary (a batch of one has a graph of its own),
+        # and so does the cache's block count from one engine to the next: the
+        # graphs are shared by every engine of the process (Dynamo's limit of 8
+        # per function would otherwise be reached by a process holding several).
+        for t, dims in ((q, (0,)), (block_tables, (0, 1)), (seq_lens, (0,)),
+                        (k_view, (0,)), (v_view, (0,))):
+            for dim in dims:
+                torch._dynamo.maybe_mark_dynamic(t, dim)
+        return _compiled(q, k_view, v_view, block_tables, seq_lens, scale)
