@@ -128,7 +128,9 @@ class ModelRunner:
             steps = [([start] * num_tokens, [1] * num_tokens, [[spare, spare]] * num_tokens)]
         else:
             prompt = min(num_tokens, limit)
-            steps = [([start] * d + [0], [1] * d + [prompt], [[spare, spare]] * d + [[spare]])
+            # Every table two blocks wide, the prompt's too: a narrower row would be
+            # padded with block 0, which a live request may own.
+            steps = [([start] * d + [0], [1] * d + [prompt], [[spare, spare]] * (d + 1))
                      for d in (1, 2)]
         for starts, lens, tables in steps:
             host = build_host_step(starts, lens, tables, bs)

@@ -186,11 +186,37 @@ def test_background_compile_serves_eagerly_meanwhile(tiny_model_dir, ref):
     building = engine.runner.compiling
     assert building is not None
     prompts = varied_prompts(engine.model_config.vocab_size, count=8, seed=11)
-    during = engine.generate(prompts, greedy(48))
+    runs = [engine.generate(prompts, greedy(48))]  # eager steps beside the warm-ups
+    while not building.ready.is_set() and len(runs) < 500:
+        runs.append(engine.generate(prompts, greedy(48)))
     assert building.ready.wait(600), "the forward pass did not compile"
     assert building.failed is None and engine.runner.compiled is building
     compiled_before = graphs_compiled()
     after = engine.generate(prompts, greedy(48))
     assert graphs_compiled() == compiled_before  # no recompilation: the graphs served
-    assert_same_tokens(ref, prompts, after, during)
+    for during in runs:
+        assert_same_tokens(ref, prompts, during, after)
     assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
+
+
+@pytest.mark.parametrize("decode", [True, False])
+def test_warm_up_steps_touch_only_the_spare_block(tiny_engine_factory, decode):
+    """The graphs are warmed up beside live steps (background compile): their steps
+    may read and write the spare block alone, never one the KV manager hands out."""
+    engine = tiny_engine_factory(compile="off", num_kv_blocks=64)
+    runner = engine.runner
+    for k, v in runner.kv_caches:  # every block marked, so any write shows
+        k.normal_(), v.normal_()
+    before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+
+    def eager(ids, positions, paged=None):
+        return runner.model(ids, positions, paged=paged)
+
+    for backend in (runner.attn_backend, type(runner.attn_backend)(paged_decode=True)):
+        for tokens in (1, 16, 256):
+            runner._warm_up_step(backend, eager, tokens, decode)
+    live = slice(0, runner.spare_block)
+    for (k0, v0), (k1, v1) in zip(before, runner.kv_caches):
+        assert torch.equal(k0[live], k1[live]) and torch.equal(v0[live], v1[live])
+    assert any(not torch.equal(k0[runner.spare_block], k1[runner.spare_block])
+               for (k0, _), (k1, _) in zip(before, runner.kv_caches))
