@@ -96,8 +96,11 @@ def graphs_compiled() -> int:
 class CompiledModel:
     """The model's decode logits and hidden states, compiled once `ready`."""
 
-    def __init__(self, model: LlamaForCausalLM):
+    def __init__(self, model: LlamaForCausalLM, paged_decode: bool = False):
         self.model = model
+        # The decode graphs take a PagedDecode (attention traced in), else they call
+        # the attention custom op; a graph is built for one of the two only.
+        self.paged_decode = paged_decode
         # Every graph freezes the weights (constants, prepacked once for oneDNN).
         # Set globally: passed in `options`, freezing is not applied.
         torch._inductor.config.freezing = True

@@ -96,11 +96,11 @@ class ModelRunner:
     def compile_forward(self, background: bool) -> CompiledModel:
         """Steps go through Inductor-compiled graphs once they are built (on a thread
         of their own with `background`, steps staying eager meanwhile)."""
-        compiled = self.compiling = CompiledModel(self.model)
         # Decode attention compiled too, where the backend has such a path: the
         # graphs are warmed up through a copy that takes it, and steps take it
         # from when the graphs are ready (a step keeps the path it was prepared on).
         paged = isinstance(self.attn_backend, TorchBackend) and self.device.type == "cpu"
+        compiled = self.compiling = CompiledModel(self.model, paged_decode=paged)
         warm_backend = TorchBackend(paged_decode=True) if paged else self.attn_backend
 
         def ready() -> None:
@@ -283,14 +283,16 @@ class ModelRunner:
     def forward_logits(self, batch: FlatBatch) -> torch.Tensor:
         set_attention_context(self.attn_backend, batch.attention)
         try:
-            if self.compiled is None:
+            compiled, paged = self.compiled, _decode_inputs(batch.attention)
+            decode_only = batch.rows.num_sample == batch.rows.total == len(batch.input_ids)
+            if compiled is None:
                 hidden = self.model(batch.input_ids, batch.positions)
-            elif batch.rows.num_sample == batch.rows.total == len(batch.input_ids):
-                # Decode-only: every row samples, in order (one graph, LM head in it).
-                return self.compiled.decode_logits(batch.input_ids, batch.positions,
-                                                   _decode_inputs(batch.attention))
-            else:
-                hidden = self.compiled.hidden(batch.input_ids, batch.positions)
+            elif decode_only and (paged is not None or not compiled.paged_decode):
+                # Every row samples, in order (one graph, LM head in it).
+                return compiled.decode_logits(batch.input_ids, batch.positions, paged)
+            else:  # mixed steps, and a decode step prepared before the graphs were
+                # ready (no PagedDecode): the graph that calls the custom op
+                hidden = compiled.hidden(batch.input_ids, batch.positions)
         finally:
             clear_attention_context()
         return self.model.compute_logits(hidden[batch.logit_rows])
