@@ -2,7 +2,8 @@
 run off the event loop (server/tokenization.py), and a prompt that cannot fit the
 context is refused from its length alone (server/prompt_length.py). While 5 MB
 prompts are being refused, /health and a running stream's inter-token gaps stay
-under 100 ms."""
+under 250 ms (the stall this guards against was 16.6 s; 0.93 s with the length
+refusal off)."""
 from __future__ import annotations
 
 import asyncio
@@ -16,7 +17,10 @@ from tests.server.test_ops_shutdown import serving
 from tests.support.server import running_server
 
 FIVE_MB = ("a quick brown fox jumps over the lazy dog, " * 120_000)[:5_000_000]
-STALL_LIMIT = 0.1  # seconds
+# Seconds. Not 0.1: the server, its engine process (two compute threads) and this
+# client share two cores, and a 5 MB body's own parsing takes tens of milliseconds;
+# in the full suite single /health answers took up to 0.12 s.
+STALL_LIMIT = 0.25
 
 
 async def _watch(url: str, big_requests: list[tuple[str, bytes]]) -> dict:
@@ -100,5 +104,5 @@ def test_a_prompt_tokenized_in_full_stalls_nothing(tiny_engine_factory, monkeypa
         seen = asyncio.run(_watch(url, _big_bodies(FIVE_MB[:600_000])))
     # The stream's steps share two cores with the tokenizer (and, in this one
     # process, with the test's client): slower, but never stopped for the tokenizing.
-    _assert_no_stall(seen, ["prompt", "messages"], gap_limit=3 * STALL_LIMIT)
+    _assert_no_stall(seen, ["prompt", "messages"], gap_limit=0.3)
     assert seen["seconds"] > 0.3, "too short to show a stall"
