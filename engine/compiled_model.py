@@ -20,12 +20,13 @@ steps on CPU take their attention inputs (block tables, lengths, slots: a
 (engine/attention/cpu_paged.py): with no CUDA graph to hide them, 30 exits to a
 custom op made a bf16 batch-1 step 14.8 ms instead of 10.6. Elsewhere decode graphs
 call the custom op too.
-Compiling the default model's three graphs takes 2.5-3 minutes on two cores, on
-every start: Inductor keeps its C++ kernels and autotuning results under
+Compiling the default model's three graphs took 140 s on two cores with a cold cache
+and 17 s with a warm one: Inductor keeps its C++ kernels and autotuning results under
 $KVSERVE_CACHE/inductor, but its graph cache refuses graphs whose frozen weights are
-oneDNN-packed ("mkldnn tensors unpickleable"), and without the packing a decode step
-is 1.2-2x slower (measured: batch 1 22.2 vs 10.6 ms, batch 32 54 vs 44 ms, bf16).
-So by default the graphs are built on a thread of their own while steps run eagerly."""
+oneDNN-packed ("mkldnn tensors unpickleable"), so tracing and lowering are redone on
+every start; without the packing a decode step is 1.2-2x slower (measured: batch 1
+22.2 vs 10.6 ms, batch 32 54 vs 44 ms, bf16). So by default the graphs are built on
+a thread of their own while steps run eagerly."""
 from __future__ import annotations
 
 import logging
