@@ -5,6 +5,7 @@ Torch and the engine are imported only once the arguments have parsed."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import shlex
@@ -128,12 +129,12 @@ def resolve_model(args) -> None:
 
 
 def _bench_compile(args) -> str:
-    from bench.in_process.measure import bench_compile
+    from bench.in_process.measure import bench_compile  # torch: only when a tool runs
+
     return bench_compile(args)
 
 
 def offline_engine_config(args) -> EngineConfig:
-    import dataclasses
     return dataclasses.replace(from_args(EngineConfig, args), compile=_bench_compile(args))
 
 
@@ -145,7 +146,6 @@ def spec_engine_config(args) -> EngineConfig:
                         max_num_batched_tokens=2048, enable_prefix_caching=False,
                         attention_backend=args.attention_backend,
                         enforce_eager=args.enforce_eager, compile=_bench_compile(args))
-
 
 
 def run_tool(args, command: str) -> dict:

@@ -182,3 +182,26 @@ def test_bench_provenance_still_importable():
 
     info = provenance("some GPU")
     assert info["device"] == "some GPU" and {"commit", "command", "python"} <= set(info)
+
+
+def test_bench_profile_end_to_end(tmp_path, capsys):
+    """`kvserve bench profile`, eager only (the compiled forward pass has tests of its
+    own): every bucket of a step's time is there and accounts for the step."""
+    out = tmp_path / "profile.json"
+    assert cli.main(["bench", "profile", *TINY, "--dtypes", "float32", "--modes", "eager",
+                     "--batch-sizes", "1,3", "--steps", "3", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["command"].startswith("kvserve bench profile")
+    positive(r["copy_bandwidth"], "gbps")
+    assert [(c["dtype"], c["forward"], c["batch"]) for c in r["cases"]] == [
+        ("float32", "eager", 1), ("float32", "eager", 3)]
+    for case in r["cases"]:
+        positive(case, "step_ms", "tok_s", "floor_ms")
+        split = case["split_ms"]
+        assert set(split) == {"matmuls", "compiled graph", "attn gather", "attn compute",
+                              "elementwise", "dispatch", "sampler", "host"}
+        assert split["matmuls"] > 0 and split["compiled graph"] == 0  # eager
+        assert split["attn gather"] > 0  # the reference backend copies each context
+        # The profiled steps run slower than the timed ones, never several times over.
+        assert sum(split.values()) < 5 * case["step_ms"]
+    assert "attn gather" in capsys.readouterr().out
