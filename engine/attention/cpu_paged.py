@@ -59,15 +59,22 @@ def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out.reshape(b, hq, d).to(q.dtype)
 
 
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """K/V rows [T, Hkv, D] into their cache slots, with plain ops (eagerly in the
+    torch backend, traced into the decode graphs)."""
+    kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
+
+
 def decode_in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, step: PagedDecode,
                     scale: float) -> torch.Tensor:
     """Stores the step's K/V [B, Hkv, D] at step.slots, then attends: what the attention
     custom op does for decodes, as plain ops a compiled graph can take in (Inductor
     writes the store into the cache in place)."""
-    kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, step.slots, k)
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, step.slots, v)
+    store_kv(k, v, k_cache, v_cache, step.slots)
     return paged_decode_reference(q, k_cache, v_cache, step.block_tables, step.seq_lens,
                                   scale)
 

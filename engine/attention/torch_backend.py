@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.context import AttentionMetadata
-from engine.attention.cpu_paged import PagedDecode, paged_decode, widened
+from engine.attention.cpu_paged import PagedDecode, paged_decode, store_kv, widened
 from engine.attention.step_metadata import context_slots
 
 
@@ -154,13 +154,6 @@ class TorchBackend(AttentionBackend):
             o = _short(q[rows], k_flat[slots], v_flat[slots], mask, scale)
             out[rows.reshape(-1)] = o.reshape(-1, *o.shape[2:])
         return out
-
-
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor, slots: torch.Tensor) -> None:
-    kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
 
 
 def _prefill(q, k, v, mask, scale):
