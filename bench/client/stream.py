@@ -28,7 +28,6 @@ class StreamReader:
         self.record = RequestRecord()
         self.parts: list[str] = []
         self.usage: dict | None = None
-        self.usage_tokens = 0  # completion_tokens at the last output chunk
 
     def feed(self, data: dict, now: float) -> None:
         if "error" in data:
@@ -56,11 +55,13 @@ class StreamReader:
         self.parts.append(text)
 
     def _tokens_in(self, choice: dict) -> int:
-        """Per-chunk usage (vLLM's continuous_usage_stats) is exact; else logprobs;
-        else one token per chunk, which is all a plain stream says."""
+        """Per-chunk usage (vLLM's continuous_usage_stats) is exact: the tokens it
+        counts beyond those already given to earlier chunks; else logprobs; else one
+        token per chunk, which is all a plain stream says. A usage that first comes
+        on the last chunk (llama-server puts it on the finish chunk) is not that
+        chunk's tokens: the earlier chunks have them already."""
         if self.usage and "completion_tokens" in self.usage:
-            seen = self.usage["completion_tokens"]
-            k, self.usage_tokens = seen - self.usage_tokens, seen
+            k = self.usage["completion_tokens"] - sum(self.record.chunk_tokens)
             if k > 0:
                 return k
         return logprob_tokens(choice, self.chat) or 1

@@ -49,13 +49,18 @@ def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     pos = torch.arange(block_tables.shape[1] * bs, device=q.device)
     slots = block_tables.long()[:, pos // bs] * bs + pos % bs  # [B, L]
-    k = k_cache.reshape(-1, hkv, d)[slots].float()  # [B, L, Hkv, D]: fused, not stored
-    v = v_cache.reshape(-1, hkv, d)[slots].float()
-    qg = q.float().reshape(b, 1, hkv, hq // hkv, d)  # query heads grouped by KV head
-    scores = (qg * k.unsqueeze(3)).sum(-1) * scale  # [B, L, Hkv, G]
-    visible = (pos[None, :] < seq_lens[:, None].long())[:, :, None, None]
-    p = scores.masked_fill(~visible, float("-inf")).softmax(dim=1)
-    out = (p.unsqueeze(-1) * v.unsqueeze(3)).sum(1)  # [B, Hkv, G, D]
+    # [B, Hkv, L, D], fused into the loops below, never stored
+    k = k_cache.reshape(-1, hkv, d)[slots].float().permute(0, 2, 1, 3)
+    v = v_cache.reshape(-1, hkv, d)[slots].float().permute(0, 2, 1, 3)
+    qg = q.float().reshape(b, hkv, hq // hkv, 1, d)  # query heads grouped by KV head
+    # Context positions last: the softmax reduces along the innermost dimension, so
+    # Inductor runs every loop nest in parallel over the requests and heads. With
+    # the positions second (scores [B, L, Hkv, G]) it parallelised each softmax
+    # reduction on its own, one OpenMP region per request, 1.4-1.5x slower.
+    scores = (qg * k.unsqueeze(2)).sum(-1) * scale  # [B, Hkv, G, L]
+    visible = (pos[None, :] < seq_lens[:, None].long())[:, None, None, :]
+    p = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+    out = (p.unsqueeze(-1) * v.unsqueeze(2)).sum(3)  # [B, Hkv, G, D]
     return out.reshape(b, hq, d).to(q.dtype)
 
 

@@ -17,11 +17,15 @@ from scheduler.sampling_params import SamplingParams
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None],
-           adjustments: LogitAdjustments | None = None) -> torch.Tensor:
-    """logits: [R, V] float32 (not modified). Returns [R] int64 token ids."""
+           adjustments: LogitAdjustments | None = None,
+           argmax: torch.Tensor | None = None) -> torch.Tensor:
+    """logits: [R, V] float32 (not modified). Returns [R] int64 token ids. argmax:
+    the logits' argmax if the caller has it already (the greedy tokens, unless an
+    adjustment applies; it may be written to)."""
     if adjustments is not None:
         logits = adjustments.apply(logits)
-    tokens = logits.argmax(dim=-1)
+        argmax = None
+    tokens = logits.argmax(dim=-1) if argmax is None else argmax
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if not random_rows:
         return tokens

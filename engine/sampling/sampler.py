@@ -110,13 +110,14 @@ class Sampler:
                 spans: list[PromptSpan]) -> SampleLaunch:
         seqs, rows = _sequences(sampling)
         step_logits = logits.sample
-        bad = _non_finite(step_logits)
+        top, bad = _peaks(step_logits)
         if len(rows) != len(sampling):
-            step_logits = step_logits[_index(rows, step_logits.device)]
+            picked = _index(rows, step_logits.device)
+            step_logits, top = step_logits[picked], top[picked]
         want = [j for j, q in enumerate(seqs) if q.params.logprobs is not None]
         # Before sampling: logprobs come from the raw logits.
         raw = raw_logprobs(step_logits[_index(want, self.device)]) if want else None
-        tokens = self._sample(step_logits, seqs)
+        tokens = self._sample(step_logits, seqs, top)
         launch = SampleLaunch(sampling, spans, seqs, rows, tokens, want=want)
         transfer = launch.transfer
         if seqs:
@@ -197,13 +198,14 @@ class Sampler:
         scratch.prompt = self.prompt.copy()
         return scratch
 
-    @faults.fault_point("sample", lambda self, logits, seqs: seqs)
-    def _sample(self, logits: torch.Tensor, seqs: list[Request]) -> torch.Tensor | None:
+    @faults.fault_point("sample", lambda self, logits, seqs, argmax=None: seqs)
+    def _sample(self, logits: torch.Tensor, seqs: list[Request],
+                argmax: torch.Tensor | None = None) -> torch.Tensor | None:
         if not seqs:
             return None
         adjustments = build_adjustments(seqs, logits.shape[-1], self.device)
         return sample(logits, [q.params for q in seqs], [self._generator(q) for q in seqs],
-                      adjustments)
+                      adjustments, argmax)
 
     @staticmethod
     def _prompt_items(values: list[float], spans: list[PromptSpan], k: int) -> list:
@@ -267,11 +269,17 @@ def _sequences(sampling: list[ScheduledRequest]) -> tuple[list[Request], list[in
     return seqs, rows
 
 
+def _peaks(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's argmax [R], and [R] int64 that is 1 where a row of raw logits holds
+    NaN or +inf or is all -inf: one pass over the logits for both (the max propagates
+    NaN, and its index is the first maximal one, as argmax's). Checked before the
+    adjustments, whose -infs (min_tokens, logit_bias, top-k) are legitimate."""
+    peak, top = logits.max(dim=-1)
+    return top, (~peak.isfinite()).long()
+
+
 def _non_finite(logits: torch.Tensor) -> torch.Tensor:
-    """[R] int64, 1 where a row of raw logits holds NaN or +inf or is all -inf. One
-    reduction (the max propagates NaN); checked before the adjustments, whose -infs
-    (min_tokens, logit_bias, top-k) are legitimate."""
-    return (~logits.amax(dim=-1).isfinite()).long()
+    return _peaks(logits)[1]
 
 
 def _drop_failed(result: StepResult, sampling: list[ScheduledRequest], rows: list[int],

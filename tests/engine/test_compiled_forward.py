@@ -127,6 +127,18 @@ def test_speculative_verification_gives_the_same_tokens(compiled_factory,
     assert_same_tokens(ref, prompts, got, eager.generate(prompts, greedy(32)))
 
 
+def test_each_engine_runs_graphs_of_its_own(compiled_factory, tiny_engine_factory):
+    """Dynamo's guards on the model are dropped (engine/compiled_model.py), so a
+    second engine in the process must never reach the first one's graphs (and their
+    frozen weights): two engines of other weights each give their own eager tokens."""
+    prompts = varied_prompts(400, count=4, seed=9, lengths=(5, 30))
+    for seed in (1, 2):
+        got = compiled_factory(load_format="random", seed=seed).generate(prompts, greedy(12))
+        eager = tiny_engine_factory(load_format="random", seed=seed,
+                                    max_num_batched_tokens=37, compile="off")
+        assert got == eager.generate(prompts, greedy(12)), f"seed {seed}"
+
+
 def test_random_arrivals_trigger_no_recompilation(compiled):
     """200 requests of random lengths arriving at random steps, after warm-up."""
     rng = random.Random(200)

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from engine import faults
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.sampling.sampler import _non_finite
+from engine.sampling.sampler import _non_finite, _peaks
 from scheduler.sampling_params import SamplingParams
 
 PROMPTS = {"greedy": [5, 6, 7, 8], "seeded": [9, 10, 11],
@@ -156,6 +156,13 @@ def test_non_finite_rows():
                            [0.0, inf, 1.0],
                            [-inf, -inf, -inf]])
     assert _non_finite(logits).tolist() == [0, 0, 1, 1, 1]
+
+
+def test_one_pass_gives_the_first_argmax_with_the_flags():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, -1.0, 2.0]])
+    top, bad = _peaks(logits)
+    assert top.tolist() == logits.argmax(-1).tolist() == [1, 0]
+    assert bad.tolist() == [0, 0]
 
 
 # -- NaN logits from the model itself ----------------------------------------------

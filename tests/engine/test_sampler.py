@@ -12,6 +12,18 @@ def test_greedy_is_argmax():
     assert torch.equal(sample(logits, params, [None] * 4), logits.argmax(-1))
 
 
+def test_a_given_argmax_is_used_unless_an_adjustment_applies():
+    from engine.sampling.adjustments import build_adjustments
+    from scheduler.request import Request
+
+    logits = torch.tensor([[0.0, 5.0, 1.0]])
+    greedy = SamplingParams(temperature=0.0)
+    assert sample(logits, [greedy], [None], argmax=torch.tensor([2])).tolist() == [2]
+    biased = SamplingParams(temperature=0.0, logit_bias={2: 10.0})
+    adjust = build_adjustments([Request("r", [1], biased)], 3, logits.device)
+    assert sample(logits, [biased], [None], adjust, argmax=torch.tensor([1])).tolist() == [2]
+
+
 def test_top_k_1_and_tiny_top_p_are_greedy():
     logits = torch.randn(6, 50)
     params = [SamplingParams(temperature=1.0, top_k=1)] * 3 + \

@@ -47,6 +47,19 @@ def test_logprobs_or_continuous_usage_say_how_many_tokens_a_chunk_holds():
     assert r.finish(0.4, 1).itls() == pytest.approx([0.1, 0.1, 0.1])
 
 
+def test_usage_first_seen_on_the_finish_chunk_is_not_that_chunks_tokens():
+    """llama-server's stream: one token a chunk, usage only on the finish chunk."""
+    r = StreamReader(chat=False)
+    for i in range(4):
+        r.feed(completion("x"), 0.1 * (i + 1))
+    r.feed({"choices": [{"index": 0, "text": "", "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 4}}, 0.41)
+    rec = r.finish(0.42, 1)
+    assert rec.output_tokens == 4 and rec.chunk_tokens == [1, 1, 1, 1, 1]
+    assert sum(rec.itls()) == pytest.approx(0.31)
+    assert rec.itls() == pytest.approx([0.1, 0.1, 0.1, 0.01])
+
+
 def test_chat_role_chunk_is_not_the_first_token_but_an_empty_text_chunk_is():
     r = StreamReader(chat=True)
     r.feed({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}, 0.05)
