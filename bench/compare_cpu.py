@@ -313,8 +313,11 @@ def machine() -> dict:
 def plot(table: dict[tuple[str, str], dict], workloads: list[str], peers: list[str],
          path: Path, title: str,
          ylabel: str = "output tokens/s (median; bars: min-max over rounds)") -> None:
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:  # the `bench` extra: the figures above are all there is
+        print(f"no {path}: matplotlib is not installed (pip install -e '.[bench]')")
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -47,7 +47,7 @@ log = logging.getLogger("kvserve.compile")
 
 # Batch-1 decode reads each weight once for one row: Inductor's own GEMV kernels
 # beat oneDNN's there (and only there: they lose from ~8 rows on).
-BATCH_ONE = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+BATCH_ONE = {"max_autotune": True, "max_autotune_gemm_backends": "CPP"}
 
 
 def _unguarded_model(entries) -> list[bool]:
