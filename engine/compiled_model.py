@@ -46,7 +46,10 @@ from engine.models.llama import LlamaForCausalLM
 log = logging.getLogger("kvserve.compile")
 
 # Batch-1 decode reads each weight once for one row: Inductor's own GEMV kernels
-# beat oneDNN's there (and only there: they lose from ~8 rows on).
+# beat oneDNN's there (and only there: they lose from ~8 rows on). They are the only
+# choice: autotuning between the two on a shared, noisy machine sometimes picked
+# oneDNN, and Inductor caches that pick on disk for every later start (a batch-1
+# step 2-3 ms slower).
 BATCH_ONE = {"max_autotune": True, "max_autotune_gemm_backends": "CPP"}
 
 
