@@ -46,11 +46,10 @@ from engine.models.llama import LlamaForCausalLM
 log = logging.getLogger("kvserve.compile")
 
 # Batch-1 decode reads each weight once for one row: Inductor's own GEMV kernels
-# beat oneDNN's there (and only there: they lose from ~8 rows on). They are the only
-# choice: autotuning between the two on a shared, noisy machine sometimes picked
-# oneDNN, and Inductor caches that pick on disk for every later start (a batch-1
-# step 2-3 ms slower).
-BATCH_ONE = {"max_autotune": True, "max_autotune_gemm_backends": "CPP"}
+# beat oneDNN's there (and only there: they lose from ~8 rows on). oneDNN stays a
+# choice: the CPP template does not apply to every GEMM (without it, compiling
+# fails with "no choices" on some float32 shapes).
+BATCH_ONE = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
 
 def _unguarded_model(entries) -> list[bool]:

@@ -199,10 +199,11 @@ def test_background_compile_serves_eagerly_meanwhile(tiny_model_dir, ref):
     assert building is not None
     prompts = varied_prompts(engine.model_config.vocab_size, count=8, seed=11)
     runs = [engine.generate(prompts, greedy(48))]  # eager steps beside the warm-ups
-    while not building.ready.is_set() and len(runs) < 500:
+    while not building.ready.is_set() and building.failed is None and len(runs) < 500:
         runs.append(engine.generate(prompts, greedy(48)))
-    assert building.ready.wait(600), "the forward pass did not compile"
-    assert building.failed is None and engine.runner.compiled is building
+    assert building.failed is None, f"the forward pass did not compile: {building.failed}"
+    assert building.ready.wait(600), "the forward pass did not compile in time"
+    assert engine.runner.compiled is building
     compiled_before = graphs_compiled()
     after = engine.generate(prompts, greedy(48))
     assert graphs_compiled() == compiled_before  # no recompilation: the graphs served
