@@ -46,10 +46,14 @@ from engine.models.llama import LlamaForCausalLM
 log = logging.getLogger("kvserve.compile")
 
 # Batch-1 decode reads each weight once for one row: Inductor's own GEMV kernels
-# beat oneDNN's there (and only there: they lose from ~8 rows on). oneDNN stays a
-# choice: the CPP template does not apply to every GEMM (without it, compiling
-# fails with "no choices" on some float32 shapes).
-BATCH_ONE = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+# beat oneDNN's there (and only there: they lose from ~8 rows on). They are the only
+# choice: autotuning between the two (each timed alone, its weight hot in cache)
+# picked oneDNN for some GEMMs, Inductor keeps the pick on disk for every later
+# start, and workload a of bench/compare_cpu.py ran at 62-72 tok/s instead of 76-95.
+# Where the template covers no choice for a GEMM (some float32 shapes), the graph is
+# built again with oneDNN allowed.
+BATCH_ONE = {"max_autotune": True, "max_autotune_gemm_backends": "CPP"}
+BATCH_ONE_FALLBACK = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
 
 def _unguarded_model(entries) -> list[bool]:
@@ -123,8 +127,7 @@ class CompiledModel:
         # Every graph freezes the weights (constants, prepacked once for oneDNN).
         # Set globally: passed in `options`, freezing is not applied.
         torch._inductor.config.freezing = True
-        self._one = torch.compile(_own_code(CompiledModel._decode_one, self), dynamic=False,
-                                  options={**BATCH_ONE, **NO_MODEL_GUARDS})
+        self._one = self._batch_one(BATCH_ONE)
         self._many = torch.compile(_own_code(CompiledModel._decode_many, self),
                                    options=NO_MODEL_GUARDS)
         self._hidden = torch.compile(_own_code(CompiledModel._hidden_many, self),
@@ -132,6 +135,10 @@ class CompiledModel:
         self.ready = threading.Event()
         self.failed: BaseException | None = None
         self.seconds: float | None = None
+
+    def _batch_one(self, options: dict):
+        return torch.compile(_own_code(CompiledModel._decode_one, self), dynamic=False,
+                             options={**options, **NO_MODEL_GUARDS})
 
     # Three functions, so each graph has a code object (and a cache) of its own.
     def _decode_one(self, ids, positions, paged):
@@ -191,7 +198,7 @@ class CompiledModel:
             with torch.inference_mode():
                 for i, (what, fn, tokens, decode) in enumerate(plan, 1):
                     log.info("compiling the forward pass (%d/%d: %s)...", i, len(plan), what)
-                    run_step(fn, tokens, decode)
+                    self._warm_up(run_step, fn, tokens, decode)
         except Exception as exc:  # noqa: BLE001 - eager steps go on; said once
             self.failed = exc
             log.warning("compiling the forward pass failed, steps stay eager: %s", exc,
@@ -202,6 +209,18 @@ class CompiledModel:
         log.info("forward pass compiled in %.1f s (Inductor cache: %s)", self.seconds,
                  os.environ.get("TORCHINDUCTOR_CACHE_DIR", "default"))
         self.ready.set()
+
+
+    def _warm_up(self, run_step, fn, tokens: int, decode: bool) -> None:
+        try:
+            run_step(fn, tokens, decode)
+        except Exception as exc:  # noqa: BLE001 - one kind is retried, the rest raised
+            if tokens != 1 or "NoValidChoicesError" not in str(exc):
+                raise
+            log.info("batch-1 decode: Inductor's GEMV template does not cover every "
+                     "GEMM of this model; oneDNN allowed where it does not")
+            self._one = self._batch_one(BATCH_ONE_FALLBACK)
+            run_step(fn, tokens, decode)
 
 
 def _dynamic(ids: torch.Tensor, positions: torch.Tensor):
