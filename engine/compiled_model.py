@@ -210,8 +210,9 @@ class CompiledModel:
                  os.environ.get("TORCHINDUCTOR_CACHE_DIR", "default"))
         self.ready.set()
 
-
     def _warm_up(self, run_step, fn, tokens: int, decode: bool) -> None:
+        """run_step, and for the batch-1 graph once more with oneDNN allowed if the
+        GEMV template alone left a GEMM without a kernel."""
         try:
             run_step(fn, tokens, decode)
         except Exception as exc:  # noqa: BLE001 - one kind is retried, the rest raised
