@@ -28,6 +28,7 @@ class StreamReader:
         self.record = RequestRecord()
         self.parts: list[str] = []
         self.usage: dict | None = None
+        self.counted = 0  # tokens given to the chunks so far
 
     def feed(self, data: dict, now: float) -> None:
         if "error" in data:
@@ -51,7 +52,9 @@ class StreamReader:
         if not rec.chunk_times:
             rec.ttft = now
         rec.chunk_times.append(now)
-        rec.chunk_tokens.append(self._tokens_in(choice))
+        k = self._tokens_in(choice)
+        rec.chunk_tokens.append(k)
+        self.counted += k
         self.parts.append(text)
 
     def _tokens_in(self, choice: dict) -> int:
@@ -61,7 +64,7 @@ class StreamReader:
         on the last chunk (llama-server puts it on the finish chunk) is not that
         chunk's tokens: the earlier chunks have them already."""
         if self.usage and "completion_tokens" in self.usage:
-            k = self.usage["completion_tokens"] - sum(self.record.chunk_tokens)
+            k = self.usage["completion_tokens"] - self.counted
             if k > 0:
                 return k
         return logprob_tokens(choice, self.chat) or 1
