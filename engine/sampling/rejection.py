@@ -7,21 +7,22 @@ min(1, p_i(x_i) / q_i(x_i)), in order; at the first rejection a token is drawn f
 normalize(max(0, p_i - q_i)) and the row stops; if all k are accepted a bonus token
 is drawn from p_{k+1}. The emitted tokens then follow the target exactly. Greedy
 rows accept while x_i is the argmax of p_i and emit the argmax at the first mismatch
-(or the bonus argmax); they draw no noise.
+(or the bonus argmax); they draw no random numbers.
 
 Deterministic drafts (n-gram, `draft_probs=None`: q_i is one-hot at x_i): x_i is
 accepted with probability p_i(x_i), and a rejection draws from p_i without x_i; no
-[K, V] draft tensor is built. A row draws k uniforms and one [V] noise row, as a
-step without speculation draws one [V] row.
+[K, V] draft tensor is built. A row draws k + 1 uniforms: k for the tests, one for
+the token drawn at the end (engine/sampling/draw.py, as a step without speculation
+draws its token).
 
 Seeded rows of a deterministic draft may instead (with `GeneratorCheckpoints`) draw
-y_i ~ p_i at every position exactly as the engine's sampler draws a token (argmax of
-p / E, E ~ Exp(1), one [V] noise row per position from the request's generator) and
-accept x_i iff y_i == x_i, emitting y_i at the first mismatch. That is the same rule
+y_i ~ p_i at every position exactly as the engine's sampler draws a token (`draw`:
+one uniform per position from the request's generator) and accept x_i iff
+y_i == x_i, emitting y_i at the first mismatch. That is the same rule
 (P(accept) = p_i(x_i); y_i given y_i != x_i is p_i without x_i, renormalised), and
 a request that rewinds its generator to the state after its last emitted token
-consumes exactly the noise it would have without speculation, so it emits the same
-tokens given the same target probabilities. It costs K + 1 noise rows per row.
+consumes exactly the numbers it would have without speculation, so it emits the
+same tokens given the same target probabilities.
 
 Nothing here syncs with the host: the results are device tensors, for one transfer."""
 from __future__ import annotations
@@ -31,7 +32,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.host_copy import to_device
-
+from engine.sampling.draw import draw, pick
 from engine.sampling.sample import _probabilities
 from scheduler.sampling_params import SamplingParams
 
@@ -85,10 +86,10 @@ def pad_drafts(drafts: Sequence[Sequence[int]],
 
 class GeneratorCheckpoints:
     """For the seeded rows of a deterministic-draft verification: each generator's
-    state after drawing the noise of positions 0..K. After the host learns how many
+    state after drawing for positions 0..K. After the host learns how many
     tokens a row emitted (num_accepted + 1), `rewind` sets its generator to the state
     after that many draws, as if it had sampled them one step at a time. Skipping
-    `rewind` is also correct (the noise is merely not shared with the
+    `rewind` is also correct (the draws are merely not shared with the
     non-speculative path), so it is optional."""
 
     def __init__(self):
@@ -116,7 +117,7 @@ def rejection_sample(target: torch.Tensor, draft_token_ids: torch.Tensor,
     deterministic (one-hot) draft. checkpoints (deterministic drafts only): seeded
     random rows then draw as the sampler does, position by position, and record their
     generator states (see GeneratorCheckpoints); without it every random row takes
-    the ratio test, which draws k uniforms and one [V] noise row.
+    the ratio test, which draws k + 1 uniforms.
 
     Returns (tokens [R, K + 1] int64: row r's emitted tokens in 0..num_accepted[r],
     PAD (-1) after; num_accepted [R] int64: accepted draft tokens, so a row emits
@@ -144,22 +145,22 @@ def rejection_sample(target: torch.Tensor, draft_token_ids: torch.Tensor,
 
 def _race(target: torch.Tensor, generators: list[torch.Generator], rows: list[int],
           checkpoints: GeneratorCheckpoints) -> torch.Tensor:
-    """[n, K + 1]: a token drawn from each position's target with the sampler's
-    exponential race, each position's [V] noise row drawn from the row's generator
-    in order (as the sampler draws one row per token), states recorded."""
-    noise = torch.empty_like(target)
+    """[n, K + 1]: a token drawn from each position's target as the sampler draws
+    one (`pick`), each position's uniform drawn from the row's generator in order,
+    states recorded."""
+    u = torch.empty(target.shape[:2], dtype=torch.float32, device=target.device)
     for j, (gen, row) in enumerate(zip(generators, rows)):
         for pos in range(target.shape[1]):
-            noise[j, pos].exponential_(generator=gen)
+            u[j, pos].uniform_(generator=gen)
             checkpoints.record(row, gen)
-    return (target / noise).argmax(dim=-1)
+    return pick(target, u)
 
 
 def _ratio_test(target, draft_token_ids, draft_probs, in_draft, greedy, generators, skip):
     """The rule itself, for every row but `skip` (whose results are left unset):
     (chosen [R, K + 1] with the draft tokens, then the recovered or bonus token at
     num_accepted; num_accepted [R]). draft_probs None: q one-hot at the drafts."""
-    num_rows, width, vocab = target.shape
+    num_rows, width, _ = target.shape
     dev = target.device
     draft = torch.where(in_draft, draft_token_ids, 0)  # padding may be junk
     p_x = target[:, :width - 1].gather(2, draft.unsqueeze(-1)).squeeze(-1)
@@ -179,9 +180,7 @@ def _ratio_test(target, draft_token_ids, draft_probs, in_draft, greedy, generato
         rows = _long(random_rows, dev)
         residual = _residual(target[rows], draft[rows], draft_probs, in_draft[rows],
                              num_accepted[rows], rows)
-        noise = _noise((len(random_rows), vocab), target.dtype, dev,
-                       [generators[r] for r in random_rows])
-        last[rows] = (residual / noise).argmax(dim=-1)
+        last[rows] = draw(residual, [generators[r] for r in random_rows])
     padded = torch.cat([draft, draft.new_zeros((num_rows, 1))], dim=1)
     positions = torch.arange(width, device=dev).unsqueeze(0)
     chosen = torch.where(positions == num_accepted.unsqueeze(1), last.unsqueeze(1), padded)
@@ -190,7 +189,7 @@ def _ratio_test(target, draft_token_ids, draft_probs, in_draft, greedy, generato
 
 def _residual(target, draft, draft_probs, in_draft, num_accepted, rows):
     """[n, V] unnormalised: max(0, p - q) at the first rejection, p at the bonus (q is
-    zero there). The race draws from it without normalising."""
+    zero there). `draw` draws from it without normalising."""
     num_rows, width, vocab = target.shape
     at = num_accepted.view(num_rows, 1, 1).expand(num_rows, 1, vocab)
     p_stop = target.gather(1, at).squeeze(1)
@@ -207,20 +206,6 @@ def _residual(target, draft, draft_probs, in_draft, num_accepted, rows):
     # Nothing left (p <= q everywhere: a rejection had probability 0): fall back to p.
     empty = residual.sum(dim=-1, keepdim=True) <= 0
     return torch.where(empty, p_stop, residual)
-
-
-def _noise(shape, dtype, device, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """[n, V] Exp(1) noise: one row per generator (None: the default generator)."""
-    noise = torch.empty(shape, dtype=dtype, device=device)
-    seeded = [j for j, g in enumerate(generators) if g is not None]
-    if not seeded:
-        return noise.exponential_()
-    if len(seeded) < len(generators):
-        rest = _long([j for j, g in enumerate(generators) if g is None], device)
-        noise[rest] = torch.empty_like(noise[rest]).exponential_()
-    for j in seeded:
-        noise[j].exponential_(generator=generators[j])
-    return noise
 
 
 def _uniforms(shape, dtype, device, random_rows, generators) -> torch.Tensor:

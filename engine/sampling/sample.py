@@ -2,15 +2,15 @@
 
 Adjustments (min-tokens mask, logit_bias, penalties) come first, for every row that
 asks for them. Greedy rows then take the argmax. Random rows go through temperature,
-min_p, top-k and top-p, then the "exponential race" (argmax of p / E with
-E ~ Exp(1)), which samples from p exactly and lets a seeded request draw its noise
-from its own generator, so its tokens do not depend on the batch."""
+min_p, top-k and top-p, then `draw` (inverse CDF: exact, and a seeded request draws
+from its own generator, so its tokens do not depend on the batch)."""
 from __future__ import annotations
 
 import torch
 
 from engine.host_copy import to_device
 from engine.sampling.adjustments import LogitAdjustments
+from engine.sampling.draw import draw
 from engine.sampling.processors import apply_min_p, apply_top_k, apply_top_p
 from scheduler.sampling_params import SamplingParams
 
@@ -25,28 +25,23 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     if adjustments is not None:
         logits = adjustments.apply(logits)
         argmax = None
-    tokens = logits.argmax(dim=-1) if argmax is None else argmax
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
-    if not random_rows:
-        return tokens
-    rows = to_device(random_rows, torch.long, logits.device)
-    probs = _probabilities(logits[rows], [params[i] for i in random_rows])
-    noise = torch.empty_like(probs)
-    seeded = [j for j, i in enumerate(random_rows) if generators[i] is not None]
-    if len(seeded) < len(random_rows):
-        # One draw for all the unseeded rows, not a kernel per row: at a batch of
-        # hundreds the launches alone cost the host a millisecond a step.
-        noise.exponential_()
-    for j in seeded:  # their own stream each (overwriting the shared draw)
-        noise[j].exponential_(generator=generators[random_rows[j]])
-    tokens[rows] = (probs / noise).argmax(dim=-1)
+    generators = [generators[i] for i in random_rows]
+    if random_rows and len(random_rows) == len(params):  # no argmax, no rows picked out
+        return draw(_probabilities(logits, params), generators)
+    tokens = logits.argmax(dim=-1) if argmax is None else argmax
+    if random_rows:
+        rows = to_device(random_rows, torch.long, logits.device)
+        probs = _probabilities(logits[rows], [params[i] for i in random_rows])
+        tokens[rows] = draw(probs, generators)
     return tokens
 
 
 def _probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     dev = logits.device
-    temps = to_device([p.temperature for p in params], torch.float32, dev)
-    logits = logits / temps.unsqueeze(1)
+    if any(p.temperature != 1.0 for p in params):  # a pass over the logits saved
+        temps = to_device([p.temperature for p in params], torch.float32, dev)
+        logits = logits / temps.unsqueeze(1)
     min_ps = [p.min_p for p in params]
     if any(m > 0 for m in min_ps):
         logits = apply_min_p(logits, to_device(min_ps, torch.float32, dev))

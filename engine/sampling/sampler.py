@@ -78,7 +78,7 @@ class Sampler:
         started, nothing waited for. A fault here is isolated at once (the launch
         then carries its finished result)."""
         # Seeded generators as they were before the step: a retry without a failing
-        # request must draw the same noise again (empty, and free, without seeds).
+        # request must draw the same numbers again (empty, and free, without seeds).
         saved = {rid: g.get_state() for rid, g in self._generators.items()}
         try:
             return self._launch(logits, sampling, spans)

@@ -26,7 +26,7 @@ def verify(logits: torch.Tensor, requests: Sequence[Request],
     num_draft = [len(d) for d in drafts]
     target = verification_probs(logits, params, num_draft)
     draft_ids, _ = pad_drafts(drafts, logits.device)
-    # Seeded requests draw their noise as plain decoding would and rewind their
+    # Seeded requests draw their numbers as plain decoding would and rewind their
     # generator to the tokens emitted: a seed gives the same text with or without
     # speculation.
     checkpoints = GeneratorCheckpoints()

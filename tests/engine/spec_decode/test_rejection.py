@@ -44,8 +44,11 @@ def test_emitted_sequences_follow_the_target_exactly(draft, top_p):
                                            ("ngram", True)])
 def test_seeded_rows_follow_the_target_exactly(draft, coupled):
     p_table, q_table = _tables(1.0)
+    # A fixed seed, so the test is deterministic; at a 1% level an exact sampler
+    # fails it for about one seed in a hundred (seed 5 was one such, for the model
+    # draft, once the draws became uniforms: 0.009, and 0.43 with 20k samples).
     samples = run_chain(p_table, draft=draft, q_table=q_table, num_samples=4_000, length=2,
-                        max_k=2, seed=5, seeded_rows=True, coupled=coupled)
+                        max_k=2, seed=6, seeded_rows=True, coupled=coupled)
     assert chi_square_p(samples, p_table, 2) > 0.01
 
 
