@@ -20,6 +20,9 @@ from engine.request_checks import check_request
 from engine.sampling import StepResult
 from engine.spec_decode.drafters import DraftModelDrafter, EarlyExitDrafter
 from engine.spec_decode.speculator import Speculator
+from engine.structured.gate import GrammarGate
+from engine.structured.grammars import GrammarCompiler
+from engine.structured.matchers import Matchers
 from scheduler.output import SchedulerOutput
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
@@ -80,6 +83,7 @@ class Engine:
             log.info("captured CUDA graphs for decode batch sizes %s in %.1f s",
                      self.runner.decode_graphs.buckets, time.perf_counter() - t0)
         self._compile_forward()
+        self.grammars = self._grammar_gate()
         self.scheduler = Scheduler.with_kv_cache(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -137,12 +141,28 @@ class Engine:
             return None
         return DecodeGraphPlan(self.config.max_num_seqs, self.max_model_len)
 
+    def _grammar_gate(self) -> GrammarGate | None:
+        """Structured outputs, where there is a tokenizer to build grammars over."""
+        if self.tokenizer is None:
+            return None
+        vocab = self.model_config.vocab_size
+        matchers = Matchers(vocab)
+        self.runner.sampler.matchers = matchers
+        return GrammarGate(GrammarCompiler(self.tokenizer, vocab, list(self.eos_token_ids)),
+                           matchers)
+
     def _compile_forward(self) -> None:
         """The Inductor-compiled forward pass, as `compile` and --enforce-eager say."""
         mode = "off" if self.config.enforce_eager else self.config.compile
         if mode == "auto":
             mode = "off" if self.device.type == "cuda" else "background"
         if mode == "off":
+            return
+        if self.device.type == "cpu" and self.runner.attn_backend.name != "torch":
+            # Triton's interpreter (a test vehicle on CPU) reads raw pointers that
+            # Inductor's graphs do not promise it, and it is slower than any graph.
+            log.info("forward pass not compiled: the %s attention backend runs in "
+                     "Triton's interpreter on CPU", self.runner.attn_backend.name)
             return
         if c_compiler() is None:
             log.warning("no C++ compiler found (g++ or $CXX): the forward pass stays "
@@ -183,7 +203,13 @@ class Engine:
         req = Request(request_id, prompt_token_ids, params, self.eos_token_ids,
                       arrival_time, cache_salt, priority)
         req.make_siblings()
-        self.scheduler.add_request(req)
+        if params.structured is None:
+            self.scheduler.add_request(req)
+        elif self.grammars is None:
+            raise ValueError("structured outputs need the model's tokenizer, and this "
+                             "model has none")
+        else:  # enters the scheduler once its grammar is compiled
+            self.grammars.hold(req)
 
     def validate(self, prompt_token_ids: list[int],
                  params: SamplingParams | None = None) -> None:
@@ -195,11 +221,33 @@ class Engine:
     def abort_request(self, request_id: str, index: int | None = None,
                       reason: str = "abort") -> list[RequestOutput]:
         """Ends the request's sequences, or only the one at `index`; [] if unknown."""
+        held = self.grammars.drop(request_id) if self.grammars is not None else None
+        if held is not None:  # still waiting for its grammar: all of it ends
+            return [self._output(self._ended(q, reason), [])
+                    for q in (held, *held.pending_forks)]
         return [self._output(req, [])
                 for req in self.scheduler.abort_request(request_id, index, reason)]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._inflight is not None
+        return (self.scheduler.has_unfinished() or self._inflight is not None
+                or bool(self.grammars))
+
+    @staticmethod
+    def _ended(req: Request, reason: str) -> Request:
+        req.finish(reason)
+        return req
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Constrained requests whose grammar is ready go to the scheduler; one whose
+        grammar failed to compile ends with finish reason "error". An engine with
+        nothing but grammars compiling waits for one instead of spinning."""
+        if not self.scheduler.has_unfinished() and self._inflight is None:
+            self.grammars.wait(timeout=0.05)
+        admitted, failed = self.grammars.ready()
+        for req in admitted:
+            self.scheduler.add_request(req)
+        return [replace(self._output(self._ended(q, "error"), []), finish_reason="error",
+                        error=why) for req, why in failed for q in (req, *req.pending_forks)]
 
     # -- the loop body -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -207,8 +255,10 @@ class Engine:
         completed: this one, or under async scheduling the one before it (the new
         step already took that one's tokens as its input, on the device)."""
         outputs, previous = [], self._inflight
+        if self.grammars:
+            outputs += self._admit_compiled()
         if previous is not None and not self._can_overlap(previous.out):
-            outputs, previous = self._complete(previous), None
+            outputs, previous = outputs + self._complete(previous), None
         out = self.scheduler.schedule()
         launched = None
         if not out.is_empty:
@@ -242,6 +292,8 @@ class Engine:
                     params.has_penalties or req.num_output_tokens < params.min_tokens):
                 return False
             if s.samples and req.pending_forks:
+                return False
+            if s.samples and params.structured is not None:  # its matcher needs the token
                 return False
         return True
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from scheduler.structured_output import StructuredOutput
+
 # Below this a temperature is treated as greedy (dividing by it would overflow).
 GREEDY_EPSILON = 1e-5
 # Most top alternatives a request may ask for per token (OpenAI's and vLLM's cap).
@@ -41,6 +43,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # False: this request never verifies speculative drafts (per-request opt-out).
     speculative: bool = True
+    # The output must match this (JSON schema, regex, choice, grammar): the engine
+    # masks every token the grammar does not allow.
+    structured: StructuredOutput | None = None
     # Derived in __post_init__: any penalty, bias or min_tokens to apply to logits.
     needs_processing: bool = field(default=False, init=False, repr=False, compare=False)
 

@@ -2,9 +2,8 @@
 gets back: refused with a 400 that names the field, instead of being dropped so
 that the caller silently gets plain text (an agent's tool call that never comes, a
 JSON schema nobody enforced). A field sent with a value that leaves the output as
-it is without it (`"tools": []`, `"tool_choice": "none"`, `"response_format":
-{"type": "text"}`, `best_of` equal to `n`) passes, since clients send such
-defaults. Unknown fields outside these lists are ignored with a log line, as vLLM
+it is without it (`"tools": []`, `"tool_choice": "none"`, `best_of` equal to `n`)
+passes, since clients send such defaults. Unknown fields outside these lists are ignored with a log line, as vLLM
 does with `user`; the README lists both kinds."""
 from __future__ import annotations
 
@@ -24,10 +23,6 @@ def _no_tool_forced(value, _req) -> bool:
     return value is None or value in ("none", "auto")
 
 
-def _plain_text(value, _req) -> bool:
-    return value is None or (isinstance(value, dict) and value.get("type") == "text")
-
-
 def _text_only(value, _req) -> bool:
     return value is None or value == ["text"]
 
@@ -36,12 +31,9 @@ def _best_of_n(value, req) -> bool:
     return value is None or value == req.n
 
 
-# Both routes: structured outputs (OpenAI's and vLLM's spellings) and vLLM's
-# sampling extras that kvserve does not implement.
+# Both routes: vLLM's sampling extras that kvserve does not implement (structured
+# outputs are read by server/structured_fields.py).
 _SHARED: dict[str, Harmless] = {
-    "response_format": _plain_text,
-    "structured_outputs": _empty, "guided_json": _empty, "guided_regex": _empty,
-    "guided_choice": _empty, "guided_grammar": _empty,
     "use_beam_search": _empty, "bad_words": _empty, "allowed_token_ids": _empty,
     "truncate_prompt_tokens": _empty, "prompt_logprobs": _empty, "logits_processors": _empty,
 }

@@ -6,6 +6,7 @@ from engine.client.engine_client import EngineClient
 from scheduler.sampling_params import SamplingParams
 from server.errors import APIError, no_tokenizer
 from server.protocol import SamplingFields
+from server.structured_fields import structured_output
 
 
 def check_model(requested: str | None, names: list[str]) -> str:
@@ -77,7 +78,7 @@ def sampling_params(req: SamplingFields, max_tokens: int, vocab_size: int,
             frequency_penalty=_or(req.frequency_penalty, 0.0),
             repetition_penalty=_or(req.repetition_penalty, 1.0),
             logit_bias=bias or None, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            speculative=req.speculative)
+            speculative=req.speculative, structured=structured_output(req))
     except ValueError as exc:
         raise APIError(400, str(exc)) from exc
 

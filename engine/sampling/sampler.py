@@ -25,6 +25,7 @@ from engine.sampling.prompt_logprobs import PromptLogprobs, PromptSpan
 from engine.sampling.sample import sample
 from engine.sampling.step_logits import StepLogits
 from engine.sampling.verify import verify as verify_drafts
+from engine.structured.matchers import DEAD_END, Matchers
 from scheduler.output import ScheduledRequest
 from scheduler.request import Request
 
@@ -57,20 +58,25 @@ class SampleLaunch:
     tokens: torch.Tensor | None = None  # [len(seqs)] on the device
     transfer: HostTransfer = field(default_factory=HostTransfer)
     want: list[int] = field(default_factory=list)  # seqs that asked for logprobs
+    dead: list[int] = field(default_factory=list)  # seqs whose grammar allows nothing
     k_out: int = 0
     k_prompt: int = 0
     result: StepResult | None = None  # set when the launch had to finish at once
 
 
 class Sampler:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, matchers: Matchers | None = None):
         self.device = device
         self.prompt = PromptLogprobs()
         self._generators: dict[str, torch.Generator] = {}
+        # Structured outputs' grammar state (the engine's, when it has a tokenizer).
+        self.matchers = matchers
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
         self.prompt.release(request_id)
+        if self.matchers is not None:
+            self.matchers.release(request_id)
 
     def launch(self, logits: StepLogits, sampling: list[ScheduledRequest],
                spans: list[PromptSpan]) -> SampleLaunch:
@@ -117,8 +123,12 @@ class Sampler:
         want = [j for j, q in enumerate(seqs) if q.params.logprobs is not None]
         # Before sampling: logprobs come from the raw logits.
         raw = raw_logprobs(step_logits[_index(want, self.device)]) if want else None
+        masks = self.matchers.masks(seqs) if self.matchers is not None and seqs else None
+        if masks is not None:  # after the logprobs: those are the model's own
+            step_logits, top = masks.apply(step_logits), None
         tokens = self._sample(step_logits, seqs, top)
-        launch = SampleLaunch(sampling, spans, seqs, rows, tokens, want=want)
+        launch = SampleLaunch(sampling, spans, seqs, rows, tokens, want=want,
+                              dead=masks.dead if masks is not None else [])
         transfer = launch.transfer
         if seqs:
             transfer.add(tokens)
@@ -159,10 +169,16 @@ class Sampler:
             bad_rows = [flag if s.request.request_id in keep else 0
                         for s, flag in zip(sampling, bad_rows)]
         _drop_failed(result, sampling, launch.rows, launch.seqs, bad_rows)
+        _drop_dead(result, sampling, launch, keep)
         for span, items in prompt_items:
             self.prompt.add(span, items)
         self._hand_over_prompts([s for s in sampling if keep is None
                                  or s.request.request_id in keep], result)
+        if self.matchers is not None:  # last: a retry could not undo it
+            refused = self.matchers.accept(seqs, result.tokens)
+            for seq_id in refused:
+                result.tokens.pop(seq_id, None)
+            result.failed.update(_scheduled_ids(launch, refused))
         return result
 
     def _isolate(self, exc: Exception, logits: StepLogits,
@@ -296,6 +312,26 @@ def _drop_failed(result: StepResult, sampling: list[ScheduledRequest], rows: lis
             result.tokens.pop(q.request_id, None)
             result.logprobs.pop(q.request_id, None)
     log.warning("NaN/inf logits for request(s) %s", sorted(result.failed))
+
+
+def _drop_dead(result: StepResult, sampling: list[ScheduledRequest], launch: SampleLaunch,
+               keep: set[str] | None) -> None:
+    """A sequence whose grammar allowed no token fails its request, with no token."""
+    for j in launch.dead:
+        owner = sampling[launch.rows[j]].request.request_id
+        if keep is None or owner in keep:
+            result.failed[owner] = DEAD_END
+            result.tokens.pop(launch.seqs[j].request_id, None)
+
+
+def _scheduled_ids(launch: SampleLaunch, reasons: dict[str, str]) -> dict[str, str]:
+    """Sequence ids -> the scheduled request that stands for them (a forking parent
+    for its siblings), with the reason."""
+    out = {}
+    for q, row in zip(launch.seqs, launch.rows):
+        if q.request_id in reasons:
+            out[launch.sampling[row].request.request_id] = reasons[q.request_id]
+    return out
 
 
 def _only(result: StepResult, launch: SampleLaunch, prompt_items: list,

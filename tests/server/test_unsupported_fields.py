@@ -16,12 +16,9 @@ from tests.support.server import running_server
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather",
                                          "parameters": {"type": "object", "properties": {
                                              "city": {"type": "string"}}}}}
-SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}}
-# A value of each field that would change the output, per route.
+# A value of each field that would change the output, per route (structured
+# outputs are supported: tests/server/test_structured_outputs.py).
 SHARED = {
-    "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}},
-    "structured_outputs": {"json": SCHEMA}, "guided_json": SCHEMA, "guided_regex": "a+",
-    "guided_choice": ["yes", "no"], "guided_grammar": "root ::= 'a'",
     "use_beam_search": True, "bad_words": ["Paris"], "allowed_token_ids": [1, 2],
     "truncate_prompt_tokens": 4, "prompt_logprobs": 1, "logits_processors": ["my.proc"],
 }

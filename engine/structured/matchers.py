@@ -1,0 +1,86 @@
+"""The engine's one owner of grammar state: each constrained request's compiled
+grammar, and a matcher per sequence (a fork's siblings each get their own, from the
+grammar's start, since they sample their first token together with the parent).
+
+Per step: `masks` fills the bitmask of the rows whose sequences are constrained (a
+free row costs nothing) and the sampler applies it to those rows' logits; `accept`
+advances a sequence's matcher by the token it got. A matcher that allows no token at
+all (the grammar dead-ends) fails its request alone."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import xgrammar as xgr
+
+from scheduler.request import Request
+
+DEAD_END = "the structured output's grammar allows no next token"
+REJECTED = "the sampled token does not match the structured output's grammar"
+
+
+@dataclass
+class StepMasks:
+    rows: list[int]  # the constrained rows of the step's sampling sequences
+    bitmask: torch.Tensor  # [len(rows), ceil(V / 32)] int32, on the host
+    dead: list[int]  # rows (of `rows`' numbering: sequence index) with nothing allowed
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """A new tensor: logits with the constrained rows masked."""
+        index = torch.tensor(self.rows, dtype=torch.long, device=logits.device)
+        sub = logits.index_select(0, index)
+        xgr.apply_token_bitmask_inplace(sub, self.bitmask.to(logits.device, non_blocking=True))
+        return logits.index_copy(0, index, sub)
+
+
+class Matchers:
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self._grammars: dict[str, xgr.CompiledGrammar] = {}  # by group (request) id
+        self._matchers: dict[str, xgr.GrammarMatcher] = {}  # by sequence id
+
+    def start(self, request_id: str, grammar: xgr.CompiledGrammar) -> None:
+        self._grammars[request_id] = grammar
+
+    def release(self, seq_id: str) -> None:
+        self._matchers.pop(seq_id, None)
+        self._grammars.pop(seq_id, None)
+
+    def _matcher(self, seq: Request) -> xgr.GrammarMatcher:
+        m = self._matchers.get(seq.request_id)
+        if m is None:
+            m = self._matchers[seq.request_id] = xgr.GrammarMatcher(
+                self._grammars[seq.group_id])
+        return m
+
+    def masks(self, seqs: list[Request]) -> StepMasks | None:
+        """The step's masks, None when no sequence is constrained."""
+        rows = [j for j, q in enumerate(seqs) if q.params.structured is not None]
+        if not rows:
+            return None
+        bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
+        dead = []
+        for i, j in enumerate(rows):
+            matcher = self._matcher(seqs[j])
+            if matcher.is_terminated():  # its end token taken (ignore_eos went on)
+                bitmask[i] = 0
+            else:
+                matcher.fill_next_token_bitmask(bitmask, i)
+            if not bool(bitmask[i].any()):
+                dead.append(j)
+        return StepMasks(rows, bitmask, dead)
+
+    def accept(self, seqs: list[Request], tokens: dict[str, int | list[int]]) -> dict[str, str]:
+        """Each constrained sequence's matcher takes its new token(s); returns the
+        sequences (by id) whose token the grammar refused, with the reason."""
+        refused = {}
+        for q in seqs:
+            new = tokens.get(q.request_id)
+            if q.params.structured is None or new is None:
+                continue
+            matcher = self._matcher(q)
+            for token in new if isinstance(new, list) else [new]:
+                if not matcher.accept_token(int(token)):
+                    refused[q.request_id] = REJECTED
+                    break
+        return refused

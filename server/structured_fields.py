@@ -1,0 +1,100 @@
+"""The request fields that ask for structured output, in OpenAI's and vLLM's spellings,
+read into one StructuredOutput and checked (a bad schema, regex or grammar is the
+client's 400 before anything is scheduled):
+- `response_format`: {"type": "json_object"} or {"type": "json_schema", "json_schema":
+  {"name", "schema", "strict"}} ({"type": "text"} asks for nothing);
+- vLLM's `structured_outputs`: {"json" | "regex" | "choice" | "grammar" |
+  "json_object": ...}, one of them;
+- vLLM's older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from scheduler.structured_output import StructuredOutput
+from server.errors import APIError
+
+_GUIDED = {"guided_json": "json_schema", "guided_regex": "regex",
+           "guided_choice": "choice", "guided_grammar": "grammar"}
+_VLLM = {"json": "json_schema", "regex": "regex", "choice": "choice",
+         "grammar": "grammar", "json_object": "json_object"}
+
+
+def structured_output(req) -> StructuredOutput | None:
+    """The request's structured output, parsed once here (400 if invalid), or None."""
+    found = []  # (field, StructuredOutput)
+    extra = req.model_extra or {}
+    fmt = extra.get("response_format")
+    if fmt is not None:
+        spec = _response_format(fmt)
+        if spec is not None:
+            found.append(("response_format", spec))
+    outputs = extra.get("structured_outputs")
+    if outputs:
+        found.append(("structured_outputs", _structured_outputs(outputs)))
+    for name, kind in _GUIDED.items():
+        if extra.get(name) not in (None, "", [], {}):
+            found.append((name, _spec(name, kind, extra[name])))
+    if len(found) > 1:
+        raise APIError(400, "only one kind of structured output may be asked for; got "
+                       + ", ".join(f"`{n}`" for n, _ in found), found[1][0])
+    if not found:
+        return None
+    name, spec = found[0]
+    # Imported here: xgrammar brings torch, which the front end otherwise never loads
+    # (1.5 s, once, at the first structured request).
+    from engine.structured.grammars import parse
+    try:
+        parse(spec)
+    except ValueError as exc:
+        raise APIError(400, f"{name}: {exc}", name) from None
+    return spec
+
+
+def _response_format(fmt: Any) -> StructuredOutput | None:
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    if kind == "json_schema":
+        body = fmt.get("json_schema")
+        if not isinstance(body, dict) or "schema" not in body:
+            raise APIError(400, "response_format: json_schema needs a `json_schema` object "
+                           "with a `schema`", "response_format")
+        return _spec("response_format", "json_schema", body["schema"])
+    raise APIError(400, "response_format: `type` must be one of text, json_object, "
+                   f"json_schema; got {kind!r}", "response_format")
+
+
+def _structured_outputs(outputs: Any) -> StructuredOutput:
+    asked = {k: v for k, v in outputs.items() if k in _VLLM and v not in (None, False)} \
+        if isinstance(outputs, dict) else {}
+    if len(asked) != 1:
+        raise APIError(400, "structured_outputs: give exactly one of "
+                       + ", ".join(_VLLM), "structured_outputs")
+    (key, value), = asked.items()
+    return _spec("structured_outputs", _VLLM[key], value)
+
+
+def _spec(name: str, kind: str, value: Any) -> StructuredOutput:
+    """value as the field sent it -> StructuredOutput (its text form)."""
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    if kind == "json_schema":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                raise APIError(400, f"{name}: the JSON schema is not JSON", name) from None
+        if not isinstance(value, (dict, bool)):
+            raise APIError(400, f"{name}: a JSON schema is an object", name)
+        return StructuredOutput("json_schema", json.dumps(value))
+    if kind == "choice":
+        if not isinstance(value, list) or not all(isinstance(c, str) and c for c in value) \
+                or not value:
+            raise APIError(400, f"{name}: choice is a list of non-empty strings", name)
+        return StructuredOutput("choice", json.dumps(value))
+    if not isinstance(value, str) or not value:
+        raise APIError(400, f"{name}: a {kind} is a non-empty string", name)
+    return StructuredOutput(kind, value)

@@ -1,0 +1,114 @@
+"""Grammar-constrained decoding in the engine (xgrammar), on the default model at
+temperature 1, where an unconstrained model would not produce these formats."""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.structured.matchers import DEAD_END
+from scheduler.sampling_params import SamplingParams
+from scheduler.structured_output import StructuredOutput
+
+SCHEMA = {"type": "object", "additionalProperties": False,
+          "required": ["name", "age", "colour"],
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                         "colour": {"enum": ["red", "green", "blue"]}}}
+JSON = StructuredOutput("json_schema", json.dumps(SCHEMA))
+REGEX = r"\d{3}-[a-z]{2,4}"
+
+
+@pytest.fixture(scope="module")
+def engine(default_model_dir):
+    return Engine(EngineConfig(model=str(default_model_dir), dtype="float32",
+                               num_kv_blocks=256))
+
+
+def run(engine, params, prompt="Describe a person as JSON:"):
+    ids = engine.tokenizer.encode(prompt)
+    outs = engine.generate([ids] * len(params), params)
+    return [engine.tokenizer.decode(o, skip_special_tokens=True) for o in outs]
+
+
+def test_constrained_and_free_requests_share_a_batch_and_keep_their_own(engine):
+    params = [SamplingParams(max_tokens=60, temperature=1.0, seed=i, structured=JSON)
+              for i in range(4)]
+    params += [SamplingParams(max_tokens=20, temperature=1.0, seed=9,
+                              structured=StructuredOutput("regex", REGEX)),
+               SamplingParams(max_tokens=10, temperature=1.0,
+                              structured=StructuredOutput("choice", '["yes", "no"]')),
+               SamplingParams(max_tokens=20, temperature=1.0, seed=3)]
+    texts = run(engine, params)
+    for text in texts[:4]:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert re.fullmatch(REGEX, texts[4])
+    assert texts[5] in ("yes", "no")
+    # the free request is not held to any of them (seeded: the same text alone)
+    assert texts[6] == run(engine, [params[6]])[0]
+    assert not texts[6].lstrip().startswith("{")
+
+
+def test_greedy_constrained_output_equals_the_same_request_alone(engine):
+    greedy = SamplingParams(max_tokens=60, temperature=0.0, structured=JSON)
+    crowd = [SamplingParams(max_tokens=30, temperature=1.0, seed=i) for i in range(5)]
+    alone = run(engine, [greedy])[0]
+    assert run(engine, [*crowd, greedy])[-1] == alone
+    jsonschema.validate(json.loads(alone), SCHEMA)
+
+
+def test_forked_sequences_each_follow_the_grammar(engine):
+    params = SamplingParams(max_tokens=60, temperature=1.0, n=4, seed=1, structured=JSON)
+    texts = run(engine, [params])
+    assert len(texts) == 4 and len(set(texts)) > 1
+    for text in texts:
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_preempted_requests_keep_their_grammar(default_model_dir):
+    small = Engine(EngineConfig(model=str(default_model_dir), dtype="float32",
+                                num_kv_blocks=16, max_num_batched_tokens=64))
+    long_words = StructuredOutput("regex", "[a-z]{5}( [a-z]{5}){25}")
+    params = [SamplingParams(max_tokens=120, temperature=1.0, seed=i, structured=s)
+              for i, s in enumerate([JSON, long_words] * 3)]
+    # 6 x (~45 prompt + 20 to 60 output) tokens against a cache of 256
+    texts = run(small, params, "Describe a person as JSON, with a name, an age and a "
+                "favourite colour, for a form that a web shop keeps about its customers:")
+    assert small.scheduler.num_preemptions > 0
+    for text in texts[::2]:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    for text in texts[1::2]:
+        assert re.fullmatch(long_words.spec, text)
+
+
+def test_a_grammar_that_ends_fails_only_its_request(engine):
+    ids = engine.tokenizer.encode("hi")
+    engine.add_request("done", ids, SamplingParams(
+        max_tokens=10, temperature=0.0, ignore_eos=True,
+        structured=StructuredOutput("regex", "ab")))
+    engine.add_request("free", ids, SamplingParams(max_tokens=10, temperature=0.0))
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+    assert outs["done"][-1].finish_reason == "error" and outs["done"][-1].error == DEAD_END
+    assert outs["free"][-1].finish_reason == "length"
+
+
+def test_a_grammar_that_does_not_compile_ends_its_request_and_an_abort_ends_a_held_one(engine):
+    ids = engine.tokenizer.encode("hi")
+    engine.add_request("bad", ids, SamplingParams(
+        max_tokens=5, structured=StructuredOutput("grammar", "root ::= ")))
+    engine.add_request("held", ids, SamplingParams(
+        max_tokens=5, structured=StructuredOutput("regex", "[a-z]{3}")))
+    aborted = engine.abort_request("held")
+    assert [o.finish_reason for o in aborted] == ["abort"]
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("bad", "error")]
+    assert "invalid grammar" in outs[0].error
