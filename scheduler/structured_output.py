@@ -6,14 +6,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Kind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
-KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "grammar")
+Kind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "structural_tag"]
+KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "grammar",
+                          "structural_tag")
 
 
 @dataclass(frozen=True)
 class StructuredOutput:
     """kind and its text: a JSON schema (serialised), a regex, a JSON list of the
-    choices, an EBNF grammar, or "" for any JSON object. Hashable: the engine caches
+    choices, an EBNF grammar, an xgrammar structural tag (serialised: free text with
+    constrained regions, e.g. tool calls between their tags), or "" for any JSON
+    object. Hashable: the engine caches
     compiled grammars by it."""
     kind: Kind
     spec: str = ""

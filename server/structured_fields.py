@@ -1,10 +1,11 @@
 """The request fields that ask for structured output, in OpenAI's and vLLM's spellings,
 read into one StructuredOutput and checked (a bad schema, regex or grammar is the
 client's 400 before anything is scheduled):
-- `response_format`: {"type": "json_object"} or {"type": "json_schema", "json_schema":
-  {"name", "schema", "strict"}} ({"type": "text"} asks for nothing);
+- `response_format`: {"type": "json_object"}, {"type": "json_schema", "json_schema":
+  {"name", "schema", "strict"}} or vLLM's {"type": "structural_tag", "format": ...}
+  (xgrammar's structural tag) ({"type": "text"} asks for nothing);
 - vLLM's `structured_outputs`: {"json" | "regex" | "choice" | "grammar" |
-  "json_object": ...}, one of them;
+  "json_object" | "structural_tag": ...}, one of them;
 - vLLM's older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`."""
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from server.errors import APIError
 _GUIDED = {"guided_json": "json_schema", "guided_regex": "regex",
            "guided_choice": "choice", "guided_grammar": "grammar"}
 _VLLM = {"json": "json_schema", "regex": "regex", "choice": "choice",
-         "grammar": "grammar", "json_object": "json_object"}
+         "grammar": "grammar", "json_object": "json_object",
+         "structural_tag": "structural_tag"}
 
 
 def structured_output(req) -> StructuredOutput | None:
@@ -63,8 +65,10 @@ def _response_format(fmt: Any) -> StructuredOutput | None:
             raise APIError(400, "response_format: json_schema needs a `json_schema` object "
                            "with a `schema`", "response_format")
         return _spec("response_format", "json_schema", body["schema"])
+    if kind == "structural_tag":  # the whole object is xgrammar's structural tag
+        return _spec("response_format", "structural_tag", fmt)
     raise APIError(400, "response_format: `type` must be one of text, json_object, "
-                   f"json_schema; got {kind!r}", "response_format")
+                   f"json_schema, structural_tag; got {kind!r}", "response_format")
 
 
 def _structured_outputs(outputs: Any) -> StructuredOutput:
@@ -90,7 +94,10 @@ def _spec(name: str, kind: str, value: Any) -> StructuredOutput:
         if not isinstance(value, (dict, bool)):
             raise APIError(400, f"{name}: a JSON schema is an object", name)
         return StructuredOutput("json_schema", json.dumps(value))
-    if kind == "choice":
+    if kind == "structural_tag":
+        if isinstance(value, dict):
+            value = json.dumps(value)
+    elif kind == "choice":
         if not isinstance(value, list) or not all(isinstance(c, str) and c for c in value) \
                 or not value:
             raise APIError(400, f"{name}: choice is a list of non-empty strings", name)

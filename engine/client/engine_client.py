@@ -41,6 +41,7 @@ class ServingStats:
     preemptions: int = 0
     kv_usage: float = 0.0  # as of the last report (0..1)
     spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)  # speculative decoding
+    constrained_requests: int = 0  # accepted with a structured output
 
 
 class _Reservation:
@@ -241,6 +242,7 @@ class EngineClient:
         stats.prefix_queries += rep.prefix_queries
         stats.prefix_hits += rep.prefix_hits
         stats.preemptions += rep.preemptions
+        stats.constrained_requests += rep.constrained
         stats.kv_usage = rep.kv_usage
         if rep.spec is not None:
             stats.spec.add(rep.spec)

@@ -56,6 +56,8 @@ class EngineLoop:
         rep.prefix_hits = stats.prefix_hits - self._last.prefix_hits
         rep.preemptions = stats.num_preemptions - self._last.num_preemptions
         self._last = stats
+        if self.engine.grammars is not None:
+            rep.grammar_compile_seconds = self.engine.grammars.compiler.take_compile_seconds()
         if self._spec is not None:
             spec = self.engine.speculator.stats
             rep.spec, self._spec = spec.since(self._spec), spec.copy()
@@ -68,6 +70,7 @@ class EngineLoop:
                                         command.params, cache_salt=command.cache_salt,
                                         priority=command.priority)
                 rep.prompt_tokens += len(command.prompt_token_ids)
+                rep.constrained += command.params.structured is not None
             except ValueError as exc:
                 rep.rejected.append((command.request_id, str(exc)))
         elif isinstance(command, AbortRequest):

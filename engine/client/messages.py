@@ -58,3 +58,5 @@ class StepReport:
     preemptions: int = 0
     kv_usage: float = 0.0  # fraction of the KV cache's blocks in use, after it (0..1)
     spec: SpecDecodeStats | None = None  # speculative decoding's counts (deltas), if on
+    constrained: int = 0  # accepted adds with a structured output
+    grammar_compile_seconds: list[float] = field(default_factory=list)  # since last

@@ -7,7 +7,11 @@ each request's prompt logprobs between steps.
 A fault stays with its request: a row whose raw logits hold NaN or +inf (or are all
 -inf) fails that request instead of sampling it, and an exception while sampling
 fails the requests it is raised for (found by sampling each alone) while the others
-get the tokens they would have got without them (see Sampler.run)."""
+get the tokens they would have got without them (see Sampler.run).
+
+Rows of constrained requests (structured outputs) are masked by their grammar
+before sampling, and their matchers take the tokens once they reach the host
+(engine/structured/matchers.py)."""
 from __future__ import annotations
 
 import logging
@@ -65,12 +69,14 @@ class SampleLaunch:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, matchers: Matchers | None = None):
+    def __init__(self, device: torch.device):
         self.device = device
         self.prompt = PromptLogprobs()
         self._generators: dict[str, torch.Generator] = {}
-        # Structured outputs' grammar state (the engine's, when it has a tokenizer).
-        self.matchers = matchers
+        # Structured outputs' grammar state: the engine's, set where it has a
+        # tokenizer. A scratch sampler (fault isolation probes) has none, so a probe
+        # never advances a matcher.
+        self.matchers: Matchers | None = None
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)

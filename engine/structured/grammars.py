@@ -33,6 +33,8 @@ def parse(spec: StructuredOutput) -> xgr.Grammar:
             return xgr.Grammar.from_regex(spec.spec)
         if spec.kind == "choice":
             return xgr.Grammar.from_ebnf(choice_ebnf(json.loads(spec.spec)))
+        if spec.kind == "structural_tag":
+            return xgr.Grammar.from_structural_tag(spec.spec)
         return xgr.Grammar.from_ebnf(spec.spec)
     except (RuntimeError, ValueError, TypeError) as exc:
         raise ValueError(f"invalid {spec.kind.replace('_', ' ')}: {_reason(exc)}") from None
@@ -61,7 +63,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[StructuredOutput, xgr.CompiledGrammar] = OrderedDict()
         self._compiling: dict[StructuredOutput, Future] = {}  # one compile per spec
         self._lock = threading.Lock()
-        self.compile_seconds: list[float] = []  # since last read (for metrics)
+        self._compile_seconds: list[float] = []  # since take_compile_seconds
 
     def submit(self, spec: StructuredOutput) -> Future:
         """The compiled grammar: now if cached, else when the compiler thread has it
@@ -78,6 +80,12 @@ class GrammarCompiler:
                 job = self._compiling[spec] = self._pool.submit(self._compile, spec)
             return job
 
+    def take_compile_seconds(self) -> list[float]:
+        """How long each compile finished since the last call took (for metrics)."""
+        with self._lock:
+            taken, self._compile_seconds = self._compile_seconds, []
+        return taken
+
     def _compile(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
         t0 = time.perf_counter()
         try:
@@ -88,7 +96,7 @@ class GrammarCompiler:
             raise
         with self._lock:  # cached in the same breath as it stops being compiled
             self._compiling.pop(spec, None)
-            self.compile_seconds.append(time.perf_counter() - t0)
+            self._compile_seconds.append(time.perf_counter() - t0)
             self._cache[spec] = compiled
             if len(self._cache) > CACHED_GRAMMARS:
                 self._cache.popitem(last=False)

@@ -43,6 +43,9 @@ class EngineCollector:
         yield self._one(CounterMetricFamily, "num_preemptions",
                         "Requests preempted (their KV freed, to be recomputed).",
                         stats.preemptions)
+        yield self._one(CounterMetricFamily, "structured_output_requests",
+                        "Requests with a structured output (JSON schema, regex, choice, "
+                        "grammar) the engine accepted.", stats.constrained_requests)
         yield self._success()
         yield from self._spec_decode(stats.spec)
 

@@ -8,7 +8,8 @@ from prometheus_client import CollectorRegistry, Histogram
 
 from engine.client.messages import StepReport
 from engine.outputs import RequestOutput
-from server.metrics_buckets import ITERATION_TOKENS, REQUEST_SECONDS, one_two_five
+from server.metrics_buckets import (COMPILE_SECONDS, ITERATION_TOKENS, REQUEST_SECONDS,
+                                    one_two_five)
 from server.metrics.engine import LABEL, PREFIX
 
 
@@ -41,10 +42,16 @@ class EngineHistograms:
         self.iteration_tokens = make("iteration_tokens_total",
                                      "Tokens per engine step (prompt tokens computed "
                                      "plus tokens sampled).", ITERATION_TOKENS)
+        self.grammar_compile = make("structured_output_compile_seconds",
+                                    "Time to compile a structured output's grammar over "
+                                    "the vocabulary (a cached one is not compiled).",
+                                    COMPILE_SECONDS)
 
     def __call__(self, rep: StepReport) -> None:
         if rep.step_tokens:
             self.iteration_tokens.observe(rep.step_tokens)
+        for seconds in rep.grammar_compile_seconds:
+            self.grammar_compile.observe(seconds)
         for out in rep.outputs:
             if out.times is not None:
                 self._finished(out)
