@@ -131,7 +131,7 @@ class Sampler:
         raw = raw_logprobs(step_logits[_index(want, self.device)]) if want else None
         masks = self.matchers.masks(seqs) if self.matchers is not None and seqs else None
         if masks is not None:  # after the logprobs: those are the model's own
-            step_logits, top = masks.apply(step_logits), None
+            step_logits, top = masks.apply_(step_logits), None
         tokens = self._sample(step_logits, seqs, top)
         launch = SampleLaunch(sampling, spans, seqs, rows, tokens, want=want,
                               dead=masks.dead if masks is not None else [])
