@@ -8,6 +8,7 @@ from server.logprobs import chat_logprobs
 from server.protocol import ChatCompletionRequest, chat_completion_id
 from server.response_view import ResponseView
 from server.service import GenerationService
+from server.tools import ToolPlan, tool_plan
 from server.unsupported_fields import CHAT_FIELDS
 from server.validation import check_prompt, output_budget, sampling_params
 
@@ -17,23 +18,29 @@ class ChatService(GenerationService):
 
     async def create(self, req: ChatCompletionRequest):
         model = self.served_model(req)
-        ids = await self.tokenization.run(self._prompt_ids, req)
+        extra = req.model_extra or {}
+        plan = tool_plan(extra.get("tools"), extra.get("tool_choice"),
+                         extra.get("parallel_tool_calls"))
+        ids = await self.tokenization.run(self._prompt_ids, req, plan)
         param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         max_tokens = output_budget(req.max_output_tokens, len(ids),
                                    self.engine.max_model_len, param)
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        groups = [PromptGroup(0, ids, sampling_params(req, max_tokens, self.vocab_size,
-                                                      num_logprobs))]
+        groups = [PromptGroup(0, ids, sampling_params(
+            req, max_tokens, self.vocab_size, num_logprobs,
+            tool_grammar=plan.structured if plan is not None else None))]
         view = _ChatView(chat_completion_id(), model, req, groups, self.engine.tokenizer)
+        view.plan = plan if plan is not None and plan.structured is not None else None
         return await self.respond(view, groups, req)
 
-    def _prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
+    def _prompt_ids(self, req: ChatCompletionRequest, plan: ToolPlan | None) -> list[int]:
         """On the tokenizer's thread: the template, then the length check on what
         it rendered (a template need not use every message), then the tokens."""
         text = render_chat_text(self.engine.tokenizer, req.message_dicts(),
                                 req.add_generation_prompt, req.continue_final_message,
                                 chat_template=req.chat_template,
-                                chat_template_kwargs=req.chat_template_kwargs)
+                                chat_template_kwargs=req.chat_template_kwargs,
+                                tools=plan.tools if plan is not None else None)
         self.tokenization.refuse_if_too_long(text, "messages")
         return check_prompt(self.engine, chat_prompt_ids(self.engine.tokenizer, text),
                             "messages")
@@ -42,6 +49,11 @@ class ChatService(GenerationService):
 class _ChatView(ResponseView):
     body_object = "chat.completion"
     chunk_object = "chat.completion.chunk"
+    plan: ToolPlan | None = None  # a forced tool choice: the output is its call(s)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._held: dict[int, str] = {}  # "required" output per choice, until it ends
 
     def _logprobs(self, deltas: list[ChoiceDelta]) -> dict | None:
         if not self.req.logprobs:
@@ -50,11 +62,15 @@ class _ChatView(ResponseView):
         return chat_logprobs(entries, self.token_text, self.req.top_logprobs or 0)
 
     def choice(self, index: int, deltas: list[ChoiceDelta]) -> dict:
-        choice = {"index": index,
-                  "message": {"role": "assistant",
-                              "content": "".join(d.text for d in deltas)},
+        text = "".join(d.text for d in deltas)
+        message, finish = {"role": "assistant", "content": text}, deltas[-1].finish_reason
+        calls = self.plan.calls(text) if self.plan is not None and finish == "stop" else None
+        if calls:
+            message, finish = {"role": "assistant", "content": None,
+                               "tool_calls": calls}, "tool_calls"
+        choice = {"index": index, "message": message,
                   "logprobs": self._logprobs(deltas),
-                  "finish_reason": deltas[-1].finish_reason,
+                  "finish_reason": finish,
                   "stop_reason": deltas[-1].stop_reason}
         if self.req.return_token_ids:
             choice["token_ids"] = [t for d in deltas for t in d.token_ids]
@@ -67,8 +83,11 @@ class _ChatView(ResponseView):
         return body
 
     def chunk_choices(self, d: ChoiceDelta) -> list[dict]:
-        choice = {"index": d.index, "delta": {"content": d.text},
-                  "logprobs": self._logprobs([d]), "finish_reason": d.finish_reason}
+        delta, finish = {"content": d.text}, d.finish_reason
+        if self.plan is not None:
+            delta, finish = self.streamed_calls(d)
+        choice = {"index": d.index, "delta": delta,
+                  "logprobs": self._logprobs([d]), "finish_reason": finish}
         if d.finish_reason is not None:
             choice["stop_reason"] = d.stop_reason
         if self.req.return_token_ids:
@@ -79,3 +98,25 @@ class _ChatView(ResponseView):
         role = {"index": d.index, "delta": {"role": "assistant", "content": ""},
                 "logprobs": None, "finish_reason": None}
         return [role, choice]
+
+    def streamed_calls(self, d: ChoiceDelta) -> tuple[dict, str | None]:
+        """A forced tool choice's delta, as OpenAI frames it: a named function's id
+        and name first, its arguments as they come; "required" calls (a JSON array
+        until it is whole) each with id, name and arguments when the output ends.
+        Output cut short (finish "length") is sent as the text it is."""
+        done = d.finish_reason == "stop"
+        finish = "tool_calls" if done else d.finish_reason
+        if self.plan.mode == "named":
+            if d.first:
+                call = self.plan.call(self.plan.name, d.text)
+                return {"tool_calls": [{"index": 0, **call}]}, finish
+            return ({"tool_calls": [{"index": 0, "function": {"arguments": d.text}}]}
+                    if d.text else {}), finish
+        self._held[d.index] = self._held.get(d.index, "") + d.text
+        if d.finish_reason is None:
+            return {}, None
+        text = self._held.pop(d.index)
+        calls = self.plan.calls(text) if done else None
+        if not calls:
+            return {"content": text}, d.finish_reason
+        return {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}, finish

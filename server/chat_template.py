@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from server.errors import APIError, no_tokenizer
+from server.tools import for_template
 from server.validation import encode_text
 
 
@@ -29,7 +30,8 @@ def message_text(content: Any) -> str:
 def render_chat_text(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
                      continue_final_message: bool = False,
                      chat_template: str | None = None,
-                     chat_template_kwargs: dict | None = None) -> str:
+                     chat_template_kwargs: dict | None = None,
+                     tools: list[dict] | None = None) -> str:
     if tokenizer is None:
         raise no_tokenizer("messages")
     if add_generation_prompt and continue_final_message:
@@ -44,10 +46,12 @@ def render_chat_text(tokenizer, messages: list[dict], add_generation_prompt: boo
     if not template:
         raise APIError(400, "this model's tokenizer has no chat template; use "
                        "/v1/completions or pass `chat_template`", "messages")
-    plain = [{**m, "content": message_text(m.get("content"))} for m in messages]
+    plain = [{**m, "content": message_text(m.get("content"))}
+             for m in for_template(messages, tools, template)]
     try:
         return tokenizer.apply_chat_template(
-            plain, tokenize=False, add_generation_prompt=add_generation_prompt,
+            plain, tools=tools or None, tokenize=False,
+            add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, chat_template=template,
             **(chat_template_kwargs or {}))
     except APIError:

@@ -2,9 +2,10 @@
 gets back: refused with a 400 that names the field, instead of being dropped so
 that the caller silently gets plain text (an agent's tool call that never comes, a
 JSON schema nobody enforced). A field sent with a value that leaves the output as
-it is without it (`"tools": []`, `"tool_choice": "none"`, `best_of` equal to `n`)
-passes, since clients send such defaults. Unknown fields outside these lists are ignored with a log line, as vLLM
-does with `user`; the README lists both kinds."""
+it is without it (`"functions": []`, `"function_call": "none"`, `best_of` equal to
+`n`) passes, since clients send such defaults. Unknown fields outside these lists
+are ignored with a log line, as vLLM does with `user`; the README lists both kinds.
+Tools are read by server/tools.py."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -41,7 +42,6 @@ COMPLETION_FIELDS: dict[str, Harmless] = {
     **_SHARED, "best_of": _best_of_n, "suffix": _empty,
 }
 CHAT_FIELDS: dict[str, Harmless] = {
-    "tools": _empty, "tool_choice": _no_tool_forced,
     "functions": _empty, "function_call": _no_tool_forced,  # OpenAI's older spelling
     **_SHARED,
     "modalities": _text_only, "audio": _empty, "web_search_options": _empty,
@@ -51,8 +51,8 @@ CHAT_FIELDS: dict[str, Harmless] = {
 
 
 def refuse_unsupported(req, fields: dict[str, Harmless]) -> None:
-    """400 for the first field in `fields` (in their order: `tools` before the
-    `tool_choice` that comes with it) that the request sets to a value that would
+    """400 for the first field in `fields` (in their order: `functions` before the
+    `function_call` that comes with it) that the request sets to a value that would
     change its output."""
     extra = req.model_extra
     if not extra:  # what nearly every request costs

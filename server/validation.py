@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from engine.client.engine_client import EngineClient
 from scheduler.sampling_params import SamplingParams
+from scheduler.structured_output import StructuredOutput
 from server.errors import APIError, no_tokenizer
 from server.protocol import SamplingFields
 from server.structured_fields import structured_output
@@ -60,7 +61,13 @@ def output_budget(max_tokens: int | None, prompt_len: int, max_model_len: int,
 
 def sampling_params(req: SamplingFields, max_tokens: int, vocab_size: int,
                     logprobs: int | None = None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
+                    prompt_logprobs: int | None = None,
+                    tool_grammar: StructuredOutput | None = None) -> SamplingParams:
+    """tool_grammar: what a forced tool choice makes the output (server/tools.py)."""
+    structured = structured_output(req)
+    if structured is not None and tool_grammar is not None:
+        raise APIError(400, "a structured output and a forced tool_choice cannot be "
+                       "asked for together", "tool_choice")
     bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
     bad = next((t for t in [*bias, *(req.stop_token_ids or ())] if t >= vocab_size), None)
     if bad is not None:
@@ -78,7 +85,7 @@ def sampling_params(req: SamplingFields, max_tokens: int, vocab_size: int,
             frequency_penalty=_or(req.frequency_penalty, 0.0),
             repetition_penalty=_or(req.repetition_penalty, 1.0),
             logit_bias=bias or None, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            speculative=req.speculative, structured=structured_output(req))
+            speculative=req.speculative, structured=structured or tool_grammar)
     except ValueError as exc:
         raise APIError(400, str(exc)) from exc
 

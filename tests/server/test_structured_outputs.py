@@ -8,46 +8,28 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import jsonschema
-import openai
 import pydantic
 import pytest
 
 from bench.structured_schemas import SCHEMAS
-from engine.client.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.engine import Engine
-from server.app import build_app
+from tests.server.conftest import SMOL
 from tests.support.http import assert_error
-from tests.support.server import running_server
 
-MODEL = "smol"
+MODEL = SMOL
 class Person(pydantic.BaseModel):
     name: str = pydantic.Field(max_length=12)
     age: int = pydantic.Field(ge=0, le=120)
-
-
-@pytest.fixture(scope="module")
-def url(default_model_dir):
-    engine = Engine(EngineConfig(model=str(default_model_dir), dtype="float32",
-                                 num_kv_blocks=512))
-    with running_server(build_app(AsyncEngine(engine), [MODEL])) as base:
-        yield base
-
-
-@pytest.fixture(scope="module")
-def client(url):
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
 
 
 def chat(content: str) -> list[dict]:
     return [{"role": "user", "content": content}]
 
 
-def test_fifty_generations_over_ten_schemas_all_validate(client):
+def test_fifty_generations_over_ten_schemas_all_validate(smol_client):
     """Issue 19's acceptance: 5 seeds x 10 schemas, sent at once (one batch)."""
     def generate(job):
         schema, seed = job
-        r = client.chat.completions.create(
+        r = smol_client.chat.completions.create(
             model=MODEL, messages=chat("Answer in JSON."), temperature=1.0, seed=seed,
             max_tokens=120, response_format={"type": "json_schema", "json_schema": {
                 "name": "answer", "schema": schema, "strict": True}})
@@ -61,33 +43,33 @@ def test_fifty_generations_over_ten_schemas_all_validate(client):
         jsonschema.validate(json.loads(text), schema)
 
 
-def test_parse_returns_the_pydantic_object(client):
-    r = client.chat.completions.parse(model=MODEL, messages=chat("Who are you?"),
+def test_parse_returns_the_pydantic_object(smol_client):
+    r = smol_client.chat.completions.parse(model=MODEL, messages=chat("Who are you?"),
                                       temperature=1.0, max_tokens=60, response_format=Person)
     assert isinstance(r.choices[0].message.parsed, Person)
 
 
-def test_regex_and_choice_through_vllm_fields(client):
-    r = client.completions.create(model=MODEL, prompt="A phone number:", temperature=1.0,
+def test_regex_and_choice_through_vllm_fields(smol_client):
+    r = smol_client.completions.create(model=MODEL, prompt="A phone number:", temperature=1.0,
                                   max_tokens=20, extra_body={"guided_regex": r"\d{3}-\d{4}"})
     assert re.fullmatch(r"\d{3}-\d{4}", r.choices[0].text)
-    r = client.chat.completions.create(
+    r = smol_client.chat.completions.create(
         model=MODEL, messages=chat("Is the sky green?"), temperature=1.0, max_tokens=5,
         extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
     assert r.choices[0].message.content in ("yes", "no")
 
 
-def test_a_structural_tag_frames_the_output(client):
+def test_a_structural_tag_frames_the_output(smol_client):
     tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
         {"type": "const_string", "value": "Answer: "},
         {"type": "regex", "pattern": "[0-9]{3}"}]}}
-    r = client.chat.completions.create(model=MODEL, messages=chat("A number?"),
+    r = smol_client.chat.completions.create(model=MODEL, messages=chat("A number?"),
                                        temperature=1.0, max_tokens=20, response_format=tag)
     assert re.fullmatch(r"Answer: [0-9]{3}", r.choices[0].message.content)
 
 
-def test_streamed_json_reassembles(client):
-    stream = client.chat.completions.create(
+def test_streamed_json_reassembles(smol_client):
+    stream = smol_client.chat.completions.create(
         model=MODEL, messages=chat("JSON please"), temperature=1.0, max_tokens=80,
         stream=True, response_format={"type": "json_schema", "json_schema": {
             "name": "a", "schema": SCHEMAS[0]}})
@@ -106,15 +88,15 @@ def test_streamed_json_reassembles(client):
     ("structured_outputs", {"structural_tag": {"type": "structural_tag",
                                                "format": {"type": "nope"}}}),
 ])
-def test_bad_structured_outputs_are_400s_before_anything_runs(url, field, value):
+def test_bad_structured_outputs_are_400s_before_anything_runs(smol_url, field, value):
     body = {"model": MODEL, "messages": chat("hi"), "max_tokens": 3, field: value}
-    with httpx.Client(base_url=url, timeout=60) as http:
+    with httpx.Client(base_url=smol_url, timeout=60) as http:
         err = assert_error(http.post("/v1/chat/completions", json=body), 400, field)
     assert field in err["message"]
 
 
-def test_constrained_requests_and_compile_times_reach_the_metrics(client, url):
-    with httpx.Client(base_url=url, timeout=60) as http:
+def test_constrained_requests_and_compile_times_reach_the_metrics(smol_client, smol_url):
+    with httpx.Client(base_url=smol_url, timeout=60) as http:
         def scrape() -> str:
             return http.get("/metrics").text
 
@@ -125,11 +107,11 @@ def test_constrained_requests_and_compile_times_reach_the_metrics(client, url):
         before = scrape()
         schema = {"type": "object", "required": ["n"], "additionalProperties": False,
                   "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}}
-        client.chat.completions.create(
+        smol_client.chat.completions.create(
             model=MODEL, messages=chat("A digit in JSON"), max_tokens=20,
             response_format={"type": "json_schema", "json_schema": {"name": "d",
                                                                      "schema": schema}})
-        client.chat.completions.create(model=MODEL, messages=chat("hi"), max_tokens=2)
+        smol_client.chat.completions.create(model=MODEL, messages=chat("hi"), max_tokens=2)
         after = scrape()
     assert value(after, "structured_output_requests_total") \
         == value(before, "structured_output_requests_total") + 1

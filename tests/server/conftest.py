@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+import openai
+import pytest
+
+from engine.client.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.engine import Engine
+from server.app import build_app
+from tests.support.server import running_server
+
+SMOL = "smol"  # the default model's served name in these servers
+
+
+@pytest.fixture(scope="session")
+def smol_url(default_model_dir):
+    """An in-process server on the default model (float32), for the tests that need
+    a real tokenizer and a model that writes text: structured outputs, tools."""
+    engine = Engine(EngineConfig(model=str(default_model_dir), dtype="float32",
+                                 num_kv_blocks=512))
+    with running_server(build_app(AsyncEngine(engine), [SMOL])) as base:
+        yield base
+
+
+@pytest.fixture(scope="session")
+def smol_client(smol_url):
+    """The real `openai` SDK pointed at smol_url."""
+    return openai.OpenAI(base_url=f"{smol_url}/v1", api_key="none", max_retries=0)

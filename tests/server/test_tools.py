@@ -1,0 +1,114 @@
+"""Forced tool calls (`tool_choice` "required" or a named function) and "none",
+through the real `openai` SDK on the default model, whose chat template knows no
+tools: the grammar makes the arguments valid for the function's schema anyway."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import pytest
+
+from tests.server.conftest import SMOL
+from tests.support.http import assert_error
+
+MODEL = SMOL
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+           "properties": {"city": {"type": "string", "maxLength": 20},
+                          "unit": {"enum": ["celsius", "fahrenheit"]}}}
+TIME = {"type": "object", "additionalProperties": False, "required": ["zone"],
+        "properties": {"zone": {"type": "string", "pattern": "^[A-Z]{3}$"}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER,
+                                           "description": "Weather in a city"}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME,
+                                           "description": "Time in a zone"}}]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def valid(call) -> dict:
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, SCHEMAS[call.function.name])
+    assert call.id.startswith("call_") and call.type == "function"
+    return args
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_named_function_is_called_with_valid_arguments(smol_client, seed):
+    r = smol_client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
+                                       tool_choice=NAMED, temperature=1.0, seed=seed,
+                                       max_tokens=60)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    valid(call)
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_required_calls_one_of_the_tools(smol_client, parallel):
+    r = smol_client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
+                                       tool_choice="required", temperature=1.0, seed=4,
+                                       max_tokens=120, parallel_tool_calls=parallel)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    calls = choice.message.tool_calls
+    assert calls and (parallel or len(calls) == 1)
+    for call in calls:
+        valid(call)
+
+
+@pytest.mark.parametrize("choice", [NAMED, "required"])
+def test_streamed_tool_call_deltas_reassemble(smol_client, choice):
+    stream = smol_client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
+                                            tool_choice=choice, temperature=1.0, seed=2,
+                                            max_tokens=120, stream=True)
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        for c in chunk.choices:
+            assert not c.delta.content
+            for d in c.delta.tool_calls or ():
+                call = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+                if d.id:
+                    assert call["id"] is None  # the id and the name come once, first
+                    call["id"], call["name"] = d.id, d.function.name
+                call["arguments"] += d.function.arguments or ""
+            finish = c.finish_reason or finish
+    assert finish == "tool_calls" and calls
+    for call in calls.values():
+        assert call["id"].startswith("call_")
+        jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+
+
+def test_a_round_trip_call_result_answer(smol_client):
+    r = smol_client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
+                                       tool_choice=NAMED, temperature=0.0, max_tokens=60)
+    call = r.choices[0].message.tool_calls[0]
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'}]
+    answer = smol_client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS,
+                                            tool_choice="none", temperature=0.0,
+                                            max_tokens=30)
+    choice = answer.choices[0]
+    assert choice.message.tool_calls is None and choice.message.content
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tool_choice": "required"}, "tool_choice"),  # no tools
+    ({"tools": TOOLS, "tool_choice": {"type": "function",
+                                      "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": TOOLS}, "tool_choice"),  # auto: not built yet
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "nonsense"}}}], "tool_choice": "required"}, "tools"),
+    ({"tools": [{"type": "nope"}], "tool_choice": "required"}, "tools"),
+    ({"tools": TOOLS, "tool_choice": NAMED,
+      "response_format": {"type": "json_object"}}, "tool_choice"),
+])
+def test_bad_tool_requests_are_400s(smol_url, body, param):
+    with httpx.Client(base_url=smol_url, timeout=60) as http:
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK,
+                                                    "max_tokens": 5, **body})
+    assert_error(r, 400, param)
