@@ -8,6 +8,7 @@ from server.logprobs import chat_logprobs
 from server.protocol import ChatCompletionRequest, chat_completion_id
 from server.response_view import ResponseView
 from server.service import GenerationService
+from server.tool_parsers import HermesStream, split_calls
 from server.tools import ToolPlan, tool_plan
 from server.unsupported_fields import CHAT_FIELDS
 from server.validation import check_prompt, output_budget, sampling_params
@@ -19,8 +20,10 @@ class ChatService(GenerationService):
     async def create(self, req: ChatCompletionRequest):
         model = self.served_model(req)
         extra = req.model_extra or {}
+        tokenizer = self.engine.tokenizer
         plan = tool_plan(extra.get("tools"), extra.get("tool_choice"),
-                         extra.get("parallel_tool_calls"))
+                         extra.get("parallel_tool_calls"),
+                         req.chat_template or getattr(tokenizer, "chat_template", None))
         ids = await self.tokenization.run(self._prompt_ids, req, plan)
         param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         max_tokens = output_budget(req.max_output_tokens, len(ids),
@@ -54,6 +57,8 @@ class _ChatView(ResponseView):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._held: dict[int, str] = {}  # "required" output per choice, until it ends
+        self._parsers: dict[int, HermesStream] = {}  # "auto": per choice
+        self._calls: dict[int, int] = {}  # "auto": calls sent per choice
 
     def _logprobs(self, deltas: list[ChoiceDelta]) -> dict | None:
         if not self.req.logprobs:
@@ -66,7 +71,8 @@ class _ChatView(ResponseView):
         message, finish = {"role": "assistant", "content": text}, deltas[-1].finish_reason
         calls = self.plan.calls(text) if self.plan is not None and finish == "stop" else None
         if calls:
-            message, finish = {"role": "assistant", "content": None,
+            content = split_calls(text)[0].strip() if self.plan.mode == "auto" else ""
+            message, finish = {"role": "assistant", "content": content or None,
                                "tool_calls": calls}, "tool_calls"
         choice = {"index": index, "message": message,
                   "logprobs": self._logprobs(deltas),
@@ -106,6 +112,8 @@ class _ChatView(ResponseView):
         Output cut short (finish "length") is sent as the text it is."""
         done = d.finish_reason == "stop"
         finish = "tool_calls" if done else d.finish_reason
+        if self.plan.mode == "auto":
+            return self._auto_delta(d)
         if self.plan.mode == "named":
             if d.first:
                 call = self.plan.call(self.plan.name, d.text)
@@ -120,3 +128,21 @@ class _ChatView(ResponseView):
         if not calls:
             return {"content": text}, d.finish_reason
         return {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}, finish
+
+    def _auto_delta(self, d: ChoiceDelta) -> tuple[dict, str | None]:
+        """"auto": the text outside tool-call tags as content, each call whole (id,
+        name, arguments) once its closing tag is in; nothing of a tag leaks."""
+        parser = self._parsers.setdefault(d.index, HermesStream())
+        content, calls = parser.feed(d.text)
+        if d.finish_reason is not None:
+            content += parser.rest()
+        delta: dict = {"content": content} if content else {}
+        if calls:
+            first = self._calls.get(d.index, 0)
+            delta["tool_calls"] = [{"index": first + i, **self.plan.call(name, args)}
+                                   for i, (name, args) in enumerate(calls)]
+            self._calls[d.index] = first + len(calls)
+        finish = d.finish_reason
+        if finish == "stop" and self._calls.get(d.index):
+            finish = "tool_calls"
+        return delta, finish
