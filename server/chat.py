@@ -32,7 +32,7 @@ class ChatService(GenerationService):
         groups = [PromptGroup(0, ids, sampling_params(
             req, max_tokens, self.vocab_size, num_logprobs,
             tool_grammar=plan.structured if plan is not None else None))]
-        view = _ChatView(chat_completion_id(), model, req, groups, self.engine.tokenizer)
+        view = _ChatView(chat_completion_id(), model, req, groups, tokenizer)
         view.plan = plan if plan is not None and plan.structured is not None else None
         return await self.respond(view, groups, req)
 
@@ -106,10 +106,11 @@ class _ChatView(ResponseView):
         return [role, choice]
 
     def streamed_calls(self, d: ChoiceDelta) -> tuple[dict, str | None]:
-        """A forced tool choice's delta, as OpenAI frames it: a named function's id
-        and name first, its arguments as they come; "required" calls (a JSON array
-        until it is whole) each with id, name and arguments when the output ends.
-        Output cut short (finish "length") is sent as the text it is."""
+        """A tool-calling delta, as OpenAI frames it: a named function's id and name
+        first, its arguments as they come; "required" calls (a JSON array until it is
+        whole) each with id, name and arguments when the output ends; "auto" by the
+        Hermes parser (_auto_delta). Output cut short (finish "length") is sent as
+        the text it is."""
         done = d.finish_reason == "stop"
         finish = "tool_calls" if done else d.finish_reason
         if self.plan.mode == "auto":

@@ -63,11 +63,12 @@ def sampling_params(req: SamplingFields, max_tokens: int, vocab_size: int,
                     logprobs: int | None = None,
                     prompt_logprobs: int | None = None,
                     tool_grammar: StructuredOutput | None = None) -> SamplingParams:
-    """tool_grammar: what a forced tool choice makes the output (server/tools.py)."""
+    """tool_grammar: what the request's tool calling makes the output (server/tools.py)."""
     structured = structured_output(req)
     if structured is not None and tool_grammar is not None:
-        raise APIError(400, "a structured output and a forced tool_choice cannot be "
-                       "asked for together", "tool_choice")
+        raise APIError(400, "a structured output (response_format, structured_outputs, "
+                       "guided_*) and tool calls cannot be asked for together",
+                       "tool_choice")
     bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
     bad = next((t for t in [*bias, *(req.stop_token_ids or ())] if t >= vocab_size), None)
     if bad is not None:
