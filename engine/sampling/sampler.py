@@ -74,9 +74,10 @@ class Sampler:
         self.prompt = PromptLogprobs()
         self._generators: dict[str, torch.Generator] = {}
         # Structured outputs' grammar state: the engine's, set where it has a
-        # tokenizer. A scratch sampler (fault isolation probes) has none, so a probe
-        # never advances a matcher.
+        # tokenizer. A scratch sampler (fault isolation's probes) masks with it, so a
+        # request's grammar fault is found as its own, but never advances it.
         self.matchers: Matchers | None = None
+        self._advances_matchers = True
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
@@ -180,7 +181,7 @@ class Sampler:
             self.prompt.add(span, items)
         self._hand_over_prompts([s for s in sampling if keep is None
                                  or s.request.request_id in keep], result)
-        if self.matchers is not None:  # last: a retry could not undo it
+        if self.matchers is not None and self._advances_matchers:  # last: no undo
             refused = self.matchers.accept(seqs, result.tokens)
             for seq_id in refused:
                 result.tokens.pop(seq_id, None)
@@ -218,6 +219,7 @@ class Sampler:
         scratch._generators = {rid: torch.Generator(device=g.device).set_state(g.get_state())
                                for rid, g in self._generators.items()}
         scratch.prompt = self.prompt.copy()
+        scratch.matchers, scratch._advances_matchers = self.matchers, False
         return scratch
 
     @faults.fault_point("sample", lambda self, logits, seqs, argmax=None: seqs)

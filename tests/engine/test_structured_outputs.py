@@ -112,3 +112,35 @@ def test_a_grammar_that_does_not_compile_ends_its_request_and_an_abort_ends_a_he
         outs += engine.step()
     assert [(o.request_id, o.finish_reason) for o in outs] == [("bad", "error")]
     assert "invalid grammar" in outs[0].error
+
+
+def test_a_matcher_that_raises_fails_only_its_request(engine, monkeypatch):
+    """A fault in one request's grammar state is that request's: fault isolation
+    probes each request alone (with the grammars, never advancing them)."""
+    from engine.structured.matchers import Matchers
+
+    class Broken:
+        def is_terminated(self):
+            return False
+
+        def fill_next_token_bitmask(self, bitmask, row):
+            raise RuntimeError("broken matcher")
+
+    own = Matchers._matcher
+    monkeypatch.setattr(Matchers, "_matcher", lambda self, seq: Broken()
+                        if seq.request_id == "bad" else own(self, seq))
+    ids = engine.tokenizer.encode("hi")
+    for rid in ("bad", "good"):
+        engine.add_request(rid, ids, SamplingParams(
+            max_tokens=8, temperature=0.0, structured=StructuredOutput("regex", "[a-z]{3}")))
+    engine.add_request("free", ids, SamplingParams(max_tokens=4, temperature=0.0))
+    ends, tokens = {}, {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished:
+                ends[o.request_id] = o
+    assert ends["bad"].finish_reason == "error" and "broken matcher" in ends["bad"].error
+    assert ends["good"].finish_reason == "stop" and ends["free"].finish_reason == "length"
+    text = engine.tokenizer.decode(tokens["good"], skip_special_tokens=True)
+    assert re.fullmatch("[a-z]{3}", text)
