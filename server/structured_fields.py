@@ -43,13 +43,18 @@ def structured_output(req) -> StructuredOutput | None:
     if not found:
         return None
     name, spec = found[0]
+    return checked(spec, name)
+
+
+def checked(spec: StructuredOutput, param: str) -> StructuredOutput:
+    """spec, once xgrammar can make a grammar of it; else a 400 naming `param`."""
     # Imported here: xgrammar brings torch, which the front end otherwise never loads
     # (1.5 s, once, at the first structured request).
     from engine.structured.grammars import parse
     try:
         parse(spec)
     except ValueError as exc:
-        raise APIError(400, f"{name}: {exc}", name) from None
+        raise APIError(400, f"{param}: {exc}", param) from None
     return spec
 
 

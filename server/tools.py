@@ -23,6 +23,7 @@ from typing import Any
 
 from scheduler.structured_output import StructuredOutput
 from server.errors import APIError
+from server.structured_fields import checked
 from server.tool_parsers import END, START, split_calls
 
 ANY_OBJECT = {"type": "object"}
@@ -97,13 +98,8 @@ def tool_plan(tools: Any, tool_choice: Any, parallel: Any,
 
 
 def _checked(plan: ToolPlan) -> ToolPlan:
-    """400 for parameters no grammar can be made of (imported here: xgrammar brings
-    torch, which the front end otherwise never loads)."""
-    from engine.structured.grammars import parse
-    try:
-        parse(plan.structured)
-    except ValueError as exc:
-        raise APIError(400, f"tools: {exc}", "tools") from None
+    """400 for parameters no grammar can be made of."""
+    checked(plan.structured, "tools")
     return plan
 
 
