@@ -8,7 +8,7 @@ from server.logprobs import chat_logprobs
 from server.protocol import ChatCompletionRequest, chat_completion_id
 from server.response_view import ResponseView
 from server.service import GenerationService
-from server.tool_parsers import HermesStream, split_calls
+from server.tool_parsers import CallStream
 from server.tools import ToolPlan, tool_plan
 from server.unsupported_fields import CHAT_FIELDS
 from server.validation import check_prompt, output_budget, sampling_params
@@ -23,7 +23,10 @@ class ChatService(GenerationService):
         tokenizer = self.engine.tokenizer
         plan = tool_plan(extra.get("tools"), extra.get("tool_choice"),
                          extra.get("parallel_tool_calls"),
-                         req.chat_template or getattr(tokenizer, "chat_template", None))
+                         req.chat_template or getattr(tokenizer, "chat_template", None),
+                         self.config.tool_call_parser)
+        if plan is not None and plan.format is not None and plan.format.keeps_special_tokens:
+            req.skip_special_tokens = False  # the calls' opening is a special token
         ids = await self.tokenization.run(self._prompt_ids, req, plan)
         param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         max_tokens = output_budget(req.max_output_tokens, len(ids),
@@ -33,7 +36,7 @@ class ChatService(GenerationService):
             req, max_tokens, self.vocab_size, num_logprobs,
             tool_grammar=plan.structured if plan is not None else None))]
         view = _ChatView(chat_completion_id(), model, req, groups, tokenizer)
-        view.plan = plan if plan is not None and plan.structured is not None else None
+        view.plan = plan if plan is not None and plan.mode != "none" else None
         return await self.respond(view, groups, req)
 
     def _prompt_ids(self, req: ChatCompletionRequest, plan: ToolPlan | None) -> list[int]:
@@ -43,7 +46,8 @@ class ChatService(GenerationService):
                                 req.add_generation_prompt, req.continue_final_message,
                                 chat_template=req.chat_template,
                                 chat_template_kwargs=req.chat_template_kwargs,
-                                tools=plan.tools if plan is not None else None)
+                                tools=plan.tools if plan is not None else None,
+                                tool_format=plan.format if plan is not None else None)
         self.tokenization.refuse_if_too_long(text, "messages")
         return check_prompt(self.engine, chat_prompt_ids(self.engine.tokenizer, text),
                             "messages")
@@ -52,12 +56,12 @@ class ChatService(GenerationService):
 class _ChatView(ResponseView):
     body_object = "chat.completion"
     chunk_object = "chat.completion.chunk"
-    plan: ToolPlan | None = None  # a forced tool choice: the output is its call(s)
+    plan: ToolPlan | None = None  # tool calls (not "none"): how the output is read
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._held: dict[int, str] = {}  # "required" output per choice, until it ends
-        self._parsers: dict[int, HermesStream] = {}  # "auto": per choice
+        self._parsers: dict[int, CallStream] = {}  # "auto": per choice
         self._calls: dict[int, int] = {}  # "auto": calls sent per choice
 
     def _logprobs(self, deltas: list[ChoiceDelta]) -> dict | None:
@@ -71,7 +75,7 @@ class _ChatView(ResponseView):
         message, finish = {"role": "assistant", "content": text}, deltas[-1].finish_reason
         calls = self.plan.calls(text) if self.plan is not None and finish == "stop" else None
         if calls:
-            content = split_calls(text)[0].strip() if self.plan.mode == "auto" else ""
+            content = self.plan.format.split(text)[0].strip() if self.plan.mode == "auto" else ""
             message, finish = {"role": "assistant", "content": content or None,
                                "tool_calls": calls}, "tool_calls"
         choice = {"index": index, "message": message,
@@ -98,18 +102,21 @@ class _ChatView(ResponseView):
             choice["stop_reason"] = d.stop_reason
         if self.req.return_token_ids:
             choice["token_ids"] = d.token_ids
+        # A tool call's text is held until the call is whole: no empty chunks meanwhile.
+        carries = delta or finish or choice["logprobs"] or self.req.return_token_ids
+        choices = [choice] if carries else []
         if not d.first:
-            return [choice]
+            return choices
         # As OpenAI and vLLM do: the role comes first, in a chunk of its own.
         role = {"index": d.index, "delta": {"role": "assistant", "content": ""},
                 "logprobs": None, "finish_reason": None}
-        return [role, choice]
+        return [role, *choices]
 
     def streamed_calls(self, d: ChoiceDelta) -> tuple[dict, str | None]:
         """A tool-calling delta, as OpenAI frames it: a named function's id and name
         first, its arguments as they come; "required" calls (a JSON array until it is
         whole) each with id, name and arguments when the output ends; "auto" by the
-        Hermes parser (_auto_delta). Output cut short (finish "length") is sent as
+        format's parser (_auto_delta). Output cut short (finish "length") is sent as
         the text it is."""
         done = d.finish_reason == "stop"
         finish = "tool_calls" if done else d.finish_reason
@@ -131,9 +138,11 @@ class _ChatView(ResponseView):
         return {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}, finish
 
     def _auto_delta(self, d: ChoiceDelta) -> tuple[dict, str | None]:
-        """"auto": the text outside tool-call tags as content, each call whole (id,
-        name, arguments) once its closing tag is in; nothing of a tag leaks."""
-        parser = self._parsers.setdefault(d.index, HermesStream())
+        """"auto": the text outside the calls as content, each call whole (id, name,
+        arguments) once it is complete; nothing of the format's markup leaks."""
+        if d.index not in self._parsers:
+            self._parsers[d.index] = self.plan.format.stream()
+        parser = self._parsers[d.index]
         content, calls = parser.feed(d.text)
         if d.finish_reason is not None:
             content += parser.rest()

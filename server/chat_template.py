@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from server.errors import APIError, no_tokenizer
+from server.tool_formats import ToolFormat
 from server.tools import for_template
 from server.validation import encode_text
 
@@ -31,7 +32,8 @@ def render_chat_text(tokenizer, messages: list[dict], add_generation_prompt: boo
                      continue_final_message: bool = False,
                      chat_template: str | None = None,
                      chat_template_kwargs: dict | None = None,
-                     tools: list[dict] | None = None) -> str:
+                     tools: list[dict] | None = None,
+                     tool_format: ToolFormat | None = None) -> str:
     if tokenizer is None:
         raise no_tokenizer("messages")
     if add_generation_prompt and continue_final_message:
@@ -47,7 +49,7 @@ def render_chat_text(tokenizer, messages: list[dict], add_generation_prompt: boo
         raise APIError(400, "this model's tokenizer has no chat template; use "
                        "/v1/completions or pass `chat_template`", "messages")
     plain = [{**m, "content": message_text(m.get("content"))}
-             for m in for_template(messages, tools, template)]
+             for m in for_template(messages, tools, template, tool_format)]
     try:
         return tokenizer.apply_chat_template(
             plain, tools=tools or None, tokenize=False,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from engine.arg_types import non_negative, parse_bool, positive_int
 from engine.settings import setting
+from server.tool_formats import PARSER_CHOICES
 
 DEFAULT_MAX_BODY_BYTES = 10 * 2**20
 
@@ -50,6 +51,10 @@ class ServerConfig:
         "vLLM's default: 5); a client pool that keeps idle connections as long or "
         "longer can send a request on one just as the server closes it",
         parse=non_negative(float))
+    tool_call_parser: str = setting(
+        "auto", "the format of tool calls a model writes with tool_choice \"auto\" "
+        "(auto: read off the chat template; hermes for templates without tools)",
+        choices=PARSER_CHOICES)
     shutdown_timeout: float = setting(
         30.0, "seconds in-flight requests may run after SIGTERM/SIGINT before they are "
         "aborted", parse=non_negative(float))

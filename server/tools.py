@@ -1,15 +1,16 @@
-"""Tool calling in /v1/chat/completions. Every kind is enforced by grammar, so a
-call's arguments are valid JSON for its function's schema on any model (even one
-whose chat template knows no tools):
+"""Tool calling in /v1/chat/completions. Every kind but Mistral's "auto" is enforced
+by grammar, so a call's arguments are valid JSON for its function's schema on any
+model (even one whose chat template knows no tools):
 - a named function: the model writes the arguments object itself;
 - "required": a JSON array of {"name": ..., "parameters": {...}} objects (one, unless
   `parallel_tool_calls`), each name one of the tools' and its parameters that tool's
   schema;
-- "auto" (the default with tools): free text, in which a call is written in the
-  Hermes format (server/tool_parsers.py) and, once begun, must be a valid call
-  (xgrammar's structural tag for it). Served for templates in that format (Qwen,
-  Hermes: they write `<tool_call>`) and for templates that know no tools (told the
-  format in a system message); other families' formats are not parsed yet (400);
+- "auto" (the default with tools): free text, in which calls are written in the
+  model family's format (server/tool_formats.py: hermes, llama3_json, mistral) and
+  parsed out (server/tool_parsers.py); a begun call must be a valid one (xgrammar's
+  structural tag for the format). Templates that know no tools are told the hermes
+  format in a system message; a template whose format no parser reads is a 400 for
+  "auto" unless --tool-call-parser names one;
 - "none": the tools are shown to the template, no call is made.
 The answer is OpenAI's: `message.tool_calls` with ids, `content` null and finish
 reason "tool_calls"; streamed, each call's id and name come first and its arguments
@@ -24,7 +25,7 @@ from typing import Any
 from scheduler.structured_output import StructuredOutput
 from server.errors import APIError
 from server.structured_fields import checked
-from server.tool_parsers import END, START, split_calls
+from server.tool_formats import FORMATS, ToolFormat, knows_tools, tool_format
 
 ANY_OBJECT = {"type": "object"}
 
@@ -35,6 +36,7 @@ class ToolPlan:
     tools: list[dict]  # the request's tools, as sent (for the chat template)
     structured: StructuredOutput | None = None
     name: str | None = None  # the named function
+    format: ToolFormat | None = None  # "auto": the calls' format
 
     def calls(self, text: str) -> list[dict] | None:
         """The tool calls in a finished output (None: not parseable, e.g. cut short
@@ -42,7 +44,7 @@ class ToolPlan:
         if self.mode == "named":
             return [self.call(self.name, text)]
         if self.mode == "auto":
-            return [self.call(name, args) for name, args in split_calls(text)[1]]
+            return [self.call(name, args) for name, args in self.format.split(text)[1]]
         try:
             items = json.loads(text)
         except json.JSONDecodeError:
@@ -55,10 +57,11 @@ class ToolPlan:
                 "function": {"name": name, "arguments": arguments}}
 
 
-def tool_plan(tools: Any, tool_choice: Any, parallel: Any,
-              template: str | None = None) -> ToolPlan | None:
+def tool_plan(tools: Any, tool_choice: Any, parallel: Any, template: str | None = None,
+              parser: str = "auto") -> ToolPlan | None:
     """The request's tool calling, checked (400s in OpenAI's shape), or None.
-    template: the chat template the prompt goes through (it decides "auto")."""
+    template: the chat template the prompt goes through; parser: --tool-call-parser
+    (they decide the format of "auto")."""
     if tool_choice is not None and not tools and tool_choice != "none":
         raise APIError(400, "tool_choice needs tools", "tool_choice")
     if not tools:
@@ -67,18 +70,15 @@ def tool_plan(tools: Any, tool_choice: Any, parallel: Any,
     if tool_choice == "none":
         return ToolPlan("none", tools)
     if tool_choice in (None, "auto"):
-        if template is not None and knows_tools(template) and START not in template:
-            raise APIError(400, "tool_choice \"auto\" (the default with tools) is served "
-                           "for chat templates in the Hermes <tool_call> format and for "
-                           "templates without tools; this model's format is not parsed "
-                           "yet: pass \"required\", a named function or \"none\"",
+        fmt = tool_format(parser, template)
+        if fmt is None:
+            raise APIError(400, "tool_choice \"auto\" (the default with tools) needs a "
+                           "parser for the format this chat template writes calls in, and "
+                           "none of kvserve's (" + ", ".join(FORMATS) + ") matches it: "
+                           "start the server with --tool-call-parser, or pass "
+                           "\"required\", a named function or \"none\"",
                            "tool_choice", "unsupported_parameter")
-        from xgrammar.builtin_structural_tag import get_model_structural_tag
-        tag = get_model_structural_tag("qwen_3", tools=tools, tool_choice="auto",
-                                       reasoning="disabled",
-                                       parallel_tool_calls=parallel is not False)
-        return _checked(ToolPlan("auto", tools,
-                                 StructuredOutput("structural_tag", tag.model_dump_json())))
+        return ToolPlan("auto", tools, _auto_grammar(fmt, tools, parallel), format=fmt)
     if tool_choice == "required":
         one_of = [{"type": "object", "additionalProperties": False,
                    "required": ["name", "parameters"],
@@ -95,6 +95,17 @@ def tool_plan(tools: Any, tool_choice: Any, parallel: Any,
                        "tools", "tool_choice")
     return _checked(ToolPlan("named", tools,
                              StructuredOutput("json_schema", json.dumps(schemas[name])), name))
+
+
+def _auto_grammar(fmt: ToolFormat, tools: list[dict], parallel: Any) -> StructuredOutput | None:
+    """Text, or calls in the format that are valid once begun (xgrammar's structural
+    tag); None for a format parsed only."""
+    if fmt.xgrammar_model is None:
+        return None
+    from xgrammar.builtin_structural_tag import get_model_structural_tag
+    tag = get_model_structural_tag(fmt.xgrammar_model, tools=tools, tool_choice="auto",
+                                   reasoning="disabled", parallel_tool_calls=parallel is not False)
+    return checked(StructuredOutput("structural_tag", tag.model_dump_json()), "tools")
 
 
 def _checked(plan: ToolPlan) -> ToolPlan:
@@ -134,34 +145,29 @@ def _named(choice: Any) -> str:
     return fn["name"]
 
 
-def knows_tools(template: str) -> bool:
-    return "tools" in template or "tool_calls" in template
-
-
-def for_template(messages: list[dict], tools: list[dict] | None, template: str) -> list[dict]:
+def for_template(messages: list[dict], tools: list[dict] | None, template: str,
+                 fmt: ToolFormat | None = None) -> list[dict]:
     """Messages a template without tool support can render (it never reads `tools`
     or `tool_calls`): the tools described in a system message, and each earlier call
-    written into its assistant message as the JSON the model would have written. A
-    template that knows tools gets the messages as they are."""
+    written into its assistant message as the model would have written it (in fmt,
+    hermes unless told). A template that knows tools gets the messages as they are."""
     if knows_tools(template):
         return messages
+    fmt = fmt or FORMATS["hermes"]
     out = []
     for m in messages:
         calls = m.get("tool_calls")
         if calls:
-            text = "\n".join(
-                f"{START}\n" + json.dumps({"name": c["function"]["name"],
-                                           "arguments": _arguments(c["function"].get(
-                                               "arguments"))}) + f"\n{END}"
-                for c in calls)
+            text = "\n".join(fmt.write(c["function"]["name"],
+                                       _arguments(c["function"].get("arguments")))
+                             for c in calls)
             m = {**m, "content": ((m.get("content") or "") + "\n" + text).strip()}
             m.pop("tool_calls")
         out.append(m)
     if tools:
         listing = json.dumps([t["function"] for t in tools])
         note = {"role": "system", "content": "You can call these functions:\n" + listing
-                + f"\nTo call one, write {START}\n{{\"name\": <its name>, \"arguments\": "
-                f"<its arguments as JSON>}}\n{END}"}
+                + "\nTo call one, write " + fmt.how_to_call()}
         if out and out[0].get("role") == "system":
             out[0] = {**out[0], "content": f"{out[0].get('content') or ''}\n\n{note['content']}"}
         else:

@@ -1,5 +1,5 @@
 """CLI flags of the operational features: --api-key, --max-waiting-requests,
---shutdown-timeout (and their KVSERVE_* environment defaults)."""
+--shutdown-timeout, --tool-call-parser (and their KVSERVE_* environment defaults)."""
 from __future__ import annotations
 
 import os
@@ -110,3 +110,10 @@ def test_serve_wires_the_flags_through(monkeypatch, tmp_path):
     assert seen["server"] == (FakeApp, "the-admission", 3.0)
     assert seen["keep_alive"] == 65
     assert seen["ran"]
+
+
+def test_tool_call_parser_is_one_of_the_formats(capsys):
+    assert _args().tool_call_parser == "auto"
+    assert _args("--tool-call-parser", "mistral").tool_call_parser == "mistral"
+    with pytest.raises(SystemExit):
+        _args("--tool-call-parser", "pythonic")

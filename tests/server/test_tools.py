@@ -1,6 +1,7 @@
-"""Forced tool calls (`tool_choice` "required" or a named function) and "none",
-through the real `openai` SDK on the default model, whose chat template knows no
-tools: the grammar makes the arguments valid for the function's schema anyway."""
+"""Tool calls through the real `openai` SDK on the default model: the forced kinds
+(`tool_choice` "required" or a named function, enforced by grammar: valid arguments
+on a model whose chat template knows no tools), "none", and "auto" in each family's
+format (the parsers alone are in test_tool_parsers.py)."""
 from __future__ import annotations
 
 import json
@@ -101,7 +102,7 @@ def test_a_round_trip_call_result_answer(smol_client):
     ({"tool_choice": "required"}, "tool_choice"),  # no tools
     ({"tools": TOOLS, "tool_choice": {"type": "function",
                                       "function": {"name": "nope"}}}, "tool_choice"),
-    # auto with a template in a tool format not parsed yet (here Llama 3's JSON)
+    # auto with a template that writes calls in a format none of the parsers reads
     ({"tools": TOOLS, "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"
       "{% if tools %}{{ tools | tojson }}{% endif %}"}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
@@ -115,6 +116,71 @@ def test_bad_tool_requests_are_400s(smol_url, body, param):
         r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK,
                                                     "max_tokens": 5, **body})
     assert_error(r, 400, param)
+
+
+def _family_template(call: str) -> str:
+    """ChatML turns (what the default model knows) with a family's call markup:
+    `call` renders `c`, an earlier call."""
+    return ("{%- if tools %}<|im_start|>system\nYou can call these functions: "
+            "{{ tools | tojson }}<|im_end|>\n{% endif %}{%- for m in messages %}"
+            "<|im_start|>{{ m.role }}\n{% if m.tool_calls %}{% for c in m.tool_calls %}"
+            + call + "{% endfor %}{% else %}{{ m.content }}{% endif %}<|im_end|>\n"
+            "{% endfor %}<|im_start|>assistant\n")
+
+
+ARGS = "{{ c.function.arguments }}"
+FAMILY_TEMPLATES = {  # read off by --tool-call-parser auto (server/tool_formats.py)
+    "hermes": None,  # the default model's own template: told the format
+    "llama3_json": _family_template(
+        '{# ipython #}{"name": "{{ c.function.name }}", "parameters": ' + ARGS + "}"),
+    "mistral": _family_template(
+        '[TOOL_CALLS][{"name": "{{ c.function.name }}", "arguments": ' + ARGS + "}]"),
+}
+
+
+def _asked_after_two_calls(city: str) -> list[dict]:
+    """Two earlier weather questions answered by calls: a 135M model copies them."""
+    history = []
+    for i, earlier in enumerate(["Paris", "Berlin"]):
+        args = json.dumps({"city": earlier, "unit": "celsius"})
+        history += [
+            {"role": "user", "content": f"What is the weather in {earlier}?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": f"call_{i}", "type": "function",
+                 "function": {"name": "get_weather", "arguments": args}}]},
+            {"role": "tool", "tool_call_id": f"call_{i}", "content": "sunny, 21 C"},
+            {"role": "assistant", "content": f"It is sunny in {earlier}, 21 C."}]
+    return history + [{"role": "user", "content": f"What is the weather in {city}?"}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("family", FAMILY_TEMPLATES)
+def test_auto_in_each_family_format_parses_the_call_the_model_writes(smol_client, family,
+                                                                     stream):
+    """Each parser end to end: the chat template decides the format, the model (shown
+    two calls in it) writes a third, and it comes back as a tool call, whole or as
+    OpenAI's deltas, with no markup in the content."""
+    template = FAMILY_TEMPLATES[family]
+    kw = dict(model=MODEL, messages=_asked_after_two_calls("Rome"), tools=TOOLS,
+              temperature=0.0, max_tokens=60,
+              extra_body={"chat_template": template} if template else None)
+    if stream:
+        content, calls, finish = "", {}, None
+        for chunk in smol_client.chat.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                content += c.delta.content or ""
+                for d in c.delta.tool_calls or ():
+                    calls[d.index] = (d.function.name, d.function.arguments)
+                finish = c.finish_reason or finish
+        calls = list(calls.values())
+    else:
+        choice = smol_client.chat.completions.create(**kw).choices[0]
+        content, finish = choice.message.content or "", choice.finish_reason
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert finish == "tool_calls" and not content.strip()
+    (name, arguments), = calls
+    assert name == "get_weather"
+    jsonschema.validate(json.loads(arguments), WEATHER)
 
 
 @pytest.mark.parametrize("stream", [False, True])
