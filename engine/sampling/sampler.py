@@ -254,7 +254,9 @@ class Sampler:
                result: StepResult) -> None:
         """Speculative steps: each item's k + 1 rows (in order, after the sampling
         rows) decide its accepted drafts and the token after them, which go into
-        result.tokens as a list. A request whose rows hold NaN/inf fails instead."""
+        result.tokens as a list. A request whose rows hold NaN/inf fails instead.
+        A constrained request verifies only the drafts its grammar allows, on rows
+        masked by it, and its matcher takes the tokens at once."""
         bad = _non_finite(logits).tolist()
         ok, at = [], 0
         for s in items:
@@ -266,12 +268,24 @@ class Sampler:
             at += width
         if not ok:
             return
-        rows = [r for s, at in ok for r in range(at, at + len(s.spec_token_ids) + 1)]
         reqs = [s.request for s, _ in ok]
-        emitted = verify_drafts(logits[_index(rows, self.device)], reqs,
-                                [s.spec_token_ids for s, _ in ok],
-                                [self._generator(q) for q in reqs])
-        result.tokens.update(zip(_ids(reqs), emitted))
+        drafts, masks = [s.spec_token_ids for s, _ in ok], None
+        if self.matchers is not None:  # constrained: drafts checked against the grammar
+            drafts, masks = self.matchers.verification_masks(reqs, drafts)
+        rows = [r for (_, at), d in zip(ok, drafts) for r in range(at, at + len(d) + 1)]
+        logits = logits[_index(rows, self.device)]
+        if masks is not None:
+            logits = masks.apply_(logits)
+        emitted = dict(zip(_ids(reqs), verify_drafts(logits, reqs, drafts,
+                                                     [self._generator(q) for q in reqs])))
+        for i in masks.dead if masks is not None else ():
+            del emitted[reqs[i].request_id]
+            result.failed[reqs[i].request_id] = DEAD_END
+        if self.matchers is not None and self._advances_matchers:
+            for seq_id, why in self.matchers.accept(reqs, emitted).items():
+                del emitted[seq_id]
+                result.failed[seq_id] = why
+        result.tokens.update(emitted)
 
     def _generator(self, req: Request) -> torch.Generator | None:
         if req.params.seed is None or req.params.greedy:

@@ -84,9 +84,7 @@ class Speculator:
         """Drafts worth verifying for req: none unless its next step is a decode it
         allows speculation for; never more than its remaining tokens need."""
         p = req.params
-        # Structured outputs: drafts are not yet checked against the grammar.
-        if (not p.speculative or p.logprobs is not None or p.structured is not None
-                or req.pending_forks
+        if (not p.speculative or p.logprobs is not None or req.pending_forks
                 or req.status is not RequestStatus.RUNNING
                 or len(req.token_ids) - req.num_computed_tokens != 1):
             return 0

@@ -5,7 +5,12 @@ grammar's start, since they sample their first token together with the parent).
 Per step: `masks` fills the bitmask of the rows whose sequences are constrained (a
 free row costs nothing) and the sampler applies it to those rows' logits; `accept`
 advances a sequence's matcher by the token it got. A matcher that allows no token at
-all (the grammar dead-ends) fails its request alone."""
+all (the grammar dead-ends) fails its request alone.
+
+Speculative steps: `verification_masks` checks a sequence's drafts against its
+grammar (they are cut before the first one it refuses), fills the mask of each row
+that verifies them by walking the matcher through them, and rolls it back; the
+tokens that verification emits are then accepted as any others."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -71,6 +76,59 @@ class Matchers:
             if not bool(bitmask[j].any()):
                 dead.append(j)
         return StepMasks(rows, bitmask, dead)
+
+    def verification_masks(self, seqs: list[Request], drafts: list[list[int]]
+                           ) -> tuple[list[list[int]], StepMasks | None]:
+        """For sequences verifying drafts: each one's drafts, cut before the first its
+        grammar refuses, one that ends it or one after which it allows nothing (a
+        free sequence's stay whole); and the masks of the rows that verify them
+        (k + 1 per sequence, in order, with the cut drafts' rows gone). `dead` holds
+        sequences (indices) whose grammar allows nothing now: their rows stay
+        unmasked, for the caller to fail them. Every matcher ends where it began."""
+        if all(q.params.structured is None for q in seqs):
+            return drafts, None
+        bitmask = xgr.allocate_token_bitmask(sum(len(d) + 1 for d in drafts), self.vocab_size)
+        kept, rows, dead, at = [], [], [], 0
+        for i, (q, d) in enumerate(zip(seqs, drafts)):
+            if q.params.structured is None:
+                kept.append(d)
+                at += len(d) + 1
+                continue
+            n = self._walk(self._matcher(q), d, bitmask, at)
+            if n < 0:
+                dead.append(i)
+                n = 0
+            else:
+                rows += range(at, at + n + 1)
+            kept.append(d[:n])
+            at += n + 1
+        return kept, StepMasks(rows, bitmask[:at], dead)
+
+    @staticmethod
+    def _walk(matcher: xgr.GrammarMatcher, drafts: list[int], bitmask: torch.Tensor,
+              at: int) -> int:
+        """Fills rows at.. with the masks before each draft and after the last one
+        kept; returns how many are kept (-1: nothing is allowed now)."""
+        if matcher.is_terminated():
+            return -1
+        matcher.fill_next_token_bitmask(bitmask, at)
+        if not bool(bitmask[at].any()):
+            return -1
+        n = 0
+        for token in drafts:
+            if not matcher.accept_token(int(token)):
+                break
+            if matcher.is_terminated():  # its end: the token is sampled, never drafted
+                matcher.rollback(1)
+                break
+            matcher.fill_next_token_bitmask(bitmask, at + n + 1)
+            if not bool(bitmask[at + n + 1].any()):
+                matcher.rollback(1)
+                break
+            n += 1
+        if n:
+            matcher.rollback(n)
+        return n
 
     def accept(self, seqs: list[Request], tokens: dict[str, int | list[int]]) -> dict[str, str]:
         """Each constrained sequence's matcher takes its new token(s); returns the

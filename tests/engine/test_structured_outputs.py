@@ -144,3 +144,55 @@ def test_a_matcher_that_raises_fails_only_its_request(engine, monkeypatch):
     assert ends["good"].finish_reason == "stop" and ends["free"].finish_reason == "length"
     text = engine.tokenizer.decode(tokens["good"], skip_special_tokens=True)
     assert re.fullmatch("[a-z]{3}", text)
+
+
+EXAMPLE = ('Describe a person as JSON, like {"name": "Ann", "age": 31, "colour": "red"} '
+           'or {"name": "Bob", "age": 42, "colour": "blue"}:')
+
+
+@pytest.mark.parametrize("method", ["ngram", "early-exit"])
+def test_speculative_drafts_are_checked_against_the_grammar(engine, default_model_dir,
+                                                            method, monkeypatch):
+    """Drafts (copied from the prompt, or the model's first layers' guesses, which
+    know no grammar) are cut before the first token the grammar refuses and verified
+    on masked rows; the matcher rolls back. Greedy output is the same as without
+    speculation, sampled output is valid, and drafts were accepted."""
+    from engine.config import SpeculativeConfig
+    from engine.structured.matchers import Matchers
+
+    walks = []  # (drafts, kept) of each constrained verification
+    walk = Matchers._walk
+    monkeypatch.setattr(Matchers, "_walk", staticmethod(
+        lambda m, drafts, *a: walks.append((len(drafts), walk(m, drafts, *a))) or walks[-1][1]))
+    spec = Engine(EngineConfig(
+        model=str(default_model_dir), dtype="float32", num_kv_blocks=256,
+        speculative=SpeculativeConfig(method, num_tokens=4, ngram_min=1, draft_layers=8)))
+    greedy = SamplingParams(max_tokens=60, temperature=0.0, structured=JSON)
+    assert run(spec, [greedy], EXAMPLE) == run(engine, [greedy], EXAMPLE)
+    sampled = [SamplingParams(max_tokens=60, temperature=1.0, seed=i, structured=JSON)
+               for i in range(4)]
+    for text in run(spec, sampled, EXAMPLE):
+        jsonschema.validate(json.loads(text), SCHEMA)
+    stats = spec.speculator.stats
+    assert stats.num_draft_tokens > stats.num_accepted_tokens > 0
+    assert any(kept < n for n, kept in walks) and any(kept == n > 0 for n, kept in walks)
+
+
+def test_a_prefix_hit_gives_the_same_constrained_output(engine):
+    """The second request finds the first's prompt blocks cached: its grammar starts
+    at its own first output token all the same."""
+    ids = engine.tokenizer.encode("Three times over. " + EXAMPLE * 3)  # cached by no other test
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, structured=JSON)
+    texts, cached = [], []
+    for rid in ("first", "second"):
+        engine.add_request(rid, ids, greedy)
+        tokens = []
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                tokens += o.new_token_ids
+                if o.finished:
+                    cached.append(o.num_cached_tokens)
+        texts.append(engine.tokenizer.decode(tokens, skip_special_tokens=True))
+    assert cached[0] == 0 and cached[1] >= len(ids) // 2
+    assert texts[0] == texts[1]
+    jsonschema.validate(json.loads(texts[1]), SCHEMA)
