@@ -266,6 +266,11 @@ class EngineConfig:
         "CPU): background = serve eagerly while it compiles, wait = compile before "
         "serving; auto = background on CPU, off on CUDA",
         choices=["auto", "background", "wait", "off"])
+    # engine/structured/: the library whose grammars and matchers constrain outputs.
+    structured_outputs_backend: str = setting(
+        "xgrammar", "grammar library of structured outputs and tool calls: xgrammar, or "
+        "guidance (llguidance; structural tags stay xgrammar's)",
+        choices=["xgrammar", "guidance"])
     # Speculative decoding (None: off): drafts verified by the target in one pass.
     speculative: SpeculativeConfig | None = setting(
         None, "speculative decoding", nested=SpeculativeConfig)

@@ -148,7 +148,8 @@ class Engine:
         vocab = self.model_config.vocab_size
         matchers = Matchers(vocab)
         self.runner.sampler.matchers = matchers
-        return GrammarGate(GrammarCompiler(self.tokenizer, vocab, list(self.eos_token_ids)),
+        return GrammarGate(GrammarCompiler(self.tokenizer, vocab, list(self.eos_token_ids),
+                                           self.config.structured_outputs_backend),
                            matchers)
 
     def _compile_forward(self) -> None:

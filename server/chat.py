@@ -24,7 +24,7 @@ class ChatService(GenerationService):
         plan = tool_plan(extra.get("tools"), extra.get("tool_choice"),
                          extra.get("parallel_tool_calls"),
                          req.chat_template or getattr(tokenizer, "chat_template", None),
-                         self.config.tool_call_parser)
+                         self.config.tool_call_parser, self.engine.structured_backend)
         if plan is not None and plan.format is not None and plan.format.keeps_special_tokens:
             req.skip_special_tokens = False  # the calls' opening is a special token
         ids = await self.tokenization.run(self._prompt_ids, req, plan)
@@ -34,7 +34,8 @@ class ChatService(GenerationService):
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         groups = [PromptGroup(0, ids, sampling_params(
             req, max_tokens, self.vocab_size, num_logprobs,
-            tool_grammar=plan.structured if plan is not None else None))]
+            tool_grammar=plan.structured if plan is not None else None,
+            structured_backend=self.engine.structured_backend))]
         view = _ChatView(chat_completion_id(), model, req, groups, tokenizer)
         view.plan = plan if plan is not None and plan.mode != "none" else None
         return await self.respond(view, groups, req)

@@ -43,7 +43,8 @@ class CompletionService(GenerationService):
                                                              self.engine.max_model_len)
         prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
         params = sampling_params(req, max_tokens, self.vocab_size, req.logprobs,
-                                 prompt_logprobs)
+                                 prompt_logprobs,
+                                 structured_backend=self.engine.structured_backend)
         return PromptGroup(index, ids, params, prompt if isinstance(prompt, str) else None,
                            count_output=not req.echo_only)
 

@@ -22,8 +22,9 @@ _VLLM = {"json": "json_schema", "regex": "regex", "choice": "choice",
          "structural_tag": "structural_tag"}
 
 
-def structured_output(req) -> StructuredOutput | None:
-    """The request's structured output, parsed once here (400 if invalid), or None."""
+def structured_output(req, backend: str = "xgrammar") -> StructuredOutput | None:
+    """The request's structured output, checked once here for the engine's backend
+    (400 if invalid), or None."""
     found = []  # (field, StructuredOutput)
     extra = req.model_extra or {}
     fmt = extra.get("response_format")
@@ -43,16 +44,16 @@ def structured_output(req) -> StructuredOutput | None:
     if not found:
         return None
     name, spec = found[0]
-    return checked(spec, name)
+    return checked(spec, name, backend)
 
 
-def checked(spec: StructuredOutput, param: str) -> StructuredOutput:
-    """spec, once xgrammar can make a grammar of it; else a 400 naming `param`."""
-    # Imported here: xgrammar brings torch, which the front end otherwise never loads
-    # (1.5 s, once, at the first structured request).
-    from engine.structured.grammars import parse
+def checked(spec: StructuredOutput, param: str, backend: str = "xgrammar") -> StructuredOutput:
+    """spec, once the backend can make a grammar of it; else a 400 naming `param`."""
+    # Imported here: the grammar libraries bring torch, which the front end otherwise
+    # never loads (1.5 s, once, at the first structured request).
+    from engine.structured.grammars import check
     try:
-        parse(spec)
+        check(spec, backend)
     except ValueError as exc:
         raise APIError(400, f"{param}: {exc}", param) from None
     return spec

@@ -58,10 +58,11 @@ class ToolPlan:
 
 
 def tool_plan(tools: Any, tool_choice: Any, parallel: Any, template: str | None = None,
-              parser: str = "auto") -> ToolPlan | None:
+              parser: str = "auto", backend: str = "xgrammar") -> ToolPlan | None:
     """The request's tool calling, checked (400s in OpenAI's shape), or None.
     template: the chat template the prompt goes through; parser: --tool-call-parser
-    (they decide the format of "auto")."""
+    (they decide the format of "auto"); backend: the engine's structured outputs
+    backend, which the grammar is checked for."""
     if tool_choice is not None and not tools and tool_choice != "none":
         raise APIError(400, "tool_choice needs tools", "tool_choice")
     if not tools:
@@ -88,13 +89,14 @@ def tool_plan(tools: Any, tool_choice: Any, parallel: Any, template: str | None 
         if parallel is False:
             array["maxItems"] = 1
         return _checked(ToolPlan("required", tools,
-                                 StructuredOutput("json_schema", json.dumps(array))))
+                                 StructuredOutput("json_schema", json.dumps(array))), backend)
     name = _named(tool_choice)
     if name not in schemas:
         raise APIError(400, f"tool_choice names the function {name!r}, which is not in "
                        "tools", "tool_choice")
     return _checked(ToolPlan("named", tools,
-                             StructuredOutput("json_schema", json.dumps(schemas[name])), name))
+                             StructuredOutput("json_schema", json.dumps(schemas[name])), name),
+                    backend)
 
 
 def _auto_grammar(fmt: ToolFormat, tools: list[dict], parallel: Any) -> StructuredOutput | None:
@@ -108,9 +110,9 @@ def _auto_grammar(fmt: ToolFormat, tools: list[dict], parallel: Any) -> Structur
     return checked(StructuredOutput("structural_tag", tag.model_dump_json()), "tools")
 
 
-def _checked(plan: ToolPlan) -> ToolPlan:
+def _checked(plan: ToolPlan, backend: str) -> ToolPlan:
     """400 for parameters no grammar can be made of."""
-    checked(plan.structured, "tools")
+    checked(plan.structured, "tools", backend)
     return plan
 
 

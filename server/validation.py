@@ -62,9 +62,11 @@ def output_budget(max_tokens: int | None, prompt_len: int, max_model_len: int,
 def sampling_params(req: SamplingFields, max_tokens: int, vocab_size: int,
                     logprobs: int | None = None,
                     prompt_logprobs: int | None = None,
-                    tool_grammar: StructuredOutput | None = None) -> SamplingParams:
-    """tool_grammar: what the request's tool calling makes the output (server/tools.py)."""
-    structured = structured_output(req)
+                    tool_grammar: StructuredOutput | None = None,
+                    structured_backend: str = "xgrammar") -> SamplingParams:
+    """tool_grammar: what the request's tool calling makes the output (server/tools.py);
+    structured_backend: the engine's, which structured outputs are checked for."""
+    structured = structured_output(req, structured_backend)
     if structured is not None and tool_grammar is not None:
         raise APIError(400, "a structured output (response_format, structured_outputs, "
                        "guided_*) and tool calls cannot be asked for together",

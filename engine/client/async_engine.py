@@ -35,7 +35,8 @@ class _QueueSource:
 class AsyncEngine(EngineClient):
     def __init__(self, engine: Engine):
         super().__init__(engine.tokenizer, engine.max_model_len,
-                         engine.model_config.vocab_size)
+                         engine.model_config.vocab_size,
+                         engine.config.structured_outputs_backend)
         self.engine = engine
         self._commands = _QueueSource()
         self._loop = EngineLoop(engine, self._commands, self._on_report)

@@ -63,10 +63,12 @@ class EngineClient:
     """Subclasses provide start(), shutdown(), is_alive and _submit(command), and
     call _on_report / _on_dead as the engine answers."""
 
-    def __init__(self, tokenizer, max_model_len: int, vocab_size: int):
+    def __init__(self, tokenizer, max_model_len: int, vocab_size: int,
+                 structured_backend: str = "xgrammar"):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.structured_backend = structured_backend  # the front end checks specs for it
         self.stats = ServingStats()
         # Guarded by _lock: reservations, adds not yet taken by the engine, and the
         # scheduler's queue lengths as of its last report.

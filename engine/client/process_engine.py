@@ -81,7 +81,8 @@ class ProcessEngine(EngineClient):
         self._process.start()
         child_conn.close()
         info = self._await_ready()
-        super().__init__(tokenizer, info["max_model_len"], info["vocab_size"])
+        super().__init__(tokenizer, info["max_model_len"], info["vocab_size"],
+                         config.structured_outputs_backend)
         self._send_lock = threading.Lock()
         self._reader = threading.Thread(target=self._read, name="kvserve-engine-reader",
                                         daemon=True)

@@ -1,8 +1,11 @@
-"""StructuredOutput -> xgrammar grammar. `parse` needs no tokenizer and is cheap (the
-front end calls it to refuse a bad schema, regex or grammar with a 400 before
-anything is scheduled); `GrammarCompiler` adds the tokenizer's vocabulary (the
-costly part: ~0.2 s for a JSON schema against a 49k vocabulary on 2 cores), on a
-thread of its own so steps go on meanwhile, and keeps the last compiled grammars.
+"""StructuredOutput -> a grammar over the vocabulary, by the backend's library:
+xgrammar (the default) or llguidance (guidance.py). `check` needs no tokenizer and
+is cheap (the front end calls it to refuse a bad schema, regex or grammar with a 400
+before anything is scheduled); `GrammarCompiler` adds the tokenizer's vocabulary
+(for xgrammar the costly part: ~0.2 s for a JSON schema against a 49k vocabulary on
+2 cores), on a thread of its own so steps go on meanwhile, and keeps the last
+compiled grammars. Either backend's grammar makes the matchers of its sequences
+(`matcher()`), which Matchers drives through xgrammar's matcher interface.
 
 JSON is compact (no free whitespace between tokens): a small model sampling at
 temperature 1 otherwise wanders into whitespace until it runs out of tokens."""
@@ -13,12 +16,48 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
 
+import torch
 import xgrammar as xgr
 
 from scheduler.structured_output import StructuredOutput
 
 CACHED_GRAMMARS = 64  # compiled grammars kept (each ~1-2 MB for a JSON schema)
+
+
+class Matcher(Protocol):
+    """One sequence's grammar state: xgrammar's GrammarMatcher, or an adapter."""
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None: ...
+    def accept_token(self, token: int) -> bool: ...  # False: refused, state unchanged
+    def rollback(self, num_tokens: int) -> None: ...
+    def is_terminated(self) -> bool: ...  # an end token was taken
+
+
+class Grammar(Protocol):
+    def matcher(self) -> Matcher: ...
+
+
+class XgrammarGrammar:
+    def __init__(self, compiled: xgr.CompiledGrammar):
+        self.compiled = compiled
+
+    def matcher(self) -> xgr.GrammarMatcher:
+        return xgr.GrammarMatcher(self.compiled)
+
+
+def check(spec: StructuredOutput, backend: str = "xgrammar") -> None:
+    """ValueError saying what is wrong with a spec the backend cannot serve."""
+    if _uses_guidance(spec, backend):
+        from engine.structured.guidance import guidance_grammar
+        guidance_grammar(spec)
+    else:
+        parse(spec)
+
+
+def _uses_guidance(spec: StructuredOutput, backend: str) -> bool:
+    """Structural tags are xgrammar's format: xgrammar serves them under either."""
+    return backend == "guidance" and spec.kind != "structural_tag"
 
 
 def parse(spec: StructuredOutput) -> xgr.Grammar:
@@ -54,13 +93,19 @@ def _reason(exc: Exception) -> str:
 
 
 class GrammarCompiler:
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int],
+                 backend: str = "xgrammar"):
         # The model's own end tokens end a grammar (the tokenizer's may differ).
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=list(stop_token_ids))
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self._backend, self._stops = backend, list(stop_token_ids)
+        self._guidance_tokenizer = None
+        if backend == "guidance":
+            from engine.structured.guidance import guidance_tokenizer
+            self._guidance_tokenizer = guidance_tokenizer(tokenizer, vocab_size, self._stops)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvserve-grammar")
-        self._cache: OrderedDict[StructuredOutput, xgr.CompiledGrammar] = OrderedDict()
+        self._cache: OrderedDict[StructuredOutput, Grammar] = OrderedDict()
         self._compiling: dict[StructuredOutput, Future] = {}  # one compile per spec
         self._lock = threading.Lock()
         self._compile_seconds: list[float] = []  # since take_compile_seconds
@@ -86,10 +131,15 @@ class GrammarCompiler:
             taken, self._compile_seconds = self._compile_seconds, []
         return taken
 
-    def _compile(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
+    def _compile(self, spec: StructuredOutput) -> Grammar:
         t0 = time.perf_counter()
         try:
-            compiled = self._compiler.compile_grammar(parse(spec))
+            if _uses_guidance(spec, self._backend):
+                from engine.structured.guidance import GuidanceGrammar, guidance_grammar
+                compiled = GuidanceGrammar(self._guidance_tokenizer, guidance_grammar(spec),
+                                           self._stops)
+            else:
+                compiled = XgrammarGrammar(self._compiler.compile_grammar(parse(spec)))
         except BaseException:
             with self._lock:
                 self._compiling.pop(spec, None)

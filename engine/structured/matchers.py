@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import xgrammar as xgr
 
+from engine.structured.cpu_mask import apply_bitmask_cpu_
+from engine.structured.grammars import Grammar, Matcher
 from scheduler.request import Request
 
 DEAD_END = "the structured output's grammar allows no next token"
@@ -34,30 +36,34 @@ class StepMasks:
         """logits with the constrained rows masked, in place: no copy of the rows (at
         16 rows x 49k that was half the masking's cost on CPU). Masking twice (a
         fault isolation's retry) changes nothing."""
-        xgr.apply_token_bitmask_inplace(logits, self.bitmask.to(logits.device,
-                                                                non_blocking=True),
-                                        indices=self.rows)
+        if not self.rows:
+            return logits
+        if logits.device.type == "cpu":
+            apply_bitmask_cpu_(logits, self.bitmask, self.rows)
+        else:
+            xgr.apply_token_bitmask_inplace(logits, self.bitmask.to(logits.device,
+                                                                    non_blocking=True),
+                                            indices=self.rows)
         return logits
 
 
 class Matchers:
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
-        self._grammars: dict[str, xgr.CompiledGrammar] = {}  # by group (request) id
-        self._matchers: dict[str, xgr.GrammarMatcher] = {}  # by sequence id
+        self._grammars: dict[str, Grammar] = {}  # by group (request) id
+        self._matchers: dict[str, Matcher] = {}  # by sequence id
 
-    def start(self, request_id: str, grammar: xgr.CompiledGrammar) -> None:
+    def start(self, request_id: str, grammar: Grammar) -> None:
         self._grammars[request_id] = grammar
 
     def release(self, seq_id: str) -> None:
         self._matchers.pop(seq_id, None)
         self._grammars.pop(seq_id, None)
 
-    def _matcher(self, seq: Request) -> xgr.GrammarMatcher:
+    def _matcher(self, seq: Request) -> Matcher:
         m = self._matchers.get(seq.request_id)
         if m is None:
-            m = self._matchers[seq.request_id] = xgr.GrammarMatcher(
-                self._grammars[seq.group_id])
+            m = self._matchers[seq.request_id] = self._grammars[seq.group_id].matcher()
         return m
 
     def masks(self, seqs: list[Request]) -> StepMasks | None:
@@ -105,7 +111,7 @@ class Matchers:
         return kept, StepMasks(rows, bitmask[:at], dead)
 
     @staticmethod
-    def _walk(matcher: xgr.GrammarMatcher, drafts: list[int], bitmask: torch.Tensor,
+    def _walk(matcher: Matcher, drafts: list[int], bitmask: torch.Tensor,
               at: int) -> int:
         """Fills rows at.. with the masks before each draft and after the last one
         kept; returns how many are kept (-1: nothing is allowed now)."""

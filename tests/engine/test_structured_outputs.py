@@ -150,9 +150,10 @@ EXAMPLE = ('Describe a person as JSON, like {"name": "Ann", "age": 31, "colour":
            'or {"name": "Bob", "age": 42, "colour": "blue"}:')
 
 
-@pytest.mark.parametrize("method", ["ngram", "early-exit"])
-def test_speculative_drafts_are_checked_against_the_grammar(engine, default_model_dir,
-                                                            method, monkeypatch):
+@pytest.mark.parametrize("method, backend", [("ngram", "xgrammar"), ("early-exit", "xgrammar"),
+                                             ("ngram", "guidance")])
+def test_speculative_drafts_are_checked_against_the_grammar(default_model_dir, method,
+                                                            backend, monkeypatch):
     """Drafts (copied from the prompt, or the model's first layers' guesses, which
     know no grammar) are cut before the first token the grammar refuses and verified
     on masked rows; the matcher rolls back. Greedy output is the same as without
@@ -166,9 +167,11 @@ def test_speculative_drafts_are_checked_against_the_grammar(engine, default_mode
         lambda m, drafts, *a: walks.append((len(drafts), walk(m, drafts, *a))) or walks[-1][1]))
     spec = Engine(EngineConfig(
         model=str(default_model_dir), dtype="float32", num_kv_blocks=256,
+        structured_outputs_backend=backend,
         speculative=SpeculativeConfig(method, num_tokens=4, ngram_min=1, draft_layers=8)))
     greedy = SamplingParams(max_tokens=60, temperature=0.0, structured=JSON)
-    assert run(spec, [greedy], EXAMPLE) == run(engine, [greedy], EXAMPLE)
+    plain = SamplingParams(max_tokens=60, temperature=0.0, structured=JSON, speculative=False)
+    assert run(spec, [greedy], EXAMPLE) == run(spec, [plain], EXAMPLE)
     sampled = [SamplingParams(max_tokens=60, temperature=1.0, seed=i, structured=JSON)
                for i in range(4)]
     for text in run(spec, sampled, EXAMPLE):
