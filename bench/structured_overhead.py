@@ -7,7 +7,7 @@ them runs to --output-len as the free ones (ignore_eos) do: both groups generate
 the same number of tokens, and the ratio is the per-token cost of masking and
 matching. Temperature 1, no HTTP.
 
-  python bench/structured_overhead.py --json bench/results/structured_overhead_DATE.json
+  python bench/structured_overhead.py [--backend guidance] --json bench/results/...json
 """
 from __future__ import annotations
 
@@ -30,10 +30,10 @@ LONG = StructuredOutput("json_schema", json.dumps(
      "items": {"type": "integer", "minimum": 0, "maximum": 999}}))
 
 
-def compile_times(engine: Engine) -> list[float]:
+def compile_times(engine: Engine, backend: str) -> list[float]:
     """Each schema compiled by a fresh compiler (no cache), in seconds."""
     compiler = GrammarCompiler(engine.tokenizer, engine.model_config.vocab_size,
-                               list(engine.eos_token_ids))
+                               list(engine.eos_token_ids), backend)
     out = []
     for schema in SCHEMAS:
         t0 = time.perf_counter()
@@ -62,10 +62,12 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--compile", default="wait", choices=["wait", "off"])
+    ap.add_argument("--backend", default="xgrammar", choices=["xgrammar", "guidance"])
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    engine = Engine(EngineConfig(model=str(default_model_dir()), compile=args.compile))
-    seconds = compile_times(engine)
+    engine = Engine(EngineConfig(model=str(default_model_dir()), compile=args.compile,
+                                 structured_outputs_backend=args.backend))
+    seconds = compile_times(engine, args.backend)
     throughput(engine, 2, 8, True)  # warm-up: graphs, the long grammar compiled
     throughput(engine, 2, 8, False)
     free, constrained = [], []
@@ -74,7 +76,7 @@ def main() -> None:
         constrained.append(throughput(engine, args.requests, args.output_len, True))
     f, c = statistics.median(free), statistics.median(constrained)
     result = {**where_from(engine.device, "python bench/structured_overhead.py"),
-              "dtype": str(engine.dtype).replace("torch.", ""),
+              "dtype": str(engine.dtype).replace("torch.", ""), "backend": args.backend,
               "requests": args.requests, "output_len": args.output_len,
               "free_tok_s": free, "constrained_tok_s": constrained,
               "overhead": 1 - c / f, "compile_seconds": seconds}

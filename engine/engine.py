@@ -283,7 +283,8 @@ class Engine:
         logprobs in progress, or a request whose next token's logits processing
         reads its history: penalties, or min_tokens not yet reached (the count
         decides whether stop tokens are banned). Logprobs and logit_bias need
-        nothing from the host."""
+        nothing from the host, and a grammar mask takes the tokens it needs when
+        the next step samples (Sampler._catch_up), after its forward pass."""
         for s in out.scheduled:
             req = s.request
             if req.needs_prompt_logits:
@@ -293,8 +294,6 @@ class Engine:
                     params.has_penalties or req.num_output_tokens < params.min_tokens):
                 return False
             if s.samples and req.pending_forks:
-                return False
-            if s.samples and params.structured is not None:  # its matcher needs the token
                 return False
         return True
 

@@ -182,7 +182,8 @@ class ModelRunner:
                 self.drafter.observe(batch)  # a draft model's own cache keeps up
             if batch.sampling or batch.prompt_spans:
                 step.sample = self.sampler.launch(StepLogits.of(logits, batch.rows),
-                                                  batch.sampling, batch.prompt_spans)
+                                                  batch.sampling, batch.prompt_spans,
+                                                  _sampled(previous))
             if batch.verifying:
                 step.verified = StepResult()
                 self.sampler.verify(StepLogits.verify_rows(logits, batch.rows),
@@ -257,7 +258,8 @@ class ModelRunner:
         if len(rows) != len(scheduled):  # a one-token prompt chunk samples nothing
             logits = logits[to_device(rows, torch.long, logits.device)]
         sampling = [scheduled[i] for i in rows]
-        return LaunchedStep(self.sampler.launch(StepLogits(logits, len(sampling)), sampling, [])
+        return LaunchedStep(self.sampler.launch(StepLogits(logits, len(sampling)), sampling, [],
+                                                _sampled(previous))
                             if sampling else None)
 
     def _feed_pending(self, input_ids: torch.Tensor, scheduled: list[ScheduledRequest],
@@ -354,3 +356,8 @@ def _decode_inputs(meta) -> PagedDecode | None:
     """A decode-only step's attention inputs, where its attention can be traced into
     a compiled graph (the torch backend's paged decode); None: the custom op."""
     return meta.decode_only() if isinstance(meta, TorchAttentionMetadata) else None
+
+
+def _sampled(step: LaunchedStep | None) -> SampleLaunch | None:
+    """The sampling of the step still running (async scheduling), if it sampled."""
+    return step.sample if step is not None else None

@@ -66,6 +66,9 @@ class SampleLaunch:
     k_out: int = 0
     k_prompt: int = 0
     result: StepResult | None = None  # set when the launch had to finish at once
+    # Async scheduling: the next step's masks needed these tokens before this step
+    # was finished, so its matchers took them then; the sequences (ids) refused.
+    caught_up: dict[str, str] | None = None
 
 
 class Sampler:
@@ -86,10 +89,13 @@ class Sampler:
             self.matchers.release(request_id)
 
     def launch(self, logits: StepLogits, sampling: list[ScheduledRequest],
-               spans: list[PromptSpan]) -> SampleLaunch:
+               spans: list[PromptSpan], before: SampleLaunch | None = None) -> SampleLaunch:
         """The device half of run(): the tokens drawn and their copy to the host
         started, nothing waited for. A fault here is isolated at once (the launch
-        then carries its finished result)."""
+        then carries its finished result). before: the step before, not finished
+        yet (async scheduling), whose tokens this step's grammar masks build on."""
+        if before is not None:
+            self._catch_up(before)
         # Seeded generators as they were before the step: a retry without a failing
         # request must draw the same numbers again (empty, and free, without seeds).
         saved = {rid: g.get_state() for rid, g in self._generators.items()}
@@ -182,11 +188,33 @@ class Sampler:
         self._hand_over_prompts([s for s in sampling if keep is None
                                  or s.request.request_id in keep], result)
         if self.matchers is not None and self._advances_matchers:  # last: no undo
-            refused = self.matchers.accept(seqs, result.tokens)
+            refused = self.matchers.accept(seqs, result.tokens) \
+                if launch.caught_up is None else launch.caught_up
+            refused = {q: why for q, why in refused.items() if q in result.tokens}
             for seq_id in refused:
-                result.tokens.pop(seq_id, None)
+                result.tokens.pop(seq_id)
             result.failed.update(_scheduled_ids(launch, refused))
         return result
+
+    def _catch_up(self, before: SampleLaunch) -> None:
+        """The constrained sequences of the unfinished step before take its tokens
+        now (read from its transfer, which its own finish reads again), so that this
+        step's masks follow them; its finish then accepts nothing twice. A bad row's
+        or a dead one's token is no token; a matcher that raises refuses."""
+        if (self.matchers is None or not self._advances_matchers
+                or before.result is not None or before.caught_up is not None
+                or all(q.params.structured is None for q in before.seqs)):
+            return
+        parts = before.transfer.fetch()
+        tokens, bad_rows = parts[0], parts[1]
+        before.caught_up = {}
+        for j, q in enumerate(before.seqs):
+            if q.params.structured is None or bad_rows[before.rows[j]] or j in before.dead:
+                continue
+            try:
+                before.caught_up.update(self.matchers.accept([q], {q.request_id: int(tokens[j])}))
+            except Exception as exc:  # noqa: BLE001 - this sequence's grammar fault
+                before.caught_up[q.request_id] = f"structured output: {exc}"
 
     def _isolate(self, exc: Exception, logits: StepLogits,
                  sampling: list[ScheduledRequest], spans: list[PromptSpan],

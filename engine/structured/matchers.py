@@ -60,6 +60,9 @@ class Matchers:
         self._matchers.pop(seq_id, None)
         self._grammars.pop(seq_id, None)
 
+    def tracks(self, seq: Request) -> bool:
+        return seq.request_id in self._matchers or seq.group_id in self._grammars
+
     def _matcher(self, seq: Request) -> Matcher:
         m = self._matchers.get(seq.request_id)
         if m is None:
@@ -73,12 +76,15 @@ class Matchers:
             return None
         bitmask = xgr.allocate_token_bitmask(len(seqs), self.vocab_size)
         dead = []
-        for j in rows:
+        for j in list(rows):
             matcher = self._matcher(seqs[j])
-            if matcher.is_terminated():  # its end token taken (ignore_eos went on)
-                bitmask[j] = 0
-            else:
+            if not matcher.is_terminated():
                 matcher.fill_next_token_bitmask(bitmask, j)
+            elif seqs[j].params.ignore_eos:  # its end token taken, and it went on
+                bitmask[j] = 0
+            else:  # it ends with the step before (async scheduling planned this one)
+                rows.remove(j)
+                continue
             if not bool(bitmask[j].any()):
                 dead.append(j)
         return StepMasks(rows, bitmask, dead)
@@ -138,12 +144,14 @@ class Matchers:
 
     def accept(self, seqs: list[Request], tokens: dict[str, int | list[int]]) -> dict[str, str]:
         """Each constrained sequence's matcher takes its new token(s); returns the
-        sequences (by id) whose token the grammar refused, with the reason."""
+        sequences (by id) whose token the grammar refused, with the reason. A
+        released sequence (async scheduling ran a step for it after its last) is
+        passed over."""
         refused = {}
         for q in seqs:
             new = tokens.get(q.request_id)
-            if q.params.structured is None or new is None:
-                continue
+            if q.params.structured is None or new is None or not self.tracks(q):
+                continue  # free, no token, or released (it ended while its step ran)
             matcher = self._matcher(q)
             for token in new if isinstance(new, list) else [new]:
                 if not matcher.accept_token(int(token)):

@@ -199,3 +199,27 @@ def test_a_prefix_hit_gives_the_same_constrained_output(engine):
     assert cached[0] == 0 and cached[1] >= len(ids) // 2
     assert texts[0] == texts[1]
     jsonschema.validate(json.loads(texts[1]), SCHEMA)
+
+
+def test_async_scheduling_overlaps_constrained_steps_with_the_same_output(
+        engine, default_model_dir):
+    """Under async scheduling a step with constrained rows no longer waits for the
+    one before it to be read: its masks take that step's tokens when it samples,
+    after its forward pass. Outputs (greedy, seeded, ending on the grammar's end
+    token or on max_tokens) are those of the synchronous engine, and steps with
+    constrained rows were fed tokens from the step before them."""
+    from tests.engine.test_async_scheduling import record_schedules
+
+    overlapped = Engine(EngineConfig(model=str(default_model_dir), dtype="float32",
+                                     num_kv_blocks=256, async_scheduling=True))
+    params = [SamplingParams(max_tokens=60, temperature=0.0, structured=JSON),
+              SamplingParams(max_tokens=60, temperature=1.0, seed=4, structured=JSON),
+              SamplingParams(max_tokens=20, temperature=1.0, seed=9,
+                             structured=StructuredOutput("regex", REGEX)),
+              SamplingParams(max_tokens=6, temperature=1.0, seed=2, structured=JSON),
+              SamplingParams(max_tokens=25, temperature=1.0, seed=3)]
+    outs = record_schedules(overlapped)
+    assert run(overlapped, params) == run(engine, params)
+    fed = {s.request.params.structured is not None
+           for o in outs for s in o.scheduled if s.num_pending}
+    assert True in fed
