@@ -23,7 +23,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.sampling import Sampler, StepResult
 from engine.sampling.logprobs import MAX_EXACT_ID
 from engine.sampling.prompt_logprobs import PromptSpan
-from engine.sampling.sampler import SampleLaunch
+from engine.sampling.step_result import SampleLaunch
 from engine.sampling.step_logits import LogitRows, StepLogits
 from scheduler.output import ScheduledRequest, SchedulerOutput
 
