@@ -266,6 +266,11 @@ class EngineConfig:
         "CPU): background = serve eagerly while it compiles, wait = compile before "
         "serving; auto = background on CPU, off on CUDA",
         choices=["auto", "background", "wait", "off"])
+    # engine/models/quantized.py: weights quantized at load (online quantization).
+    quantization: str = setting(
+        "none", "quantize the decoder layers' weights at load: int8 = weight-only int8, "
+        "per-channel scales (a quarter of fp32's bytes, half of bf16's); embeddings and "
+        "the LM head stay in --dtype", choices=["none", "int8"])
     # engine/structured/: the library whose grammars and matchers constrain outputs.
     structured_outputs_backend: str = setting(
         "xgrammar", "grammar library of structured outputs and tool calls: xgrammar, or "

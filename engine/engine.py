@@ -15,6 +15,7 @@ from engine.loader import (ModelLoadError, check_fits, load_model, resolve_devic
                            resolve_dtype)
 from engine.memory_budget import profile_kv_budget
 from engine.model_runner import LaunchedStep, ModelRunner
+from engine.models.quantized import model_bytes, quantize_model
 from engine.outputs import RequestOutput, RequestTimes
 from engine.request_checks import check_request
 from engine.sampling import StepResult
@@ -69,6 +70,9 @@ class Engine:
         torch.manual_seed(config.seed)
         model = load_model(config.model, cfg, self.dtype, self.device, self.max_model_len,
                            config.load_format, config.seed)
+        quantize_model(model, config.quantization)
+        log.info("weights: %.1f MiB (%s, quantization %s)", model_bytes(model) / 2**20,
+                 str(self.dtype).replace("torch.", ""), config.quantization)
         num_blocks = self._num_kv_blocks(model)
         # A request longer than the whole cache could never run.
         self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)

@@ -27,7 +27,7 @@ TOOLS = {"offline": "engine throughput without HTTP: N requests at once to "
 # The engine settings every tool takes (the rest of EngineConfig's are offline's, or
 # fixed by the tool: one request at a time).
 MODEL_SETTINGS = {"model", "load_format", "dtype", "device", "attention_backend",
-                  "enforce_eager", "compile", "seed"}
+                  "enforce_eager", "compile", "seed", "quantization"}
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -145,7 +145,8 @@ def spec_engine_config(args) -> EngineConfig:
                         max_model_len=4096, kv_cache_memory=1 << 30, max_num_seqs=1,
                         max_num_batched_tokens=2048, enable_prefix_caching=False,
                         attention_backend=args.attention_backend,
-                        enforce_eager=args.enforce_eager, compile=_bench_compile(args))
+                        enforce_eager=args.enforce_eager, compile=_bench_compile(args),
+                        quantization=args.quantization)
 
 
 def run_tool(args, command: str) -> dict:

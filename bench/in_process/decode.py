@@ -59,7 +59,8 @@ def build_engine(args, device: torch.device) -> Engine:
         enable_prefix_caching=False, seed=args.seed,
         attention_backend=args.attention_backend or "auto",
         enforce_eager=bool(getattr(args, "enforce_eager", False)),
-        compile=bench_compile(args) if hasattr(args, "compile") else "off"))
+        compile=bench_compile(args) if hasattr(args, "compile") else "off",
+        quantization=getattr(args, "quantization", "none")))
 
 
 def run_request(engine: Engine, clock: Clock, prompt: list[int], new_tokens: int) -> dict:

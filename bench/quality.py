@@ -1,0 +1,91 @@
+"""Quality of a quantized model against the same weights unquantized (issue 20):
+perplexity on a fixed text (bench/data/alice_ch1.txt: the first chapter of Alice's
+Adventures in Wonderland, Lewis Carroll, 1865, public domain; ~2.7k tokens of the
+default model's tokenizer), computed through the engine's own forward pass from
+prompt logprobs, and greedy agreement: of 16 prompts x 64 tokens, the share of
+tokens a quantized model generates that the float model generates too, position by
+position up to the first difference.
+
+  python bench/quality.py --quantization none int8 --json bench/results/...json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from scheduler.sampling_params import SamplingParams
+
+TEXT = Path(__file__).with_name("data") / "alice_ch1.txt"
+
+
+def text_tokens(engine: Engine, path: Path = TEXT) -> list[int]:
+    return engine.tokenizer.encode(path.read_text(encoding="utf-8"))
+
+
+def perplexity(engine: Engine, tokens: list[int], window: int = 512) -> float:
+    """exp of the mean negative logprob of every token after each window's first
+    (windows of `window` tokens, no overlap)."""
+    windows = [w for w in (tokens[i:i + window] for i in range(0, len(tokens), window))
+               if len(w) > 1]
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    total, count = 0.0, 0
+    for at, w in enumerate(windows):
+        engine.add_request(f"perplexity-{at}", w, params)
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                for item in (o.prompt_logprobs or [None])[1:]:
+                    total -= item.logprob
+                    count += 1
+    return math.exp(total / count)
+
+
+def agreement_prompts(engine: Engine, tokens: list[int], count: int = 16) -> list[list[int]]:
+    """count prompts of 32 tokens, cut from the text at even steps."""
+    step = (len(tokens) - 32) // count
+    return [tokens[i * step:i * step + 32] for i in range(count)]
+
+
+def greedy_agreement(reference: list[list[int]], other: list[list[int]]) -> float:
+    """The share of tokens that agree, each sequence up to its first difference."""
+    same = 0
+    for a, b in zip(reference, other):
+        same += next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return same / sum(len(a) for a in reference)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quantization", nargs="+", default=["none", "int8"])
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    from modelstore.default_model import default_model_dir
+    results, reference = {}, None
+    for mode in args.quantization:
+        engine = Engine(EngineConfig(model=str(default_model_dir()), dtype=args.dtype,
+                                     quantization=mode, compile="off"))
+        tokens = text_tokens(engine)
+        greedy = engine.generate(agreement_prompts(engine, tokens), SamplingParams(
+            max_tokens=64, temperature=0.0, ignore_eos=True))
+        reference = reference or greedy
+        results[mode] = {"perplexity": perplexity(engine, tokens),
+                         "greedy_agreement": greedy_agreement(reference, greedy),
+                         "text_tokens": len(tokens)}
+        print(mode, results[mode])
+    base = results[args.quantization[0]]["perplexity"]
+    for mode, r in results.items():
+        r["perplexity_vs_first"] = r["perplexity"] / base - 1
+    if args.json:
+        from bench.in_process.decode import where_from
+        import torch
+        Path(args.json).write_text(json.dumps(
+            {**where_from(torch.device("cpu"), "python bench/quality.py"),
+             "dtype": args.dtype, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
