@@ -74,9 +74,9 @@ class _ChatView(ResponseView):
     def choice(self, index: int, deltas: list[ChoiceDelta]) -> dict:
         text = "".join(d.text for d in deltas)
         message, finish = {"role": "assistant", "content": text}, deltas[-1].finish_reason
-        calls = self.plan.calls(text) if self.plan is not None and finish == "stop" else None
+        content, calls = (self.plan.read(text) if self.plan is not None and finish == "stop"
+                          else (text, None))
         if calls:
-            content = self.plan.format.split(text)[0].strip() if self.plan.mode == "auto" else ""
             message, finish = {"role": "assistant", "content": content or None,
                                "tool_calls": calls}, "tool_calls"
         choice = {"index": index, "message": message,
@@ -133,7 +133,7 @@ class _ChatView(ResponseView):
         if d.finish_reason is None:
             return {}, None
         text = self._held.pop(d.index)
-        calls = self.plan.calls(text) if done else None
+        calls = self.plan.read(text)[1] if done else None
         if not calls:
             return {"content": text}, d.finish_reason
         return {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}, finish

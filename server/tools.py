@@ -38,18 +38,19 @@ class ToolPlan:
     name: str | None = None  # the named function
     format: ToolFormat | None = None  # "auto": the calls' format
 
-    def calls(self, text: str) -> list[dict] | None:
-        """The tool calls in a finished output (None: not parseable, e.g. cut short
-        by max_tokens, then it is answered as text)."""
+    def read(self, text: str) -> tuple[str, list[dict] | None]:
+        """A finished output's content (what is not a call) and its tool calls (None:
+        not parseable, e.g. cut short by max_tokens, then it is answered as text)."""
         if self.mode == "named":
-            return [self.call(self.name, text)]
+            return "", [self.call(self.name, text)]
         if self.mode == "auto":
-            return [self.call(name, args) for name, args in self.format.split(text)[1]]
+            content, calls = self.format.split(text)
+            return content.strip(), [self.call(name, args) for name, args in calls]
         try:
             items = json.loads(text)
         except json.JSONDecodeError:
-            return None
-        return [self.call(item["name"], json.dumps(item["parameters"])) for item in items]
+            return text, None
+        return "", [self.call(item["name"], json.dumps(item["parameters"])) for item in items]
 
     @staticmethod
     def call(name: str, arguments: str) -> dict:

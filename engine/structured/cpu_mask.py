@@ -18,8 +18,8 @@ _OFFSETS = torch.arange(32, dtype=torch.int64)
 
 def apply_bitmask_cpu_(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """logits [N, V] float on the CPU; bitmask [N', ceil(V' / 32)] int32, bit t of a
-    row set where token t is allowed; rows: the rows of both to mask. Tokens past
-    the bitmask's vocabulary (a padded embedding) are masked too."""
+    row set where token t is allowed; rows: the rows of both to mask. In a sparse
+    row, tokens past the bitmask's vocabulary (a padded embedding) are masked too."""
     index = torch.tensor(rows, dtype=torch.int64)
     words = bitmask[index]
     nonzero = words != 0

@@ -4,9 +4,10 @@ made into llguidance's grammar, and its matcher behind the interface Matchers us
 was taken). Both libraries write the same bitmask (32 tokens per int32 word), so
 masks are applied the same way whichever backend filled them.
 
-JSON is written as xgrammar writes it (no free whitespace). `grammar` takes Lark (llguidance's own syntax) or the GBNF
-/ EBNF that xgrammar takes. A structural tag is xgrammar's format: it is compiled
-by xgrammar even under this backend (grammars.py)."""
+JSON is written as xgrammar writes it (no free whitespace). `grammar` takes Lark
+(llguidance's own syntax) or the GBNF / EBNF that xgrammar takes. A structural tag
+is xgrammar's format: it is compiled by xgrammar even under this backend
+(grammars.py)."""
 from __future__ import annotations
 
 import json

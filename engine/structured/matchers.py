@@ -75,19 +75,15 @@ class Matchers:
         if not rows:
             return None
         bitmask = xgr.allocate_token_bitmask(len(seqs), self.vocab_size)
-        dead = []
-        for j in list(rows):
+        masked, dead = [], []
+        for j in rows:
             matcher = self._matcher(seqs[j])
-            if not matcher.is_terminated():
-                matcher.fill_next_token_bitmask(bitmask, j)
-            elif seqs[j].params.ignore_eos:  # its end token taken, and it went on
-                bitmask[j] = 0
-            else:  # it ends with the step before (async scheduling planned this one)
-                rows.remove(j)
-                continue
-            if not bool(bitmask[j].any()):
+            if matcher.is_terminated() and not seqs[j].params.ignore_eos:
+                continue  # it ends with the step before (async scheduling planned this one)
+            masked.append(j)
+            if not self._fill(matcher, bitmask, j):  # a dead end, or past its end token
                 dead.append(j)
-        return StepMasks(rows, bitmask, dead)
+        return StepMasks(masked, bitmask, dead)
 
     def verification_masks(self, seqs: list[Request], drafts: list[list[int]]
                            ) -> tuple[list[list[int]], StepMasks | None]:
@@ -121,26 +117,30 @@ class Matchers:
               at: int) -> int:
         """Fills rows at.. with the masks before each draft and after the last one
         kept; returns how many are kept (-1: nothing is allowed now)."""
-        if matcher.is_terminated():
-            return -1
-        matcher.fill_next_token_bitmask(bitmask, at)
-        if not bool(bitmask[at].any()):
+        if not Matchers._fill(matcher, bitmask, at):
             return -1
         n = 0
         for token in drafts:
             if not matcher.accept_token(int(token)):
                 break
-            if matcher.is_terminated():  # its end: the token is sampled, never drafted
-                matcher.rollback(1)
-                break
-            matcher.fill_next_token_bitmask(bitmask, at + n + 1)
-            if not bool(bitmask[at + n + 1].any()):
+            # Its end token is sampled, never drafted; nor is one leading nowhere.
+            if not Matchers._fill(matcher, bitmask, at + n + 1):
                 matcher.rollback(1)
                 break
             n += 1
         if n:
             matcher.rollback(n)
         return n
+
+    @staticmethod
+    def _fill(matcher: Matcher, bitmask: torch.Tensor, row: int) -> bool:
+        """Fills the row with what the matcher allows next; False when that is
+        nothing (its end token taken, or the grammar dead-ends)."""
+        if matcher.is_terminated():
+            bitmask[row] = 0
+            return False
+        matcher.fill_next_token_bitmask(bitmask, row)
+        return bool(bitmask[row].any())
 
     def accept(self, seqs: list[Request], tokens: dict[str, int | list[int]]) -> dict[str, str]:
         """Each constrained sequence's matcher takes its new token(s); returns the
