@@ -73,8 +73,9 @@ KINDS = ("kvserve", "llama", "transformers", "transformers-nocb")
 
 def parse_peer(spec: str) -> tuple[str, str, str, list[str] | None]:
     """`[LABEL=]KIND[:ARG][@W1,W2]` -> (label, kind, arg, workloads or None for all).
-    Kinds: kvserve, llama (ARG: a GGUF file), transformers / transformers-nocb (ARG: a
-    model directory, default the kvserve cache's; continuous batching on / off)."""
+    Kinds: kvserve (ARG: extra `kvserve serve` flags, space-separated), llama (ARG: a
+    GGUF file), transformers / transformers-nocb (ARG: a model directory, default the
+    kvserve cache's; continuous batching on / off)."""
     spec, _, only = spec.partition("@")
     label, _, rest = spec.rpartition("=")
     kind, _, arg = rest.partition(":")
@@ -165,7 +166,7 @@ class Peer:
 
     def command(self, args) -> list[str]:
         if self.kind == "kvserve":
-            return [str(PEERS_DIR / "kvserve.sh"), str(self.port), *self.extra]
+            return [str(PEERS_DIR / "kvserve.sh"), str(self.port), *self.arg.split(), *self.extra]
         if self.kind == "llama":
             return [str(PEERS_DIR / "llama_server.sh"), str(self.port), self.arg, *self.extra]
         return [str(PEERS_DIR / "transformers.sh"), str(self.port), self.model_dir(args), *self.extra]

@@ -65,12 +65,13 @@ stage step_overhead_1b "${STEP_S:-110}" $PY bench/step_overhead.py \
 # Issue 18: the 1B shape's batch-1 decode eager (no CUDA graphs), with CUDA graphs
 # (today's default), and with the Inductor-compiled forward pass as well (mixed steps
 # compiled; decode graphs still capture the eager forward: see engine/compiled_model.py).
-# Issue 20: and with --quantization int8 (weight-only; on CUDA the weights are still
-# converted per call, so this is the figure a fused kernel has to beat).
+# Issue 20: and with --quantization int8 / int4 (weight-only; on CUDA the weights are
+# still expanded per call, so these are the figures a fused kernel has to beat).
 # One stage, one log (forward_1b.log): at most 8 files come back. Last, as the
 # stages together can outlast the tool's 600 s (trim RUNS to make room).
-stage forward_1b "${FORWARD_S:-150}" bash -c 'for mode in "--enforce-eager" \
-    "--compile off" "--compile wait" "--compile off --quantization int8"; do echo "== $mode"; '"$PY"' bench/gpu_decode.py \
+stage forward_1b "${FORWARD_S:-180}" bash -c 'for mode in "--enforce-eager" \
+    "--compile off" "--compile wait" "--compile off --quantization int8" \
+    "--compile off --quantization int4"; do echo "== $mode"; '"$PY"' bench/gpu_decode.py \
     --preset llama-3.2-1b --transformers off --prompt-len 256 --decode-tokens 64 \
     --split-decode-tokens 8 --repeats 2 $mode | grep -E "\"(tok_s|step_ms|median_s)\""
   done'

@@ -6,13 +6,17 @@ prompt logprobs, and greedy agreement: of 16 prompts x 64 tokens, the share of
 tokens a quantized model generates that the float model generates too, position by
 position up to the first difference.
 
-  python bench/quality.py --quantization none int8 --json bench/results/...json
-"""
+  python bench/quality.py --quantization none int8 int4 gguf --json bench/results/...json
+  python bench/quality.py --quantization none int4 int4-awq --group-size 128
+
+A mode is a --quantization of the default model's float weights, or gguf: its
+shipped Q4_1 file served as it is (--load-format gguf)."""
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 from engine.config import EngineConfig
@@ -61,13 +65,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quantization", nargs="+", default=["none", "int8"])
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--group-size", type=int, default=32, help="int4's group")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from modelstore.default_model import default_model_dir
     results, reference = {}, None
     for mode in args.quantization:
-        engine = Engine(EngineConfig(model=str(default_model_dir()), dtype=args.dtype,
-                                     quantization=mode, compile="off"))
+        gguf = mode == "gguf"
+        engine = Engine(EngineConfig(
+            model=str(default_model_dir()), dtype=args.dtype, compile="off",
+            quantization_group_size=args.group_size,
+            quantization="auto" if gguf else mode, load_format="gguf" if gguf else "safetensors"))
         tokens = text_tokens(engine)
         greedy = engine.generate(agreement_prompts(engine, tokens), SamplingParams(
             max_tokens=64, temperature=0.0, ignore_eos=True))
@@ -83,8 +91,9 @@ def main() -> None:
         from bench.in_process.decode import where_from
         import torch
         Path(args.json).write_text(json.dumps(
-            {**where_from(torch.device("cpu"), "python bench/quality.py"),
-             "dtype": args.dtype, "results": results}, indent=1))
+            {**where_from(torch.device("cpu"), "python " + " ".join(sys.argv)),
+             "dtype": args.dtype, "group_size": args.group_size, "results": results},
+            indent=1))
 
 
 if __name__ == "__main__":

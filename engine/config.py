@@ -63,13 +63,22 @@ class ModelConfig:
 
     @staticmethod
     def from_pretrained(model_dir: str | Path) -> "ModelConfig":
-        """`model_dir` is a model directory or `preset:NAME` (modelstore/presets)."""
+        """`model_dir` is a model directory, `preset:NAME` (modelstore/presets), or a
+        .gguf file (its config read from the file's metadata)."""
         from modelstore.presets import resolve_model_path
 
         try:
             path = resolve_model_path(model_dir)
         except ValueError as exc:
             raise ModelConfigError(str(exc)) from exc
+        if path.suffix == ".gguf" and path.is_file():
+            from engine.gguf_checkpoint import GGUFCheckpoint
+            from modelstore.errors import ModelLoadError
+
+            try:
+                return ModelConfig.from_hf(GGUFCheckpoint(path).hf_config())
+            except ModelLoadError as exc:
+                raise ModelConfigError(str(exc)) from exc
         if not (path / "config.json").is_file():
             raise ModelConfigError(f"no config.json in model directory {path}")
         from transformers import AutoConfig
@@ -247,8 +256,11 @@ class EngineConfig:
         choices=["fcfs", "priority"])
     enable_prefix_caching: bool = setting(True, "share cached prompt prefixes",
                                           parse=parse_bool)
-    load_format: str = setting("safetensors", "read the checkpoint, or random weights "
-                               "of its shape", choices=["safetensors", "random"])
+    load_format: str = setting(
+        "auto", "read the checkpoint's *.safetensors, or one *.gguf file (a .gguf --model, "
+        "or a directory's one *.gguf beside its config.json and tokenizer), or random "
+        "weights of its shape; auto = gguf for a .gguf file or a directory with one and "
+        "no safetensors, else safetensors", choices=["auto", "safetensors", "gguf", "random"])
     seed: int = setting(0, "global random seed", parse=int)
     attention_backend: str = setting(
         "auto", "attention kernels (auto: triton on CUDA, torch on CPU; flash-attn needs "
@@ -266,11 +278,19 @@ class EngineConfig:
         "CPU): background = serve eagerly while it compiles, wait = compile before "
         "serving; auto = background on CPU, off on CUDA",
         choices=["auto", "background", "wait", "off"])
-    # engine/models/quantized.py: weights quantized at load (online quantization).
+    # engine/quantization/: weights quantized at load (online quantization), or a
+    # GGUF's quantized blocks kept as they are (engine/gguf_loader.py).
     quantization: str = setting(
-        "none", "quantize the decoder layers' weights at load: int8 = weight-only int8, "
-        "per-channel scales (a quarter of fp32's bytes, half of bf16's); embeddings and "
-        "the LM head stay in --dtype", choices=["none", "int8"])
+        "auto", "quantized weights: auto = the checkpoint's own (a GGUF's Q4_0/Q4_1/Q8_0 "
+        "blocks served as they are, float weights as floats); none = every weight in "
+        "--dtype; int8 = weight-only int8, per-channel scales; int4 = weight-only int4, "
+        "a scale and minimum per --quantization-group-size inputs; -awq = with "
+        "activation-aware scales searched on a calibration text at load. int8/int4 "
+        "quantize the decoder layers of a float checkpoint; embeddings and the LM head "
+        "stay in --dtype", choices=["auto", "none", "int8", "int4", "int8-awq", "int4-awq"])
+    quantization_group_size: int = setting(
+        32, "int4: inputs sharing one scale and minimum (32: GGUF Q4_1's blocks; 64; 128)",
+        parse=int, choices=[32, 64, 128])
     # engine/structured/: the library whose grammars and matchers constrain outputs.
     structured_outputs_backend: str = setting(
         "xgrammar", "grammar library of structured outputs and tool calls: xgrammar, or "

@@ -12,10 +12,11 @@ from engine.compiled_model import c_compiler, use_cache_dir
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphPlan
 from engine.loader import (ModelLoadError, check_fits, load_model, resolve_device,
-                           resolve_dtype)
+                           resolve_dtype, resolve_load_format)
 from engine.memory_budget import profile_kv_budget
 from engine.model_runner import LaunchedStep, ModelRunner
-from engine.models.quantized import model_bytes, quantize_model
+from engine.quantization import model_bytes, quantize_model
+from engine.quantization.awq import calibration_inputs
 from engine.outputs import RequestOutput, RequestTimes
 from engine.request_checks import check_request
 from engine.sampling import StepResult
@@ -69,8 +70,11 @@ class Engine:
         self.eos_token_ids = self._eos_ids()
         torch.manual_seed(config.seed)
         model = load_model(config.model, cfg, self.dtype, self.device, self.max_model_len,
-                           config.load_format, config.seed)
-        quantize_model(model, config.quantization)
+                           config.load_format, config.seed, config.quantization)
+        if resolve_load_format(config.model, config.load_format) != "gguf":
+            quantize_model(model, config.quantization, config.quantization_group_size,
+                           lambda: calibration_inputs(model, self.tokenizer, self.device,
+                                                      self.dtype))
         log.info("weights: %.1f MiB (%s, quantization %s)", model_bytes(model) / 2**20,
                  str(self.dtype).replace("torch.", ""), config.quantization)
         num_blocks = self._num_kv_blocks(model)

@@ -16,6 +16,7 @@ from engine.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from modelstore.errors import ModelLoadError
 from modelstore.presets import resolve_model_path
+from modelstore.weight_bytes import weight_bytes
 
 log = logging.getLogger("kvserve.loader")
 
@@ -82,14 +83,6 @@ def available_memory(device: torch.device) -> int | None:
     return None
 
 
-def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    attn = h * d * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
-    per_layer = attn + 3 * h * i + 2 * h
-    embeddings = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
-    return (cfg.num_layers * per_layer + embeddings + h) * dtype.itemsize
-
-
 def check_fits(needed: int, device: torch.device, what: str) -> None:
     free = available_memory(device)
     if free is not None and needed > free:
@@ -112,7 +105,7 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                 max_positions: int) -> LlamaForCausalLM:
     """Parameters are created on the meta device (no memory, no init work), then
     given uninitialised storage on `device`."""
-    check_fits(weight_bytes(cfg, dtype), device, "the model's weights")
+    check_fits(int(weight_bytes(cfg, dtype.itemsize)), device, "the model's weights")
     with _default_dtype(dtype), torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions)
     model.to_empty(device=device)
@@ -122,12 +115,36 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
     return model.eval().requires_grad_(False)
 
 
+def resolve_load_format(model: str | Path, load_format: str) -> str:
+    """auto: gguf for a .gguf file or a directory whose weights are one .gguf file,
+    else safetensors (a preset then asks for --load-format random)."""
+    if load_format != "auto":
+        return load_format
+    try:
+        path = resolve_model_path(model)
+    except ValueError:
+        return "safetensors"
+    if path.suffix == ".gguf" or (path.is_dir() and not any(path.glob("*.safetensors"))
+                                  and len(list(path.glob("*.gguf"))) == 1):
+        return "gguf"
+    return "safetensors"
+
+
 def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
                device: torch.device, max_positions: int,
-               load_format: str = "safetensors", seed: int = 0) -> LlamaForCausalLM:
-    """`model_dir` may be `preset:NAME`; `random` never reads it (no checkpoint)."""
-    if load_format not in ("random", "safetensors"):
+               load_format: str = "safetensors", seed: int = 0,
+               quantization: str = "auto") -> LlamaForCausalLM:
+    """`model_dir` may be `preset:NAME`; `random` never reads it (no checkpoint).
+    A GGUF's quantized blocks are kept unless `quantization` is none; a float
+    checkpoint is quantized afterwards (engine.quantization.quantize_model)."""
+    load_format = resolve_load_format(model_dir, load_format)
+    if load_format not in ("random", "safetensors", "gguf"):
         raise ModelLoadError(f"unknown load format {load_format!r}")
+    if load_format == "gguf":
+        from engine.gguf_loader import load_gguf_model
+
+        return load_gguf_model(resolve_model_path(model_dir), cfg, dtype, device,
+                               max_positions, quantization)
     model = build_model(cfg, dtype, device, max_positions)
     if load_format == "random":
         init_random(model, seed)

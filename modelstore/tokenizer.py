@@ -1,5 +1,6 @@
 """A model directory's tokenizer, when it has one: presets and config-only
-directories have none, and such a model is served token ids only."""
+directories have none, and such a model is served token ids only. A .gguf file
+carries its own (transformers builds it from the file's metadata)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,13 +19,18 @@ def has_tokenizer(model_dir: str | Path) -> bool:
         path = resolve_model_path(model_dir)
     except ValueError:
         return False
+    if path.suffix == ".gguf":
+        return path.is_file()
     return any((path / f).is_file() for f in _TOKENIZER_FILES)
 
 
 def load_tokenizer(model_dir: str | Path):
     from transformers import AutoTokenizer
 
+    path = Path(model_dir)
     try:
+        if path.suffix == ".gguf":
+            return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         return AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as exc:
         raise ModelLoadError(f"cannot load the tokenizer from {model_dir}: {exc}") from exc

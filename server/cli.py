@@ -64,9 +64,12 @@ def _check_model_arg(model: str, load_format: str) -> None:
     from modelstore.presets import is_preset, resolve_model_path
 
     if not is_preset(model):
+        if model.endswith(".gguf") and os.path.isfile(model):
+            return
         if not os.path.isdir(model):
             raise SystemExit(f"kvserve: model directory not found: {model} (kvserve loads "
-                             "local Hugging Face model directories; it downloads nothing)")
+                             "local Hugging Face model directories or .gguf files; it "
+                             "downloads nothing)")
         return
     try:
         resolve_model_path(model)

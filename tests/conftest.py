@@ -9,7 +9,16 @@ import pytest
 # before the first kernel is launched, so here, at import time.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import torch._dynamo
+
 from tests.support.tiny_models import make_tiny_model
+
+# One test process holds engines of many model shapes and dtypes, and the compiled
+# CPU paged decode (engine/attention/cpu_paged.py) is one function shared by all of
+# them: a graph per shape passes Dynamo's default limit of 8 per function. A server
+# holds one model (and perhaps a draft). Recompilation under load is what the tests
+# count themselves (graphs_compiled), unaffected by this limit.
+torch._dynamo.config.recompile_limit = 64
 
 # The suite runs eager: every engine compiling its forward pass (a minute of CPU each
 # on a cold cache) would take hours. KVSERVE_TEST_COMPILE=wait runs it compiled

@@ -49,7 +49,7 @@ def _sample(f) -> tuple[str, object]:
     if meta["secret_list"]:
         return "a, b", ["a", "b"]
     if meta["choices"]:
-        return meta["choices"][-1], meta["choices"][-1]
+        return str(meta["choices"][-1]), meta["choices"][-1]
     parse = meta["parse"]
     if parse is parse_bool:
         return ("false", False) if f.default else ("true", True)

@@ -7,8 +7,9 @@ from pathlib import Path
 
 from bench.client.estimate import efficiency, estimate
 from bench.client.gpus import GPUS, get_gpu
-from bench.client.model_shape import DTYPE_BYTES, load_shape
+from bench.client.model_shape import DTYPE_BYTES, KV_DTYPE_BYTES, load_shape
 from bench.client.roofline import Setup
+from modelstore.weight_bytes import QUANTIZATIONS
 
 
 def add_estimate_args(p: argparse.ArgumentParser) -> None:
@@ -19,7 +20,11 @@ def add_estimate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=512)
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_BYTES))
-    p.add_argument("--kv-dtype", default=None, choices=sorted(DTYPE_BYTES),
+    p.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
+                   help="the decoder projections' weights, as kvserve serve's "
+                   "--quantization (int4: a float16 scale and minimum per group)")
+    p.add_argument("--quantization-group-size", type=int, default=32, choices=[32, 64, 128])
+    p.add_argument("--kv-dtype", default=None, choices=sorted(KV_DTYPE_BYTES),
                    help="default: --dtype")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--price-per-hour", type=float, default=None,
@@ -33,8 +38,9 @@ def setup_from_args(args) -> Setup:
     cal = json.loads(Path(args.calibrate).read_text()) if args.calibrate else {}
     dtype = DTYPE_BYTES[args.dtype]
     return Setup(load_shape(args.model), get_gpu(args.gpu), dtype,
-                 DTYPE_BYTES[args.kv_dtype] if args.kv_dtype else dtype,
-                 args.gpu_memory_utilization, efficiency(cal, "mbu"), efficiency(cal, "mfu"))
+                 KV_DTYPE_BYTES[args.kv_dtype] if args.kv_dtype else dtype,
+                 args.gpu_memory_utilization, efficiency(cal, "mbu"), efficiency(cal, "mfu"),
+                 args.quantization, args.quantization_group_size)
 
 
 ROWS = [("GPU", "gpu", "{}"), ("parameters (billions)", "params", "{:.2f}"),

@@ -7,8 +7,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2,
-               "fp8": 1, "int8": 1, "int4": 0.5}
+# The model dtype: embeddings, LM head, norms, and every weight left unquantized
+# (--quantization: modelstore/weight_bytes.py). The KV cache may be fp8 too.
+DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
+KV_DTYPE_BYTES = {**DTYPE_BYTES, "fp8": 1}
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from bench.client.gpus import GPU
 from bench.client.model_shape import ModelShape
+from modelstore.weight_bytes import weight_bytes
 
 
 @dataclass(frozen=True)
@@ -23,10 +24,12 @@ class Setup:
     memory_utilization: float = 0.9
     mbu: float = 1.0
     mfu: float = 1.0
+    quantization: str = "none"  # of the decoder projections (modelstore/weight_bytes.py)
+    group_size: int = 32
 
     @property
     def weight_bytes(self) -> float:
-        return self.shape.params() * self.dtype_bytes
+        return weight_bytes(self.shape, self.dtype_bytes, self.quantization, self.group_size)
 
     @property
     def kv_per_token(self) -> float:

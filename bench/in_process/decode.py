@@ -33,7 +33,9 @@ from bench.in_process.utilisation import (Clock, copy_bandwidth, mbu, mfu, peak_
 from bench.provenance import provenance
 from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine
-from engine.loader import resolve_device, resolve_dtype, weight_bytes
+from engine.loader import resolve_device, resolve_dtype, resolve_load_format
+from engine.quantization import model_bytes
+from modelstore.weight_bytes import weight_bytes
 from modelstore.presets import PREFIX, is_preset
 from scheduler.sampling_params import SamplingParams
 
@@ -85,7 +87,8 @@ def ours_decode(engine: Engine, clock: Clock, args, dtype: torch.dtype) -> dict:
     runs = [run_request(engine, clock, make_prompt(vocab, DECODE_PROMPT_LEN, 100 + i),
                         args.decode_tokens) for i in range(args.repeats)]
     step_s = statistics.median(r["decode_s"] for r in runs) / (args.decode_tokens - 1)
-    return decode_row(engine.model_config, dtype, step_s, args.decode_tokens)
+    return decode_row(engine.model_config, dtype, step_s, args.decode_tokens,
+                      model_bytes(engine.runner.model))
 
 
 def ours_ttft(engine: Engine, clock: Clock, args) -> dict:
@@ -182,9 +185,9 @@ def run(args, command: str | None = None) -> dict:
     result = {**where_from(device, command), "torch": torch.__version__,
               "model": getattr(args, "model_name", None) or model,
               "preset": model[len(PREFIX):] if is_preset(model) else None,
-              "load_format": args.load_format,
+              "load_format": resolve_load_format(args.model, args.load_format),
               "dtype": str(dtype).replace("torch.", ""), "device_type": device.type,
-              "weight_bytes": weight_bytes(cfg, dtype), "workloads": workload_text(args),
+              "weight_bytes": weight_bytes(cfg, dtype.itemsize), "workloads": workload_text(args),
               "copy_bandwidth": copy_bandwidth(device, mib, args.repeats),
               "peak_flops": peak_tflops(device, dtype, args.matmul_size, args.repeats)}
     copy_gbps, peak = result["copy_bandwidth"]["gbps"], result["peak_flops"]["tflops"]

@@ -18,8 +18,10 @@ def make_prompt(vocab: int, length: int, seed: int) -> list[int]:
     return [rng.randrange(0, vocab) for _ in range(length)]
 
 
-def decode_row(cfg: ModelConfig, dtype: torch.dtype, step_s: float, new_tokens: int) -> dict:
-    read = bytes_per_decode_step(cfg, dtype, DECODE_PROMPT_LEN + new_tokens / 2)
+def decode_row(cfg: ModelConfig, dtype: torch.dtype, step_s: float, new_tokens: int,
+               weights: int | None = None) -> dict:
+    """`weights`: the loaded model's bytes where known (quantized weights)."""
+    read = bytes_per_decode_step(cfg, dtype, DECODE_PROMPT_LEN + new_tokens / 2, weights)
     return {"tok_s": 1 / step_s, "step_ms": step_s * 1e3,
             "bytes_read_per_step": read["total"],
             "achieved_read_gbps": read["total"] / step_s / 1e9}

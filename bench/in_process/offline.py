@@ -14,6 +14,7 @@ from bench.in_process.decode import free_device_memory, where_from
 from bench.in_process.utilisation import Clock
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.loader import resolve_load_format
 from scheduler.sampling_params import SamplingParams
 
 
@@ -65,7 +66,7 @@ def run(args, engine_config: EngineConfig, command: str | None = None) -> dict:
     result = {**where_from(engine.device, command), "torch": torch.__version__,
               "benchmark": "offline throughput, Engine.generate, no HTTP",
               "model": getattr(args, "model_name", None) or str(c.model),
-              "load_format": c.load_format,
+              "load_format": resolve_load_format(c.model, c.load_format),
               "dtype": str(engine.dtype).replace("torch.", ""),
               "device_type": engine.device.type,
               "config": {"num_prompts": args.num_prompts, "input_len": args.input_len,

@@ -28,6 +28,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from bench.in_process.measure import make_prompt
 from bench.in_process.utilisation import bytes_per_decode_step, copy_bandwidth
+from engine.quantization import model_bytes
 from bench.provenance import provenance
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -55,7 +56,8 @@ def run(args, command: str | None = None) -> dict:
             for batch in args.batch_sizes:
                 case = profile_case(engine, batch, args.steps)
                 dtype = resolve_dtype(dtype_name, device)
-                need = bytes_per_decode_step(engine.model_config, dtype, PROMPT + args.steps)
+                need = bytes_per_decode_step(engine.model_config, dtype, PROMPT + args.steps,
+                                             model_bytes(engine.runner.model))
                 floor_ms = (need["weights"] + batch * need["kv"]) / (copy["gbps"] * 1e9) * 1e3
                 result["cases"].append({"dtype": dtype_name, "forward": mode, "batch": batch,
                                         "floor_ms": floor_ms, **case})

@@ -13,7 +13,7 @@ import time
 import torch
 
 from engine.config import ModelConfig
-from engine.loader import weight_bytes
+from modelstore.weight_bytes import weight_bytes
 
 # Dense bf16 TFLOP/s by a substring of torch.cuda.get_device_name, first match wins.
 GPU_PEAK_BF16_TFLOPS = (
@@ -56,10 +56,13 @@ def prefill_flops(cfg: ModelConfig, tokens: int) -> float:
             + attention_flops(cfg, tokens * (tokens + 1) / 2))
 
 
-def bytes_per_decode_step(cfg: ModelConfig, dtype: torch.dtype, context: float) -> dict:
+def bytes_per_decode_step(cfg: ModelConfig, dtype: torch.dtype, context: float,
+                          weights: int | None = None) -> dict:
     """Least bytes one batch-1 decode step reads: every weight once, except an untied
-    embedding table (one row of it), plus the KV of the whole context."""
-    weights = weight_bytes(cfg, dtype)
+    embedding table (one row of it), plus the KV of the whole context. `weights`:
+    the loaded model's bytes (quantized ones), else its size in `dtype`."""
+    if weights is None:
+        weights = weight_bytes(cfg, dtype.itemsize)
     if not cfg.tie_word_embeddings:
         weights -= (cfg.vocab_size - 1) * cfg.hidden_size * dtype.itemsize
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize

@@ -12,6 +12,7 @@ from engine import loader
 from engine.config import EngineConfig, ModelConfig, ModelConfigError
 from engine.engine import Engine
 from modelstore.presets import preset_names, resolve_model_path
+from modelstore.weight_bytes import weight_bytes
 from scheduler.sampling_params import SamplingParams
 
 # Parameter counts of the released checkpoints (Hugging Face model cards / safetensors).
@@ -54,7 +55,7 @@ def test_random_load_on_meta_counts_the_real_parameters(name, monkeypatch):
     assert {p.device.type for p in params} == {"meta"}
     assert {p.dtype for p in params} == {torch.bfloat16}
     assert sum(p.numel() for p in params) == REAL_SIZES[name]
-    assert loader.weight_bytes(cfg, torch.bfloat16) == 2 * REAL_SIZES[name]
+    assert weight_bytes(cfg, 2) == 2 * REAL_SIZES[name]
     assert (model.lm_head.weight is model.embed_tokens.weight) is cfg.tie_word_embeddings
 
 

@@ -62,6 +62,28 @@ def test_kv_capacity_from_memory_left_after_weights():
     assert e["max_sequences"] == int(budget // (131072 * 2048)) == 208
 
 
+@pytest.mark.parametrize("quantization, per_weight", [
+    ("int8", 1.0), ("fp8", 1.0), ("int4", 0.5 + 4 / 32)])
+def test_quantization_shrinks_the_projections_and_grows_the_kv_budget(quantization, per_weight):
+    """The decoder projections take `per_weight` bytes (int4: plus a float16 scale and
+    minimum per 32; int8 / fp8: plus a bf16 scale per row); embeddings, LM head and
+    norms stay bf16."""
+    shape = ModelShape.from_config(LLAMA_8B)
+    tables = 2 * shape.embedding_params() + shape.hidden_size
+    projections = shape.params() - tables - 2 * shape.hidden_size * shape.num_layers
+    rows = shape.num_layers * (48 * 128 + 4096 + 2 * 14336 + 4096)  # qkv, o, gate_up, down
+    scales = rows * 2 if quantization != "int4" else 0
+    expected = (tables + 2 * shape.hidden_size * shape.num_layers) * 2 \
+        + projections * per_weight + scales
+    quantized = setup(LLAMA_8B, quantization=quantization)
+    assert quantized.weight_bytes == pytest.approx(expected, rel=1e-9)
+    plain = estimate(setup(LLAMA_8B), batch=1, prompt_len=1024, output_len=1024, price=1.0)
+    e = estimate(quantized, batch=1, prompt_len=1024, output_len=1024, price=1.0)
+    assert e["kv_budget_gb"] - plain["kv_budget_gb"] == pytest.approx(
+        (setup(LLAMA_8B).weight_bytes - expected) / 1e9)
+    assert e["itl_ms"] < plain["itl_ms"]
+
+
 def test_prefill_is_two_flops_per_weight_per_token_plus_attention():
     s = setup(LLAMA_8B)
     e = estimate(s, batch=1, prompt_len=1000, output_len=10, price=1.0)

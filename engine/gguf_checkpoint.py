@@ -1,0 +1,154 @@
+"""A GGUF file's tensors, read through the `gguf` package (llama.cpp's own reader),
+as our layers want them: quantized blocks split into their integer values and
+float16 scales without rounding anything, or de-quantized to float32 by gguf itself.
+
+llama.cpp's converter permutes the rows of Llama's query and key projections (its
+RoPE pairs neighbouring dimensions, Hugging Face's pairs the two halves); rows are
+whole blocks, so undoing it moves bytes and changes no value."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from modelstore.errors import ModelLoadError
+
+# Blocks repacked as they are, by type: the kind of layer that holds them.
+KEPT_QUANTIZED = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8"}
+FLOAT_TYPES = ("F32", "F16", "BF16")
+BLOCK = 32
+
+
+def find_gguf(model_dir: Path) -> Path:
+    """`model_dir` is a .gguf file, or a directory holding exactly one."""
+    if model_dir.is_file() and model_dir.suffix == ".gguf":
+        return model_dir
+    files = sorted(model_dir.glob("*.gguf"))
+    if len(files) != 1:
+        raise ModelLoadError(f"--load-format gguf needs exactly one *.gguf file in "
+                             f"{model_dir}, found {len(files)}")
+    return files[0]
+
+
+class GGUFCheckpoint:
+    def __init__(self, path: Path):
+        from gguf import GGUFReader
+
+        self.path = path
+        self.reader = GGUFReader(str(path))
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.architecture = self._field("general.architecture")
+        if self.architecture != "llama":
+            raise ModelLoadError(f"{path.name}: GGUF architecture {self.architecture!r} "
+                                 "is not supported; kvserve reads llama GGUF files (or "
+                                 "serve the model's safetensors directory)")
+        self.num_heads = int(self._field("llama.attention.head_count"))
+        self.num_kv_heads = int(self._field("llama.attention.head_count_kv"))
+
+    def _field(self, key: str):
+        field = self.reader.fields.get(key)
+        if field is None:
+            raise ModelLoadError(f"{self.path.name} lacks the GGUF field {key!r}")
+        return field.contents()
+
+    def hf_config(self):
+        """The model's Hugging Face config, from the file's metadata alone (a .gguf
+        served with no config.json beside it)."""
+        from transformers import LlamaConfig
+
+        if "rope_freqs.weight" in self.tensors:
+            raise ModelLoadError(f"{self.path.name} scales RoPE by a rope_freqs tensor "
+                                 "(Llama 3.1-style); serve it from a directory holding the "
+                                 "model's config.json and the file (--load-format gguf)")
+        hidden = int(self._field("llama.embedding_length"))
+        tokens = self.reader.fields.get("tokenizer.ggml.tokens")
+        vocab = self._optional("llama.vocab_size", len(tokens.data) if tokens else None)
+        return LlamaConfig(
+            architectures=["LlamaForCausalLM"], vocab_size=int(vocab), hidden_size=hidden,
+            intermediate_size=int(self._field("llama.feed_forward_length")),
+            num_hidden_layers=int(self._field("llama.block_count")),
+            num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
+            head_dim=int(self._optional("llama.rope.dimension_count", hidden // self.num_heads)),
+            rms_norm_eps=_decimal(self._field("llama.attention.layer_norm_rms_epsilon")),
+            max_position_embeddings=int(self._field("llama.context_length")),
+            rope_theta=_decimal(self._optional("llama.rope.freq_base", 10000.0)),
+            tie_word_embeddings="output.weight" not in self.tensors,
+            bos_token_id=self._optional("tokenizer.ggml.bos_token_id", None),
+            eos_token_id=self._optional("tokenizer.ggml.eos_token_id", None))
+
+    def _optional(self, key: str, default):
+        field = self.reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def type_name(self, name: str) -> str:
+        return self.tensors[name].tensor_type.name
+
+    def _rows(self, name: str) -> np.ndarray:
+        """The tensor's raw rows (one per output channel), un-permuted."""
+        data = np.asarray(self.tensors[name].data)
+        if name.endswith("attn_q.weight"):
+            return _unpermute_rows(data, self.num_heads)
+        if name.endswith("attn_k.weight"):
+            return _unpermute_rows(data, self.num_kv_heads)
+        return data
+
+    def float_tensor(self, name: str) -> torch.Tensor:
+        """Any type gguf can de-quantize -> float32, in the tensor's logical shape."""
+        from gguf.quants import dequantize
+
+        tensor = self.tensors[name]
+        try:
+            values = dequantize(self._rows(name), tensor.tensor_type)
+        except NotImplementedError as exc:
+            raise ModelLoadError(
+                f"{self.path.name}: tensor {name} is {tensor.tensor_type.name}, which "
+                f"the gguf package cannot read ({exc}); kvserve serves "
+                f"{', '.join([*KEPT_QUANTIZED, *FLOAT_TYPES])} and expands the other "
+                "types gguf reads") from None
+        shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists ne0 first
+        return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)  # a copy: the file is mapped read-only
+
+    def int4_blocks(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Q4_0 / Q4_1 -> (q [N, K] uint8 0..15, scales [K/32, N] fp16, mins
+        [K/32, N] fp16) with w = q * scale + min exactly as gguf computes it.
+        Q4_0's w = (q - 8) * d is the same with min = -8 d (both exact in fp32)."""
+        kind = self.type_name(name)
+        rows = self._rows(name)
+        n = rows.shape[0]
+        header = 4 if kind == "Q4_1" else 2
+        blocks = rows.reshape(n, -1, header + BLOCK // 2)
+        scales = blocks[..., :2].copy().view(np.float16)[..., 0]
+        if kind == "Q4_1":
+            mins = blocks[..., 2:4].copy().view(np.float16)[..., 0]
+        else:
+            mins = (scales.astype(np.float32) * -8).astype(np.float16)
+        nibbles = blocks[..., header:]  # byte j: value j (low), value j + 16 (high)
+        q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(n, -1)
+        if kind == "Q4_0" and not np.array_equal(mins.astype(np.float32),
+                                                 scales.astype(np.float32) * -8):
+            raise ModelLoadError(f"{name}: a Q4_0 scale times -8 is not a float16")
+        return (torch.from_numpy(q), torch.from_numpy(scales.T.copy()),
+                torch.from_numpy(mins.T.copy()))
+
+    def int8_blocks(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Q8_0 -> (q [N, K] int8, scales [K/32, N] fp16), w = q * scale."""
+        rows = self._rows(name)
+        n = rows.shape[0]
+        blocks = rows.reshape(n, -1, 2 + BLOCK)
+        scales = blocks[..., :2].copy().view(np.float16)[..., 0]
+        q = blocks[..., 2:].copy().view(np.int8).reshape(n, -1)
+        return torch.from_numpy(q), torch.from_numpy(scales.T.copy())
+
+
+def _decimal(value) -> float:
+    """A float32 from the file as the decimal it was written from (1e-05, not
+    9.999999747378752e-06), so the config matches the model's own config.json."""
+    return float(str(np.float32(value)))
+
+
+def _unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's per-head interleave of the two rotary halves."""
+    half = rows.shape[0] // heads // 2
+    return (rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(1, 2)
+            .reshape(rows.shape))

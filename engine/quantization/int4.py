@@ -1,0 +1,123 @@
+"""Weight-only int4 linear layers: groups of `group_size` weights along the input
+dimension share one scale and one minimum (w = q * scale + min, q in 0..15), the
+layout of GGUF's Q4_1 (Q4_0 is the case min = -8 * scale). Scales and minimums are
+kept in float16, as GGUF stores them, so a repacked GGUF block is exact.
+
+The nibbles are stored in the layout of torch's CPU int4 kernel
+(`_convert_weight_to_int4pack_for_cpu`), which reads them directly for a few rows in
+bf16 (decode: 2.4-2.6x faster than the bf16 matmul at one row). For more rows, and in
+float32 where that kernel is 10-100x slower than a float matmul, the weights are
+expanded per call (bench/results/cpu_int4_kernels_2026-11-24.md). The same bytes
+serve a CUDA device (expanded per call there too; a fused kernel waits for a GPU
+session, bench/gpu_session.sh)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.quantization.kernel_rows import few_rows
+
+# torch's CPU kernel packs rows in blocks of 64: byte (k, j) of block b holds
+# row 64b + j in its low nibble and row 64b + 32 + j in its high one.
+PACK_ROWS = 64
+# Rows up to which the CPU kernel beats expanding the weights (bf16, SmolLM2's
+# shapes: 2.5x at 1 row, 1.3-1.8x at 16, even at 32).
+INT4PACK_MAX_ROWS = 32
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (q [N, K] uint8 in 0..15, scales [K/g, N] fp16, mins [K/g, N]
+    fp16): round to nearest over each group's range, min and max included. Scales
+    and minimums are rounded to fp16 first and q computed from the rounded ones."""
+    n, k = weight.shape
+    w = weight.float().reshape(n, k // group_size, group_size)
+    lo, hi = w.amin(dim=2), w.amax(dim=2)
+    scales = ((hi - lo) / 15).half()
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # a constant group
+    mins = lo.half()
+    q = torch.round((w - mins.float()[..., None]) / scales.float()[..., None])
+    q = q.clamp(0, 15).to(torch.uint8).reshape(n, k)
+    return q, scales.t().contiguous(), mins.t().contiguous()
+
+
+def fake_quantize_int4(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The float32 weights `Int4Linear` would compute with."""
+    q, scales, mins = quantize_int4(weight, group_size)
+    n, k = q.shape
+    w = q.view(n, -1, group_size).float() * scales.t().float()[..., None] \
+        + mins.t().float()[..., None]
+    return w.view(n, k)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] values 0..15 -> [N, K/2] uint8 in the CPU kernel's layout."""
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.cpu().to(torch.int32), 1)
+
+
+def unpack_int4_t(packed: torch.Tensor) -> torch.Tensor:
+    """The kernel layout back to q transposed, [K, N]: the rows of a block of 64 lie
+    contiguous in it, so the expansion reads and writes in long runs."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    p = packed.view(n // PACK_ROWS, k, PACK_ROWS // 2).permute(1, 0, 2)  # [K, N/64, 32]
+    return torch.stack([p & 15, p >> 4], dim=2).reshape(k, n)
+
+
+class Int4Linear(nn.Module):
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                 bias: torch.Tensor | None, dtype: torch.dtype,
+                 input_scales: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        if self.out_features % PACK_ROWS or self.in_features % scales.shape[0]:
+            raise ValueError(f"int4 needs out_features divisible by {PACK_ROWS} and whole "
+                             f"groups, got {tuple(q.shape)}")
+        self.group_size = self.in_features // scales.shape[0]
+        device = scales.device
+        self.register_buffer("packed", pack_int4(q).to(device))
+        self.register_buffer("scales", scales)
+        self.register_buffer("mins", mins)
+        # The CPU kernel's own (scale, zero) pairs, w = (q - 8) * scale + zero, in the
+        # activations' dtype: only where it is used (bf16 on CPU).
+        kernel = None
+        if device.type == "cpu" and dtype == torch.bfloat16:
+            kernel = torch.stack([scales.float(), mins.float() + 8 * scales.float()],
+                                 dim=-1).to(dtype)
+        self.register_buffer("kernel_scales_zeros", kernel)
+        # Activation-aware scaling (awq.py): the weights hold W * s, the inputs are
+        # divided by s.
+        self.register_buffer("input_scales", input_scales)
+        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+
+    @classmethod
+    def of(cls, linear: nn.Linear, group_size: int,
+           input_scales: torch.Tensor | None = None) -> Int4Linear:
+        w = linear.weight.data
+        if input_scales is not None:
+            w = w.float() * input_scales.float()
+        q, scales, mins = quantize_int4(w, group_size)
+        device = linear.weight.device
+        return cls(q, scales.to(device), mins.to(device),
+                   linear.bias.data if linear.bias is not None else None, linear.weight.dtype,
+                   input_scales)
+
+    def dequantized_t(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weights as [K, N] in `dtype`, computed in float32 (exactly GGUF's
+        own de-quantization for a repacked block)."""
+        q = unpack_int4_t(self.packed).view(-1, self.group_size, self.out_features)
+        w = q.float() * self.scales.float()[:, None, :] + self.mins.float()[:, None, :]
+        return w.view(self.in_features, self.out_features).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if self.input_scales is not None:
+            x2 = x2 / self.input_scales
+        if self.kernel_scales_zeros is not None and few_rows(x2, INT4PACK_MAX_ROWS):
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x2, self.packed, self.group_size, self.kernel_scales_zeros)
+        else:
+            y = x2 @ self.dequantized_t(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)

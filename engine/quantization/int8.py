@@ -1,0 +1,97 @@
+"""Weight-only int8 linear layers (--quantization int8): each output channel's
+weights rounded to the nearest of 255 levels of one scale (absmax / 127), stored as
+int8 (a quarter of float32's bytes, half of bf16's) and multiplied in the model
+dtype. On CPU torch's `_weight_int8pack_mm` reads the int8 weights directly for
+decode-sized batches in bf16; elsewhere the weights are converted per call (correct,
+not yet fast; a fused GPU kernel is still to be measured in bench/gpu_session.sh).
+Also GGUF's Q8_0 (one scale per group of 32), kept as it is."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.quantization.kernel_rows import few_rows
+
+# torch's CPU int8 kernel reads int8 weights directly, but only pays for a few rows
+# in bf16/fp16 (bench/results/cpu_int8_kernels_2026-11-24.md: 1.9x faster than the
+# bf16 matmul for one row, even at 8, 2.7x slower at 32; in fp32 always slower).
+# Past it, and in fp32, the weights are converted to the model dtype per call.
+INT8PACK_MAX_ROWS = 8
+
+
+def quantize_int8(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> ([N, K] int8, [N] scales in `dtype`), symmetric per output
+    channel, round to nearest: weight ~= q * scale[:, None]. The scales are rounded
+    to `dtype` first and the weights divided by the rounded ones, so the kernel's
+    scales are the ones the rounding used."""
+    w = weight.float()
+    scales = (w.abs().amax(dim=1) / 127).to(dtype)
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero row
+    q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def fake_quantize_int8(weight: torch.Tensor) -> torch.Tensor:
+    """The float32 weights `Int8Linear` would compute with."""
+    q, scales = quantize_int8(weight, torch.float32)
+    return q.float() * scales[:, None]
+
+
+class Int8Linear(nn.Module):
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                 input_scales: torch.Tensor | None = None):
+        super().__init__()
+        self.in_features, self.out_features = qweight.shape[1], qweight.shape[0]
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
+        # Activation-aware scaling (awq.py): the weights hold W * s, the inputs are
+        # divided by s.
+        self.register_buffer("input_scales", input_scales)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def of(cls, linear: nn.Linear, input_scales: torch.Tensor | None = None) -> Int8Linear:
+        w = linear.weight.data
+        if input_scales is not None:
+            w = w.float() * input_scales.float()
+        q, scales = quantize_int8(w, linear.weight.dtype)
+        return cls(q, scales, linear.bias.data if linear.bias is not None else None,
+                   input_scales)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if self.input_scales is not None:
+            x2 = x2 / self.input_scales
+        if x.device.type == "cpu" and x.dtype != torch.float32 \
+                and few_rows(x2, INT8PACK_MAX_ROWS):
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
+        else:
+            y = torch.nn.functional.linear(x2, self.qweight.to(x.dtype)) * self.scales
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+class GroupInt8Linear(nn.Module):
+    """GGUF's Q8_0 kept as it is: int8 weights, one float16 scale per group of 32
+    along the input dimension (w = q * scale). torch has no kernel for group-wise
+    int8, so the weights are expanded per call: the bytes stay a quarter of fp32's
+    in memory, the speed is the float matmul's plus the expansion."""
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                 dtype: torch.dtype):
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.group_size = self.in_features // scales.shape[0]
+        self.register_buffer("qweight", q)
+        self.register_buffer("scales", scales)  # [K / group, N] float16
+        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        q = self.qweight.view(self.out_features, -1, self.group_size).float()
+        w = q * self.scales.t().float()[..., None]
+        return w.view(self.out_features, self.in_features).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.dequantized(x.dtype), self.bias)

@@ -1,0 +1,37 @@
+"""Bytes a Llama-family model's weights take, per --quantization: one arithmetic for
+the engine's memory check and for `kvserve estimate` (which runs without torch).
+
+`shape` is anything with the Hugging Face sizes under our names (engine's ModelConfig,
+the bench client's ModelShape): hidden_size, intermediate_size, num_layers,
+num_heads, num_kv_heads, head_dim, vocab_size, tie_word_embeddings. Quantization
+covers the decoder layers' projections; embeddings, the LM head and the norms stay
+in the model dtype (engine/quantization/)."""
+from __future__ import annotations
+
+QUANTIZATIONS = ("none", "int8", "int4", "fp8")
+SCALE_BYTES = 2  # int4's scale and minimum per group are float16, as in GGUF
+
+
+def projection_bytes(rows: int, cols: int, dtype_bytes: float, quantization: str,
+                     group_size: int = 32) -> float:
+    """One [rows, cols] projection: int8 and fp8 keep a scale per row in the model
+    dtype, int4 a float16 scale and minimum per group of `group_size` inputs."""
+    weights = rows * cols
+    if quantization == "none":
+        return weights * dtype_bytes
+    if quantization in ("int8", "fp8"):
+        return weights + rows * dtype_bytes
+    if quantization == "int4":
+        return weights / 2 + 2 * SCALE_BYTES * weights / group_size
+    raise ValueError(f"unknown quantization {quantization!r}; choose {', '.join(QUANTIZATIONS)}")
+
+
+def weight_bytes(shape, dtype_bytes: float, quantization: str = "none",
+                 group_size: int = 32) -> float:
+    h, d, inter = shape.hidden_size, shape.head_dim, shape.intermediate_size
+    q, kv = shape.num_heads * d, shape.num_kv_heads * d
+    projections = [(q + 2 * kv, h), (h, q), (2 * inter, h), (h, inter)]
+    per_layer = sum(projection_bytes(r, c, dtype_bytes, quantization, group_size)
+                    for r, c in projections) + 2 * h * dtype_bytes  # the two norms
+    tables = shape.vocab_size * h * (1 if shape.tie_word_embeddings else 2)
+    return shape.num_layers * per_layer + (tables + h) * dtype_bytes

@@ -1,0 +1,100 @@
+"""A tiny model directory's weights written as a GGUF file the way llama.cpp's
+converter writes one (query/key rows permuted for its RoPE, each tensor in a chosen
+type, quantized by the gguf package), next to the directory's config and tokenizer."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+          "lm_head.weight": "output.weight"}
+LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+         "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+         "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+         "mlp.down_proj": "ffn_down"}
+# Shapes every projection of which the CPU int4 layout can hold (rows in blocks of
+# 64, inputs in groups of 32): q 128 + k 64 + v 64 rows, gate/up 256 each.
+INT4_SHAPES = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                   num_key_value_heads=2)
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name in GLOBAL:
+        return GLOBAL[hf_name]
+    _, _, layer, *rest = hf_name.split(".")  # model.layers.{i}.{module}.weight
+    return f"blk.{layer}.{LAYER['.'.join(rest[:-1])]}.weight"
+
+
+def permute_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permute for query and key projections."""
+    return (w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def _write_tokenizer(writer, model_dir: Path) -> None:
+    """The directory's byte-level BPE tokenizer as GGUF metadata (llama.cpp's gpt2
+    tokenizer model), with its chat template."""
+    import json
+
+    from gguf import TokenType
+
+    tok = json.loads((model_dir / "tokenizer.json").read_text())
+    vocab = dict(tok["model"]["vocab"])
+    special = {t["content"]: t["id"] for t in tok["added_tokens"]}
+    vocab.update(special)
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([TokenType.CONTROL if t in special else TokenType.NORMAL
+                            for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(special["<|im_start|>"])
+    writer.add_eos_token_id(special["<|im_end|>"])
+    template = config.get("chat_template")
+    if template is None and (model_dir / "chat_template.jinja").is_file():
+        template = (model_dir / "chat_template.jinja").read_text()
+    writer.add_chat_template(template)
+
+
+def write_gguf_dir(model_dir: Path, out_dir: Path, type_of, architecture: str = "llama") -> Path:
+    """out_dir: model_dir's config and tokenizer plus model.gguf, which carries the
+    tokenizer too. type_of(gguf name) -> a gguf.GGMLQuantizationType for each 2-D
+    weight (1-D ones are F32)."""
+    import gguf
+    from safetensors.numpy import load_file
+    from transformers import AutoConfig
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for f in model_dir.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, out_dir / f.name)
+    cfg = AutoConfig.from_pretrained(model_dir)
+    writer = gguf.GGUFWriter(str(out_dir / "model.gguf"), architecture)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_vocab_size(cfg.vocab_size)
+    _write_tokenizer(writer, model_dir)
+    for hf_name, w in load_file(str(model_dir / "model.safetensors")).items():
+        name = gguf_name(hf_name)
+        if name.endswith("attn_q.weight"):
+            w = permute_rows(w, cfg.num_attention_heads)
+        elif name.endswith("attn_k.weight"):
+            w = permute_rows(w, cfg.num_key_value_heads)
+        kind = gguf.GGMLQuantizationType.F32 if w.ndim == 1 else type_of(name)
+        data = gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), kind)
+        writer.add_tensor(name, data, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out_dir
