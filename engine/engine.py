@@ -69,9 +69,10 @@ class Engine:
             log.info("%s has no tokenizer: token ids only", config.model)
         self.eos_token_ids = self._eos_ids()
         torch.manual_seed(config.seed)
+        load_format = resolve_load_format(config.model, config.load_format)
         model = load_model(config.model, cfg, self.dtype, self.device, self.max_model_len,
-                           config.load_format, config.seed, config.quantization)
-        if resolve_load_format(config.model, config.load_format) != "gguf":
+                           load_format, config.seed, config.quantization)
+        if load_format != "gguf":
             quantize_model(model, config.quantization, config.quantization_group_size,
                            lambda: calibration_inputs(model, self.tokenizer, self.device,
                                                       self.dtype))

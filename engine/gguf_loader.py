@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.gguf_checkpoint import KEPT_QUANTIZED, GGUFCheckpoint, find_gguf
+from engine.gguf_checkpoint import FLOAT_TYPES, KEPT_QUANTIZED, GGUFCheckpoint, find_gguf
 from engine.models.llama import LlamaForCausalLM
 from engine.quantization.int4 import PACK_ROWS, Int4Linear
 from engine.quantization.int8 import GroupInt8Linear
@@ -77,7 +77,7 @@ def _our_names(ckpt: GGUFCheckpoint, num_layers: int) -> dict[str, tuple[str, in
             continue
         parts = gguf_name.split(".")  # blk.{i}.{name}.weight
         if len(parts) != 4 or parts[0] != "blk" or parts[2] not in LAYER_NAMES \
-                or parts[3] != "weight" or int(parts[1]) >= num_layers:
+                or parts[3] != "weight" or not parts[1].isdigit() or int(parts[1]) >= num_layers:
             if "rope_freqs" in gguf_name:
                 continue  # recomputed from the config
             raise ModelLoadError(f"{ckpt.path.name}: unexpected tensor {gguf_name!r}")
@@ -140,7 +140,7 @@ def _fill_floats(model: LlamaForCausalLM, ckpt: GGUFCheckpoint, names: dict) -> 
     filled = set()
     for gguf_name, (ours, shard) in names.items():
         kind = ckpt.type_name(gguf_name)
-        if kind not in ("F32", "F16", "BF16"):
+        if kind not in FLOAT_TYPES:
             expanded[kind] += 1
         tensor = ckpt.float_tensor(gguf_name)
         if shard is not None:

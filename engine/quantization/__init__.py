@@ -3,7 +3,7 @@
 Online quantization (as vLLM's --quantization fp8) rounds a float checkpoint's
 decoder projections at load: int8 (int8.py, one scale per output channel) or int4
 (int4.py, a scale and a minimum per group of 32 inputs). A GGUF checkpoint's own
-quantized blocks are repacked into the same layers instead (engine/gguf_weights.py).
+quantized blocks are repacked into the same layers instead (engine/gguf_loader.py).
 The embeddings and the LM head stay in the model dtype: the head's error would reach
 every logit."""
 from __future__ import annotations
