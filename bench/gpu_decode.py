@@ -45,7 +45,8 @@ def parse_args(argv=None):
                     help="the Inductor-compiled forward pass, built before timing")
     ap.add_argument("--enforce-eager", action="store_true",
                     help="no compiled forward pass and no CUDA graphs")
-    ap.add_argument("--quantization", default="none", choices=["none", "int8", "int4"])
+    ap.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "fp8"])
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     if args.decode_tokens < 2 or args.split_decode_tokens < 2 or args.repeats < 1:

@@ -7,7 +7,8 @@
 #   run(command="COMMIT=<short sha> bash bench/gpu_session.sh", timeout_s=600)
 #
 # COMMIT is optional: the copy sent to the machine may have no .git, so say which
-# commit it is. Results land in $OUT (at most 8 files come back): summary.txt,
+# commit it is. ONLY="quant_8b forward_1b" runs just those stages (the stages
+# together outlast one call's 600 s: a second call takes the rest). Results land in $OUT (at most 8 files come back): summary.txt,
 # tests.log, forward_1b.log, bench_<preset>.log, gpu_decode_<preset>.json and
 # step_overhead_1b.log. Each stage has its own time limit, so a hang in one still
 # leaves the others' results, all inside the tool's 600 s. Overrides: TESTS (test paths), TESTS_S (their limit), RUNS ("preset:
@@ -30,6 +31,7 @@ export KVSERVE_COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo
 stage() {
   local name=$1 limit=$2 start rc
   shift 2
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
   start=$(date +%s)
   timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
   rc=$?
@@ -76,5 +78,16 @@ stage forward_1b "${FORWARD_S:-180}" bash -c 'for mode in "--enforce-eager" \
     --split-decode-tokens 8 --repeats 2 $mode | grep -E "\"(tok_s|step_ms|median_s)\""
   done'
 
-tail -n 3 "$OUT/tests.log" >>"$OUT/summary.txt"
+# Issue 20 on the 8B shape: batch-1 decode tok/s and MBU with bf16 weights, then
+# fp8 (e4m3 weights and per-token activations through torch._scaled_mm), int8 and
+# int4 (weight-only), then an fp8 KV cache at a 4k context (the bytes it halves are
+# the context's, so the prompt is long). One log, quant_8b.log.
+stage quant_8b "${QUANT_S:-300}" bash -c 'for mode in "" "--quantization fp8" \
+    "--quantization int8" "--quantization int4" "--prompt-len 4096 --kv-cache-dtype auto" \
+    "--prompt-len 4096 --kv-cache-dtype fp8"; do echo "== $mode"; '"$PY"' bench/gpu_decode.py \
+    --preset llama-3.1-8b --transformers off --prompt-len 512 --decode-tokens 64 \
+    --split-decode-tokens 64 --repeats 2 $mode | grep -E "\"(tok_s|step_ms|median_s|mbu)\""
+  done'
+
+[ -f "$OUT/tests.log" ] && tail -n 3 "$OUT/tests.log" >>"$OUT/summary.txt"
 $PY bench/gpu_summary.py "$OUT"/gpu_decode_*.json | tee -a "$OUT/summary.txt"

@@ -8,9 +8,11 @@ position up to the first difference.
 
   python bench/quality.py --quantization none int8 int4 gguf --json bench/results/...json
   python bench/quality.py --quantization none int4 int4-awq --group-size 128
+  python bench/quality.py --quantization none none+kv-fp8 gguf+kv-fp8
 
 A mode is a --quantization of the default model's float weights, or gguf: its
-shipped Q4_1 file served as it is (--load-format gguf)."""
+shipped Q4_1 file served as it is (--load-format gguf); +kv-fp8 adds
+--kv-cache-dtype fp8."""
 from __future__ import annotations
 
 import argparse
@@ -71,11 +73,14 @@ def main() -> None:
     from modelstore.default_model import default_model_dir
     results, reference = {}, None
     for mode in args.quantization:
-        gguf = mode == "gguf"
+        weights, _, kv = mode.partition("+")
+        gguf = weights == "gguf"
         engine = Engine(EngineConfig(
             model=str(default_model_dir()), dtype=args.dtype, compile="off",
             quantization_group_size=args.group_size,
-            quantization="auto" if gguf else mode, load_format="gguf" if gguf else "safetensors"))
+            quantization="auto" if gguf else weights,
+            load_format="gguf" if gguf else "safetensors",
+            kv_cache_dtype="fp8" if kv == "kv-fp8" else "auto"))
         tokens = text_tokens(engine)
         greedy = engine.generate(agreement_prompts(engine, tokens), SamplingParams(
             max_tokens=64, temperature=0.0, ignore_eos=True))

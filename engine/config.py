@@ -285,9 +285,16 @@ class EngineConfig:
         "blocks served as they are, float weights as floats); none = every weight in "
         "--dtype; int8 = weight-only int8, per-channel scales; int4 = weight-only int4, "
         "a scale and minimum per --quantization-group-size inputs; -awq = with "
-        "activation-aware scales searched on a calibration text at load. int8/int4 "
+        "activation-aware scales searched on a calibration text at load; fp8 = e4m3 "
+        "weights and per-token activations (GPUs of compute capability 8.9+). They "
         "quantize the decoder layers of a float checkpoint; embeddings and the LM head "
-        "stay in --dtype", choices=["auto", "none", "int8", "int4", "int8-awq", "int4-awq"])
+        "stay in --dtype",
+        choices=["auto", "none", "int8", "int4", "int8-awq", "int4-awq", "fp8"])
+    # engine/quantization/kv_fp8.py: K/V stored as one byte each, per-layer scales.
+    kv_cache_dtype: str = setting(
+        "auto", "KV cache values: auto = --dtype; fp8 (or fp8_e4m3) = float8 e4m3 with "
+        "a K and a V scale per layer measured on a calibration text at load: half the "
+        "bytes, twice the blocks in the same memory", choices=["auto", "fp8", "fp8_e4m3"])
     quantization_group_size: int = setting(
         32, "int4: inputs sharing one scale and minimum (32: GGUF Q4_1's blocks; 64; 128)",
         parse=int, choices=[32, 64, 128])

@@ -11,12 +11,11 @@ from engine.attention import make_backend
 from engine.compiled_model import c_compiler, use_cache_dir
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphPlan
-from engine.loader import (ModelLoadError, check_fits, load_model, resolve_device,
-                           resolve_dtype, resolve_load_format)
+from engine.kv_caches import KVCacheFormat
+from engine.loader import ModelLoadError, check_fits, load_model, resolve_device, resolve_dtype
 from engine.memory_budget import profile_kv_budget
 from engine.model_runner import LaunchedStep, ModelRunner
-from engine.quantization import model_bytes, quantize_model
-from engine.quantization.awq import calibration_inputs
+from engine.model_setup import load_served_model
 from engine.outputs import RequestOutput, RequestTimes
 from engine.request_checks import check_request
 from engine.sampling import StepResult
@@ -69,23 +68,16 @@ class Engine:
             log.info("%s has no tokenizer: token ids only", config.model)
         self.eos_token_ids = self._eos_ids()
         torch.manual_seed(config.seed)
-        load_format = resolve_load_format(config.model, config.load_format)
-        model = load_model(config.model, cfg, self.dtype, self.device, self.max_model_len,
-                           load_format, config.seed, config.quantization)
-        if load_format != "gguf":
-            quantize_model(model, config.quantization, config.quantization_group_size,
-                           lambda: calibration_inputs(model, self.tokenizer, self.device,
-                                                      self.dtype))
-        log.info("weights: %.1f MiB (%s, quantization %s)", model_bytes(model) / 2**20,
-                 str(self.dtype).replace("torch.", ""), config.quantization)
+        model, self.kv_format = load_served_model(config, cfg, tokenizer, self.device,
+                                                  self.dtype, self.max_model_len)
         num_blocks = self._num_kv_blocks(model)
         # A request longer than the whole cache could never run.
         self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)
         backend = make_backend(config.attention_backend, self.device, config.block_size,
-                               self.dtype)
+                               self.dtype, self.kv_format.dtype)
         t0 = time.perf_counter()
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.device,
-                                  self.dtype, backend,
+                                  self.kv_format, backend,
                                   self._make_drafter(model, backend, num_blocks),
                                   self._decode_graph_plan(backend))
         if self.runner.decode_graphs is not None:
@@ -107,8 +99,11 @@ class Engine:
             log.warning("async scheduling on %s overlaps nothing (the forward pass runs "
                         "on the host) and reports each step one step later",
                         self.device.type)
-        log.info("KV cache: %d blocks of %d tokens (%d tokens, %.1fx concurrency at %d)",
-                 num_blocks, config.block_size, num_blocks * config.block_size,
+        per_token = self.kv_format.bytes_per_block(cfg, config.block_size) / config.block_size
+        log.info("KV cache: %d blocks of %d tokens, %s, %.1f KiB a token (%d tokens, %.1fx "
+                 "concurrency at %d)", num_blocks, config.block_size,
+                 str(self.kv_format.dtype).removeprefix("torch."), per_token / 1024,
+                 num_blocks * config.block_size,
                  num_blocks * config.block_size / self.max_model_len, self.max_model_len)
 
     def _make_speculator(self) -> Speculator | None:
@@ -137,8 +132,9 @@ class Engine:
                                  f"is not the model's ({self.model_config.vocab_size})")
         draft = load_model(path, cfg, self.dtype, self.device, self.max_model_len,
                            self.config.load_format, self.config.seed + 1)
+        # The draft's own cache stays in the model dtype: it has no calibrated scales.
         return DraftModelDrafter(draft, num_blocks, backend, self.config.block_size,
-                                 self.device, self.dtype)
+                                 self.device, KVCacheFormat(self.dtype))
 
     def _decode_graph_plan(self, backend) -> DecodeGraphPlan | None:
         """CUDA graphs for decode-only steps, on CUDA unless --enforce-eager."""
@@ -192,11 +188,11 @@ class Engine:
         """--num-kv-blocks, else --kv-cache-memory, else on CUDA what
         --gpu-memory-utilization leaves after a profile step, else 1 GiB (CPU)."""
         c = self.config
-        per_block = ModelRunner.kv_bytes_per_block(self.model_config, c.block_size, self.dtype)
+        per_block = self.kv_format.bytes_per_block(self.model_config, c.block_size)
         if c.num_kv_blocks or c.kv_cache_memory is not None:
             num = c.num_kv_blocks or c.kv_cache_memory // per_block
         elif self.device.type == "cuda":
-            num = profile_kv_budget(model, c, self.device, self.dtype) // per_block
+            num = profile_kv_budget(model, c, self.device, self.dtype, self.kv_format) // per_block
         else:
             num = DEFAULT_CPU_KV_BYTES // per_block
         if num < 1:

@@ -3,19 +3,40 @@ KV cache manager's block ids index. The target model's runner and a draft model
 each attach their own."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from engine.models.llama import LlamaForCausalLM
 
 
+@dataclass(frozen=True)
+class KVCacheFormat:
+    """How the cache holds K and V: as computed, in `dtype`; or, with `scales` (one
+    (k_scale, v_scale) pair of float32 scalars per layer, engine/quantization/
+    kv_fp8.py), divided by the layer's scale and rounded to `dtype` (fp8 e4m3), the
+    keys (and queries) first turned by the orthogonal `key_rotation` [D, D]."""
+    dtype: torch.dtype
+    scales: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
+    key_rotation: torch.Tensor | None = None
+
+    def bytes_per_block(self, cfg, block_size: int) -> int:
+        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * \
+            self.dtype.itemsize
+
+
 def attach_kv_caches(model: LlamaForCausalLM, num_blocks: int, block_size: int,
-                     dtype: torch.dtype, device: torch.device) -> list[tuple]:
+                     fmt: KVCacheFormat, device: torch.device) -> list[tuple]:
     """A paged (K, V) pair per layer, zeroed, and each layer's attention pointed at
-    its pair: [(k, v)], each [num_blocks, block_size, kv_heads, head_dim]."""
+    its pair and its scales: [(k, v)], each [num_blocks, block_size, kv_heads,
+    head_dim]."""
     cfg = model.config
     shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    caches = [(torch.zeros(shape, dtype=dtype, device=device),
-               torch.zeros(shape, dtype=dtype, device=device)) for _ in range(cfg.num_layers)]
-    for layer, (k, v) in zip(model.layers, caches):
+    caches = [(torch.zeros(shape, dtype=fmt.dtype, device=device),
+               torch.zeros(shape, dtype=fmt.dtype, device=device))
+              for _ in range(cfg.num_layers)]
+    for i, (layer, (k, v)) in enumerate(zip(model.layers, caches)):
         layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
+        layer.self_attn.kv_scales = fmt.scales[i] if fmt.scales else None
+        layer.self_attn.key_rotation = fmt.key_rotation
     return caches

@@ -24,7 +24,8 @@ def kv_budget_bytes(total: int, utilization: float, peak_allocated: int,
     return max(0, int(total * utilization) - peak_allocated - non_torch)
 
 
-def profile_kv_budget(model, config, device: torch.device, dtype: torch.dtype) -> int:
+def profile_kv_budget(model, config, device: torch.device, dtype: torch.dtype,
+                      kv_format) -> int:
     """Runs the profile step on `device` (CUDA) and returns the KV budget in bytes."""
     from engine.attention import make_backend
     from engine.model_runner import ModelRunner
@@ -35,8 +36,9 @@ def profile_kv_budget(model, config, device: torch.device, dtype: torch.dtype) -
     non_torch = (total - free_before) - torch.cuda.memory_reserved(device)
     tokens = config.max_num_batched_tokens
     blocks = math.ceil(tokens / config.block_size) + 1
-    backend = make_backend(config.attention_backend, device, config.block_size, dtype)
-    runner = ModelRunner(model, blocks, config.block_size, device, dtype, backend)
+    backend = make_backend(config.attention_backend, device, config.block_size, dtype,
+                           kv_format.dtype)
+    runner = ModelRunner(model, blocks, config.block_size, device, kv_format, backend)
     runner.profile_step(tokens, config.max_num_seqs)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)

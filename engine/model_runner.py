@@ -18,7 +18,7 @@ from engine.block_table_rows import BlockTableRows
 from engine.compiled_model import CompiledModel
 from engine.cuda_graphs import DecodeGraphPlan, DecodeGraphs
 from engine.host_copy import to_device
-from engine.kv_caches import attach_kv_caches
+from engine.kv_caches import KVCacheFormat, attach_kv_caches
 from engine.models.llama import LlamaForCausalLM
 from engine.sampling import Sampler, StepResult
 from engine.sampling.logprobs import MAX_EXACT_ID
@@ -72,7 +72,8 @@ class ModelRunner:
     draft model; None without), and the plan for decode-only steps' CUDA graphs."""
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype, attn_backend: AttentionBackend,
+                 device: torch.device, kv_format: KVCacheFormat,
+                 attn_backend: AttentionBackend,
                  drafter=None, decode_graphs: DecodeGraphPlan | None = None):
         self.model, self.device, self.block_size = model, device, block_size
         self.attn_backend, self.drafter = attn_backend, drafter
@@ -80,7 +81,7 @@ class ModelRunner:
         # One block more than the KV cache manager hands out: the compiled graphs'
         # warm-up steps write there (background compiling runs beside live steps).
         self.spare_block = num_blocks
-        self.kv_caches = attach_kv_caches(model, num_blocks + 1, block_size, dtype, device)
+        self.kv_caches = attach_kv_caches(model, num_blocks + 1, block_size, kv_format, device)
         if cfg.vocab_size >= MAX_EXACT_ID:
             raise ValueError("vocabularies of 2**24 tokens or more are not supported")
         self.sampler = Sampler(device)
@@ -145,10 +146,6 @@ class ModelRunner:
                     fn(input_ids, positions)
             finally:
                 clear_attention_context()
-
-    @staticmethod
-    def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
-        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
     def use_decode_graphs(self, plan: DecodeGraphPlan) -> None:
         """Decode-only steps go through padded static buffers from now on (tests

@@ -14,13 +14,16 @@ SCALE_BYTES = 2  # int4's scale and minimum per group are float16, as in GGUF
 
 def projection_bytes(rows: int, cols: int, dtype_bytes: float, quantization: str,
                      group_size: int = 32) -> float:
-    """One [rows, cols] projection: int8 and fp8 keep a scale per row in the model
-    dtype, int4 a float16 scale and minimum per group of `group_size` inputs."""
+    """One [rows, cols] projection: int8 keeps a scale per row in the model dtype,
+    fp8 one in float32 (_scaled_mm's), int4 a float16 scale and minimum per group of
+    `group_size` inputs."""
     weights = rows * cols
     if quantization == "none":
         return weights * dtype_bytes
-    if quantization in ("int8", "fp8"):
+    if quantization == "int8":
         return weights + rows * dtype_bytes
+    if quantization == "fp8":
+        return weights + rows * 4
     if quantization == "int4":
         return weights / 2 + 2 * SCALE_BYTES * weights / group_size
     raise ValueError(f"unknown quantization {quantization!r}; choose {', '.join(QUANTIZATIONS)}")

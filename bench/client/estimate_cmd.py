@@ -24,8 +24,9 @@ def add_estimate_args(p: argparse.ArgumentParser) -> None:
                    help="the decoder projections' weights, as kvserve serve's "
                    "--quantization (int4: a float16 scale and minimum per group)")
     p.add_argument("--quantization-group-size", type=int, default=32, choices=[32, 64, 128])
-    p.add_argument("--kv-dtype", default=None, choices=sorted(KV_DTYPE_BYTES),
-                   help="default: --dtype")
+    p.add_argument("--kv-cache-dtype", "--kv-dtype", dest="kv_dtype", default=None,
+                   choices=sorted(KV_DTYPE_BYTES),
+                   help="as kvserve serve's --kv-cache-dtype (default: --dtype)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--price-per-hour", type=float, default=None,
                    help="$ per GPU-hour (default: the GPU table's)")

@@ -28,7 +28,10 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: Any,
-                scale: float) -> torch.Tensor:
+                scale: float, k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """Writes k, v [T, Hkv, D] into the cache at meta's slots (skipping slot -1),
         then returns attention of q [T, Hq, D] over each request's context: [T, Hq, D].
-        The caches are [num_blocks, block_size, Hkv, D]."""
+        The caches are [num_blocks, block_size, Hkv, D]. With k_scale and v_scale
+        (float32 scalars) the caches are fp8: K/V are stored divided by them
+        (engine/quantization/kv_fp8.py) and read multiplied back."""

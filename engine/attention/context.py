@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -73,14 +73,16 @@ def get_attention_metadata() -> Any:
 
 @torch.library.custom_op("kvserve::paged_attention", mutates_args=())
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    scale: float) -> torch.Tensor:
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                    k_scale: Optional[torch.Tensor] = None,
+                    v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The attention call of every layer: stores the new tokens' K/V and attends,
-    through the step's backend. q: [T, Hq, D]; k, v: [T, Hkv, D]; returns [T, Hq, D]."""
+    through the step's backend. q: [T, Hq, D]; k, v: [T, Hkv, D]; returns [T, Hq, D].
+    k_scale, v_scale: the layer's fp8 cache scales (None: a cache in the model dtype)."""
     backend, meta = _current()
-    return backend.forward(q, k, v, k_cache, v_cache, meta, scale)
+    return backend.forward(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale)
 
 
 @paged_attention.register_fake
-def _paged_attention_shape(q, k, v, k_cache, v_cache, scale):
+def _paged_attention_shape(q, k, v, k_cache, v_cache, scale, k_scale=None, v_scale=None):
     return torch.empty_like(q)

@@ -17,12 +17,19 @@ It runs two ways:
 - as a function compiled on its own (`paged_decode`), for the decodes of mixed steps,
   which reach it through the attention custom op.
 
-Scores and softmax are float32 whatever the cache's dtype, as in SDPA."""
+Scores and softmax are float32 whatever the cache's dtype, as in SDPA. An fp8
+cache's scales are applied once per score and once per output row, not per value
+read (q.(s K) = s (q.K)). Its values are converted to float32 as they are loaded,
+which costs more than the bytes it saves here: at batch 1 an fp8 layer's attention
+takes 1.5x (128 keys) to 2.7x (1024 keys) a bf16 one's
+(bench/results/kv_fp8_cpu_2026-11-24.md). On CPU an fp8 cache buys capacity."""
 from __future__ import annotations
 
 from typing import NamedTuple
 
 import torch
+
+from engine.attention.fp8_cache import store_rows
 
 
 class PagedDecode(NamedTuple):
@@ -42,13 +49,24 @@ def widened(block_tables: torch.Tensor) -> torch.Tensor:
 
 def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
+                           scale: float, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, D], one query per request at its last position; caches [N, bs, Hkv, D];
-    block_tables [B, W] (int); seq_lens [B] (keys 0..len-1 are visible). -> [B, Hq, D]."""
+    block_tables [B, W] (int); seq_lens [B] (keys 0..len-1 are visible); k_scale,
+    v_scale: an fp8 cache's. -> [B, Hq, D]."""
     b, hq, d = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
-    pos = torch.arange(block_tables.shape[1] * bs, device=q.device)
-    slots = block_tables.long()[:, pos // bs] * bs + pos % bs  # [B, L]
+    width = block_tables.shape[1]
+    i = torch.arange(width * bs, device=q.device)
+    # The keys are read in any order (softmax and sum do not care), each with its
+    # own position for the mask. An fp8 cache reads them column by column of the
+    # block table, so that neighbouring reads are in different blocks: Inductor then
+    # vectorises the output's sum along head_dim; in block order, one-byte values
+    # lead its tiling heuristic to vectorise along the context instead, each lane a
+    # gathered load (3.2x slower).
+    column, offset = (i // bs, i % bs) if k_scale is None else (i % width, i // width)
+    pos = column * bs + offset
+    slots = block_tables.long()[:, column] * bs + offset  # [B, L]
     # [B, Hkv, L, D], fused into the loops below, never stored
     k = k_cache.reshape(-1, hkv, d)[slots].float().permute(0, 2, 1, 3)
     v = v_cache.reshape(-1, hkv, d)[slots].float().permute(0, 2, 1, 3)
@@ -58,36 +76,43 @@ def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # the positions second (scores [B, L, Hkv, G]) it parallelised each softmax
     # reduction on its own, one OpenMP region per request, 1.4-1.5x slower.
     scores = (qg * k.unsqueeze(2)).sum(-1) * scale  # [B, Hkv, G, L]
+    if k_scale is not None:
+        scores = scores * k_scale
     visible = (pos[None, :] < seq_lens[:, None].long())[:, None, None, :]
     p = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
     out = (p.unsqueeze(-1) * v.unsqueeze(2)).sum(3)  # [B, Hkv, G, D]
+    if v_scale is not None:
+        out = out * v_scale
     return out.reshape(b, hq, d).to(q.dtype)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+             v_cache: torch.Tensor, slots: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
     """K/V rows [T, Hkv, D] into their cache slots, with plain ops (eagerly in the
     torch backend, traced into the decode graphs)."""
-    kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
+    store_rows(k, k_cache, slots, k_scale)
+    store_rows(v, v_cache, slots, v_scale)
 
 
 def decode_in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, step: PagedDecode,
-                    scale: float) -> torch.Tensor:
+                    scale: float, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Stores the step's K/V [B, Hkv, D] at step.slots, then attends: what the attention
     custom op does for decodes, as plain ops a compiled graph can take in (Inductor
     writes the store into the cache in place)."""
-    store_kv(k, v, k_cache, v_cache, step.slots)
+    store_kv(k, v, k_cache, v_cache, step.slots, k_scale, v_scale)
     return paged_decode_reference(q, k_cache, v_cache, step.block_tables, step.seq_lens,
-                                  scale)
+                                  scale, k_scale, v_scale)
 
 
 _compiled = None
 
 
-def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float) -> torch.Tensor:
+def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float,
+                 k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """paged_decode_reference compiled (once, for every batch size and length)."""
     global _compiled
     if _compiled is None:
@@ -108,4 +133,4 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float) -> t
                         (k_view, (0,)), (v_view, (0,))):
             for dim in dims:
                 torch._dynamo.maybe_mark_dynamic(t, dim)
-        return _compiled(q, k_view, v_view, block_tables, seq_lens, scale)
+        return _compiled(q, k_view, v_view, block_tables, seq_lens, scale, k_scale, v_scale)

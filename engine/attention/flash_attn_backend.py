@@ -36,7 +36,10 @@ class FlashAttnBackend(AttentionBackend):
         cu = F.pad(torch.cumsum(common.seq_lens, 0, dtype=torch.int32), (1, 0))
         return FlashAttnMetadata(common, cu)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: FlashAttnMetadata, scale):
+    def forward(self, q, k, v, k_cache, v_cache, meta: FlashAttnMetadata, scale,
+                k_scale=None, v_scale=None):
+        if k_scale is not None:  # the selector refuses the pairing; a cache is never misread
+            raise ValueError("the flash-attn backend reads no fp8 KV cache")
         c = meta.common
         self._store(k, v, k_cache, v_cache, c.slot_mapping)
         if c.num_prefills == 0:

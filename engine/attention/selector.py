@@ -45,15 +45,21 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
     return "torch"
 
 
-def make_backend(name: str, device: torch.device, block_size: int,
-                 dtype: torch.dtype) -> AttentionBackend:
+def make_backend(name: str, device: torch.device, block_size: int, dtype: torch.dtype,
+                 kv_dtype: torch.dtype | None = None) -> AttentionBackend:
+    """kv_dtype: the cache's, when it is not the model's (an fp8 cache)."""
     name = resolve_backend_name(name, device)
+    fp8_cache = kv_dtype is not None and kv_dtype.itemsize == 1
     if name == "triton":
-        _check_triton(device)
+        _check_triton(device, fp8_cache)
         from engine.attention.triton_backend import TritonBackend
 
         return TritonBackend()
     if name == "flash-attn":
+        if fp8_cache:
+            raise AttentionBackendError(
+                "flash-attn 2 reads no fp8 KV cache; use --attention-backend triton, or "
+                "--kv-cache-dtype auto")
         _check_flash_attn(device, block_size, dtype)
         from engine.attention.flash_attn_backend import FlashAttnBackend
 
@@ -63,7 +69,7 @@ def make_backend(name: str, device: torch.device, block_size: int,
     return TorchBackend()
 
 
-def _check_triton(device: torch.device) -> None:
+def _check_triton(device: torch.device, fp8_cache: bool) -> None:
     if not _importable("triton"):
         raise AttentionBackendError(
             "the triton attention backend needs the triton package (pip install triton)")
@@ -71,6 +77,12 @@ def _check_triton(device: torch.device) -> None:
         raise AttentionBackendError(
             f"the triton attention backend runs on CUDA, not {device.type} (set "
             "TRITON_INTERPRET=1 to run it, slowly, through Triton's interpreter)")
+    if fp8_cache and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        # Triton converts to and from e4m3 only on Ada/Hopper and later.
+        raise AttentionBackendError(
+            "an fp8 KV cache through the triton backend needs a GPU of compute capability "
+            "8.9 or newer (Ada, Hopper); use --kv-cache-dtype auto, or --attention-backend "
+            "torch")
 
 
 def _check_flash_attn(device: torch.device, block_size: int, dtype: torch.dtype) -> None:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from engine.attention.backend import AttentionBackend
 from engine.attention.context import AttentionMetadata
 from engine.attention.cpu_paged import PagedDecode, paged_decode, store_kv, widened
+from engine.attention.fp8_cache import read_rows
 from engine.attention.step_metadata import context_slots
 
 
@@ -129,29 +130,34 @@ class TorchBackend(AttentionBackend):
             spans.append(PrefillSpan(starts[i], q_len, slots, mask))
         return spans
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: TorchAttentionMetadata, scale):
-        store_kv(k[meta.store_rows], v[meta.store_rows], k_cache, v_cache, meta.store_slots)
+    def forward(self, q, k, v, k_cache, v_cache, meta: TorchAttentionMetadata, scale,
+                k_scale=None, v_scale=None):
+        store_kv(k[meta.store_rows], v[meta.store_rows], k_cache, v_cache, meta.store_slots,
+                 k_scale, v_scale)
         kv_heads, head_dim = k_cache.shape[-2:]
         k_flat = k_cache.view(-1, kv_heads, head_dim)
         v_flat = v_cache.view(-1, kv_heads, head_dim)
+
+        def context(slots):  # the K and V at these slots, in q's dtype
+            return (read_rows(k_flat[slots], k_scale, q.dtype),
+                    read_rows(v_flat[slots], v_scale, q.dtype))
+
         out = torch.empty_like(q)
         for span in meta.prefills:
             rows = slice(span.query_start, span.query_start + span.query_len)
-            out[rows] = _prefill(q[rows], k_flat[span.context_slots],
-                                 v_flat[span.context_slots], span.mask, scale)
+            out[rows] = _prefill(q[rows], *context(span.context_slots), span.mask, scale)
         if meta.paged is not None:
             nd = meta.paged.block_tables.shape[0]
             out[:nd] = paged_decode(q[:nd], k_cache, v_cache, meta.paged.block_tables,
-                                    meta.paged.seq_lens, scale)
+                                    meta.paged.seq_lens, scale, k_scale, v_scale)
         if meta.decode_slots is not None:
             nd = meta.decode_slots.shape[0]
-            out[:nd] = _decode(q[:nd], k_flat[meta.decode_slots],
-                               v_flat[meta.decode_slots], meta.decode_mask, scale)
+            out[:nd] = _decode(q[:nd], *context(meta.decode_slots), meta.decode_mask, scale)
         if meta.short is not None:
             rows, slots, mask = meta.short
             # A padded row repeats its request's last row and mask, so writing every
             # row back writes identical values twice, never a wrong one.
-            o = _short(q[rows], k_flat[slots], v_flat[slots], mask, scale)
+            o = _short(q[rows], *context(slots), mask, scale)
             out[rows.reshape(-1)] = o.reshape(-1, *o.shape[2:])
         return out
 

@@ -31,16 +31,19 @@ class TritonBackend(AttentionBackend):
             longest = int(common.seq_lens_cpu[:nd].max()) if nd else 0
         return TritonAttentionMetadata(common, longest)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: TritonAttentionMetadata, scale):
+    def forward(self, q, k, v, k_cache, v_cache, meta: TritonAttentionMetadata, scale,
+                k_scale=None, v_scale=None):
         c = meta.common
-        store_kv_cache(k, v, k_cache, v_cache, c.slot_mapping)
+        store_kv_cache(k, v, k_cache, v_cache, c.slot_mapping, k_scale, v_scale)
         out = torch.empty_like(q)
         nd = c.num_decodes
         if nd:
             decode_attention(q[:nd], k_cache, v_cache, out[:nd], c.seq_lens[:nd],
-                             c.block_tables[:nd], scale, meta.max_decode_seq_len)
+                             c.block_tables[:nd], scale, meta.max_decode_seq_len,
+                             k_scale=k_scale, v_scale=v_scale)
         if c.num_prefills:
             prefill_attention(q, k_cache, v_cache, out, c.query_start_loc, c.seq_lens,
                               c.block_tables, scale, first_req=nd, num_reqs=c.num_prefills,
-                              max_query_len=c.max_query_len)
+                              max_query_len=c.max_query_len, k_scale=k_scale,
+                              v_scale=v_scale)
         return out

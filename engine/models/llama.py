@@ -11,6 +11,7 @@ from torch import nn
 
 from engine.attention import paged_attention
 from engine.attention.cpu_paged import PagedDecode, decode_in_place
+from engine.attention.fp8_cache import rotate
 from engine.config import ModelConfig
 from engine.models.layers import PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary
 
@@ -28,6 +29,9 @@ class Attention(nn.Module):
         # Set by the model runner once the cache is allocated.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        # An fp8 cache's (k_scale, v_scale) and key rotation, set with it (kv_caches.py).
+        self.kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.key_rotation: torch.Tensor | None = None
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 paged: PagedDecode | None = None) -> torch.Tensor:
@@ -41,10 +45,15 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if self.key_rotation is not None:  # q.k unchanged: the rotation is orthogonal
+            q, k = rotate(q, self.key_rotation), rotate(k, self.key_rotation)
+        k_scale, v_scale = self.kv_scales or (None, None)
         if paged is None:  # the attention custom op, through the step's backend
-            o = paged_attention(q, k, v, self.k_cache, self.v_cache, self.scale)
+            o = paged_attention(q, k, v, self.k_cache, self.v_cache, self.scale,
+                                k_scale, v_scale)
         else:  # a compiled decode graph: attention traced with the rest
-            o = decode_in_place(q, k, v, self.k_cache, self.v_cache, paged, self.scale)
+            o = decode_in_place(q, k, v, self.k_cache, self.v_cache, paged, self.scale,
+                                k_scale, v_scale)
         return self.o_proj(o.reshape(n, q_size))
 
 

@@ -1,8 +1,9 @@
 """Quantized weights: which layers are quantized, and how (--quantization).
 
 Online quantization (as vLLM's --quantization fp8) rounds a float checkpoint's
-decoder projections at load: int8 (int8.py, one scale per output channel) or int4
-(int4.py, a scale and a minimum per group of 32 inputs). A GGUF checkpoint's own
+decoder projections at load: int8 (int8.py, one scale per output channel), int4
+(int4.py, a scale and a minimum per group of 32 inputs) or, on Ada/Hopper GPUs, fp8
+(fp8.py: e4m3 weights and per-token e4m3 activations). A GGUF checkpoint's own
 quantized blocks are repacked into the same layers instead (engine/gguf_loader.py).
 The embeddings and the LM head stay in the model dtype: the head's error would reach
 every logit."""
@@ -15,13 +16,14 @@ import torch
 from torch import nn
 
 from engine.quantization.awq import decoder_linears, search_scales
+from engine.quantization.fp8 import Fp8Linear, check_fp8_device, check_fp8_shapes
 from engine.quantization.int4 import PACK_ROWS, Int4Linear, fake_quantize_int4
 from engine.quantization.int8 import Int8Linear, fake_quantize_int8
 from modelstore.errors import ModelLoadError
 
 # auto: the checkpoint's own (a GGUF's quantized blocks stay quantized, float
 # weights stay float); none: every weight in --dtype; -awq: activation-aware scales.
-MODES = ("auto", "none", "int8", "int4", "int8-awq", "int4-awq")
+MODES = ("auto", "none", "int8", "int4", "int8-awq", "int4-awq", "fp8")
 
 
 def quantize_model(model: nn.Module, mode: str, group_size: int = 32,
@@ -31,6 +33,8 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = 32,
     `calibration` for each projection's inputs on the calibration text first."""
     if mode in ("auto", "none"):
         return
+    if mode == "fp8":
+        return quantize_fp8_model(model)
     kind, _, method = mode.partition("-")
     if kind == "int4":
         check_int4_shapes(model, group_size)
@@ -43,6 +47,15 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = 32,
             scales = search_scales(linear.weight, inputs[name], fake, linear.weight.dtype)
         setattr(parent, attr, Int8Linear.of(linear, scales) if kind == "int8"
                 else Int4Linear.of(linear, group_size, scales))
+
+
+def quantize_fp8_model(model: nn.Module) -> None:
+    """fp8.py's layers for every decoder projection, where the device has fp8 GEMMs."""
+    check_fp8_device(next(model.parameters()).device)
+    linears = list(decoder_linears(model))
+    check_fp8_shapes((name, linear) for name, _, _, linear in linears)
+    for _, parent, attr, linear in linears:
+        setattr(parent, attr, Fp8Linear.of(linear))
 
 
 def check_int4_shapes(model: nn.Module, group_size: int) -> None:

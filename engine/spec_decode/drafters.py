@@ -17,7 +17,7 @@ import torch
 
 from engine.attention import clear_attention_context, set_attention_context
 from engine.attention.step_metadata import build_host_step
-from engine.kv_caches import attach_kv_caches
+from engine.kv_caches import KVCacheFormat, attach_kv_caches
 from scheduler.output import ScheduledRequest
 
 
@@ -81,10 +81,10 @@ class DraftModelDrafter(GreedyDrafter):
     observes_batches = True
 
     def __init__(self, draft, num_blocks: int, attn_backend, block_size: int,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, kv_format: KVCacheFormat):
         super().__init__(draft, attn_backend, block_size, device)
         # Its own tensors, indexed by the target's block ids (same tables).
-        self.kv_caches = attach_kv_caches(draft, num_blocks, block_size, dtype, device)
+        self.kv_caches = attach_kv_caches(draft, num_blocks, block_size, kv_format, device)
 
     def hidden(self, ids, positions):
         return self.model(ids, positions)

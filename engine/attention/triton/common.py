@@ -24,6 +24,16 @@ def upcast_on_load(t: torch.Tensor) -> bool:
     return t.device.type != "cuda"
 
 
+def cache_scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                 k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The kernels' (k_scale, v_scale, KV_FP8) arguments: an fp8 cache's scales, or,
+    for a cache in the model dtype, the cache itself in their place (never read:
+    KV_FP8 is a compile-time False)."""
+    if k_scale is None:
+        return k_cache, k_cache, False
+    return k_scale, v_scale, True
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 models get exact products, like the torch reference, rather than tf32."""
     return "ieee" if dtype == torch.float32 else "tf32"

@@ -11,9 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention.triton.common import (LOG2E, check_cache, check_head_layout,
-                                            dot_precision, dot_tile, parallelism,
-                                            upcast_on_load)
+from engine.attention.triton.common import (LOG2E, cache_scales, check_cache,
+                                            check_head_layout, dot_precision, dot_tile,
+                                            parallelism, upcast_on_load)
 from engine.attention.triton.paged_tile import attend_paged
 
 BLOCK_N = 64
@@ -23,13 +23,15 @@ MAX_SPLITS = 64
 
 @triton.jit
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr,
-                         seq_lens_ptr, block_tables_ptr, scale_log2, partition_size,
+                         seq_lens_ptr, block_tables_ptr, k_scale_ptr, v_scale_ptr,
+                         scale_log2, partition_size,
                          stride_qb, stride_qh, stride_block, stride_slot, stride_head,
                          stride_table, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                         UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                         UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                         KV_FP8: tl.constexpr):
     req = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -47,10 +49,15 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse
     if UPCAST:
         q = q.to(tl.float32)
     q_pos = tl.zeros([BLOCK_G], tl.int32) + seq_len  # past every key: no causal mask
+    if KV_FP8:
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
     acc, l_i, m_i = attend_paged(
         q, q_pos, kv_start, kv_end, block_tables_ptr + req * stride_table,
         k_cache_ptr, v_cache_ptr, kv_head, scale_log2, stride_block, stride_slot,
-        stride_head, HEAD_DIM, BLOCK_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, UPCAST, DOT_PRECISION)
+        stride_head, HEAD_DIM, BLOCK_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, UPCAST, DOT_PRECISION,
+        KV_FP8)
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr)
     part = part_out_ptr + req * stride_pb + heads * stride_ph + split * stride_ps
     tl.store(part[:, None] + offs_d[None, :], acc / l_i[:, None], mask=mask)
     lse_ptr = part_lse_ptr + req * stride_lb + heads * stride_lh + split
@@ -91,10 +98,12 @@ def plan_partition(num_reqs: int, kv_heads: int, max_seq_len: int,
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      out: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                     scale: float, max_seq_len: int,
-                     partition_size: int | None = None) -> None:
+                     scale: float, max_seq_len: int, partition_size: int | None = None,
+                     k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> None:
     """q, out: [B, Hq, D], one query per request at its last position; seq_lens [B]
-    and block_tables [B, max_blocks] int32; max_seq_len: max of seq_lens (host)."""
+    and block_tables [B, max_blocks] int32; max_seq_len: max of seq_lens (host);
+    k_scale, v_scale: an fp8 cache's."""
     check_cache(k_cache, v_cache)
     check_head_layout(q, out)
     num_reqs, num_heads, head_dim = q.shape
@@ -109,15 +118,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     part_out = torch.empty(num_reqs, num_heads, splits, head_dim, dtype=torch.float32,
                            device=q.device)
     part_lse = torch.empty(num_reqs, num_heads, splits, dtype=torch.float32, device=q.device)
+    k_scale, v_scale, fp8 = cache_scales(k_scale, v_scale, k_cache)
     _decode_split_kernel[(num_reqs, kv_heads, splits)](
-        q, k_cache, v_cache, part_out, part_lse, seq_lens, block_tables,
+        q, k_cache, v_cache, part_out, part_lse, seq_lens, block_tables, k_scale, v_scale,
         scale * LOG2E, partition,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=dot_tile(group),
         BLOCK_N=BLOCK_N, BLOCK_D=block_d, UPCAST=upcast_on_load(q),
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=4, num_stages=2)
+        DOT_PRECISION=dot_precision(q.dtype), KV_FP8=fp8, num_warps=4, num_stages=2)
     _merge_kernel[(num_reqs, num_heads)](
         part_out, part_lse, out, seq_lens, partition,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),

@@ -1,5 +1,9 @@
 """The inner loop shared by the prefill and decode kernels: online softmax of a
-tile of queries over a range of one request's keys, read from the paged cache."""
+tile of queries over a range of one request's keys, read from the paged cache.
+
+An fp8 cache's values are converted to the query's dtype as they are loaded (the
+products stay bf16/fp16 tensor-core dots); its scales are the callers': k_scale
+folded into the score scale, v_scale applied to the finished output."""
 import triton
 import triton.language as tl
 
@@ -9,7 +13,7 @@ def attend_paged(q, q_pos, kv_start, kv_end, table_ptr, k_cache_ptr, v_cache_ptr
                  kv_head, scale_log2, stride_block, stride_slot, stride_head,
                  HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
     """q: [BLOCK_M, BLOCK_D]; key n is visible to row m when n <= q_pos[m].
     Returns (acc, l, m): the unnormalised output [BLOCK_M, BLOCK_D] in fp32, the
     softmax denominators and the running maxima, both in base 2."""
@@ -37,6 +41,9 @@ def attend_paged(q, q_pos, kv_start, kv_end, table_ptr, k_cache_ptr, v_cache_ptr
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
+        elif KV_FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
         visible = n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))

@@ -11,8 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention.triton.common import (LOG2E, check_cache, check_head_layout,
-                                            dot_precision, dot_tile, upcast_on_load)
+from engine.attention.triton.common import (LOG2E, cache_scales, check_cache,
+                                            check_head_layout, dot_precision, dot_tile,
+                                            upcast_on_load)
 from engine.attention.triton.paged_tile import attend_paged
 
 BLOCK_M = 64
@@ -21,12 +22,13 @@ BLOCK_M = 64
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
                     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-                    scale_log2, first_req,
+                    k_scale_ptr, v_scale_ptr, scale_log2, first_req,
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_block, stride_slot, stride_head, stride_table,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    KV_FP8: tl.constexpr):
     tile = tl.program_id(0)
     req = first_req + tl.program_id(1)
     head = tl.program_id(2)
@@ -45,12 +47,16 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     if UPCAST:
         q = q.to(tl.float32)
     kv_end = tl.minimum(seq_len, prefix + (tile + 1) * BLOCK_M)
+    if KV_FP8:
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
     acc, l_i, m_i = attend_paged(
         q, prefix + offs_m, 0, kv_end, block_tables_ptr + req.to(tl.int64) * stride_table,
         k_cache_ptr, v_cache_ptr, head // GROUP, scale_log2,
         stride_block, stride_slot, stride_head,
-        HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, DOT_PRECISION)
+        HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, DOT_PRECISION, KV_FP8)
     out = acc / l_i[:, None]
+    if KV_FP8:
+        out = out * tl.load(v_scale_ptr)
     tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -58,8 +64,11 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       out: torch.Tensor, query_start_loc: torch.Tensor,
                       seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-                      first_req: int, num_reqs: int, max_query_len: int) -> None:
-    """Writes out[rows of requests first_req..first_req+num_reqs-1].
+                      first_req: int, num_reqs: int, max_query_len: int,
+                      k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> None:
+    """Writes out[rows of requests first_req..first_req+num_reqs-1] (k_scale, v_scale:
+    an fp8 cache's).
 
     q, out: [T, Hq, D]; caches [num_blocks, block_size, Hkv, D] already holding these
     tokens' K/V; query_start_loc [R+1], seq_lens [R], block_tables [R, max_blocks],
@@ -72,12 +81,13 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     _, block_size, kv_heads, _ = k_cache.shape
     block_d = dot_tile(head_dim)
     grid = (triton.cdiv(max_query_len, BLOCK_M), num_reqs, num_heads)
+    k_scale, v_scale, fp8 = cache_scales(k_scale, v_scale, k_cache)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
+        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, k_scale, v_scale,
         scale * LOG2E, first_req,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=num_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=BLOCK_M, BLOCK_N=64 if block_d <= 128 else 32, BLOCK_D=block_d,
-        UPCAST=upcast_on_load(q), DOT_PRECISION=dot_precision(q.dtype),
+        UPCAST=upcast_on_load(q), DOT_PRECISION=dot_precision(q.dtype), KV_FP8=fp8,
         num_warps=4, num_stages=2)

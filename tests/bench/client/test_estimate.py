@@ -66,13 +66,13 @@ def test_kv_capacity_from_memory_left_after_weights():
     ("int8", 1.0), ("fp8", 1.0), ("int4", 0.5 + 4 / 32)])
 def test_quantization_shrinks_the_projections_and_grows_the_kv_budget(quantization, per_weight):
     """The decoder projections take `per_weight` bytes (int4: plus a float16 scale and
-    minimum per 32; int8 / fp8: plus a bf16 scale per row); embeddings, LM head and
-    norms stay bf16."""
+    minimum per 32; int8: plus a bf16 scale per row, fp8 a float32 one, _scaled_mm's);
+    embeddings, LM head and norms stay bf16."""
     shape = ModelShape.from_config(LLAMA_8B)
     tables = 2 * shape.embedding_params() + shape.hidden_size
     projections = shape.params() - tables - 2 * shape.hidden_size * shape.num_layers
     rows = shape.num_layers * (48 * 128 + 4096 + 2 * 14336 + 4096)  # qkv, o, gate_up, down
-    scales = rows * 2 if quantization != "int4" else 0
+    scales = {"int8": 2, "fp8": 4, "int4": 0}[quantization] * rows
     expected = (tables + 2 * shape.hidden_size * shape.num_layers) * 2 \
         + projections * per_weight + scales
     quantized = setup(LLAMA_8B, quantization=quantization)

@@ -1,0 +1,32 @@
+"""The model as the engine serves it: its weights loaded, quantized as --quantization
+and the checkpoint say, and its KV cache's format chosen (--kv-cache-dtype, whose
+fp8 scales are measured on the loaded model)."""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from engine.config import EngineConfig, ModelConfig
+from engine.kv_caches import KVCacheFormat
+from engine.loader import load_model, resolve_load_format
+from engine.quantization import model_bytes, quantize_model
+from engine.quantization.awq import calibration_inputs
+from engine.quantization.kv_fp8 import kv_cache_format
+
+log = logging.getLogger("kvserve.engine")
+
+
+def load_served_model(config: EngineConfig, cfg: ModelConfig, tokenizer,
+                      device: torch.device, dtype: torch.dtype,
+                      max_model_len: int) -> tuple[nn.Module, KVCacheFormat]:
+    load_format = resolve_load_format(config.model, config.load_format)
+    model = load_model(config.model, cfg, dtype, device, max_model_len, load_format,
+                       config.seed, config.quantization)
+    if load_format != "gguf":
+        quantize_model(model, config.quantization, config.quantization_group_size,
+                       lambda: calibration_inputs(model, tokenizer, device, dtype))
+    log.info("weights: %.1f MiB (%s, quantization %s)", model_bytes(model) / 2**20,
+             str(dtype).replace("torch.", ""), config.quantization)
+    return model, kv_cache_format(config.kv_cache_dtype, model, tokenizer, device, dtype)
