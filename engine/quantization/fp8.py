@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention.fp8_cache import FP8, FP8_MAX
+from engine.attention.fp8_cache import FP8_MAX, to_fp8
+from engine.quantization.layer import QuantizedLinear, nonzero
 from modelstore.errors import ModelLoadError
 
 # cuBLASLt's fp8 GEMM needs both matrix dimensions in multiples of 16.
@@ -36,9 +37,8 @@ def check_fp8_device(device: torch.device) -> None:
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, K] float -> ([N, K] e4m3, [N] float32 scales): weight ~= q * scale[:, None]."""
     w = weight.float()
-    scales = w.abs().amax(dim=1) / FP8_MAX
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero row
-    return (w / scales[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scales
+    scales = nonzero(w.abs().amax(dim=1) / FP8_MAX)
+    return to_fp8(w, scales[:, None]), scales
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,32 +46,26 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     device (no host sync: CUDA graphs can hold it)."""
     x = x.float()
     scales = (x.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
-    return (x / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8), scales
+    return to_fp8(x, scales), scales
 
 
-class Fp8Linear(nn.Module):
+class Fp8Linear(QuantizedLinear):
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
-        super().__init__()
-        self.out_features, self.in_features = qweight.shape
+        super().__init__(*qweight.shape, bias)
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales.reshape(1, -1))  # _scaled_mm's scale_b
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @classmethod
     def of(cls, linear: nn.Linear) -> Fp8Linear:
         q, scales = quantize_fp8(linear.weight.data)
         return cls(q, scales, linear.bias.data if linear.bias is not None else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        xq, x_scales = quantize_rows(x.reshape(-1, self.in_features))
+    def matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        xq, x_scales = quantize_rows(x2)
         # Row-wise scales take a bf16 output; qweight.t() is the column-major operand
         # _scaled_mm wants.
-        y = torch._scaled_mm(xq, self.qweight.t(), scale_a=x_scales, scale_b=self.scales,
-                             out_dtype=torch.bfloat16).to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*shape[:-1], self.out_features)
+        return torch._scaled_mm(xq, self.qweight.t(), scale_a=x_scales, scale_b=self.scales,
+                                out_dtype=torch.bfloat16).to(x2.dtype)
 
 
 def check_fp8_shapes(linears) -> None:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from engine.quantization.kernel_rows import few_rows
+from engine.quantization.layer import QuantizedLinear, nonzero
 
 # torch's CPU kernel packs rows in blocks of 64: byte (k, j) of block b holds
 # row 64b + j in its low nibble and row 64b + 32 + j in its high one.
@@ -33,8 +34,7 @@ def quantize_int4(weight: torch.Tensor, group_size: int
     n, k = weight.shape
     w = weight.float().reshape(n, k // group_size, group_size)
     lo, hi = w.amin(dim=2), w.amax(dim=2)
-    scales = ((hi - lo) / 15).half()
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # a constant group
+    scales = nonzero(((hi - lo) / 15).half())
     mins = lo.half()
     q = torch.round((w - mins.float()[..., None]) / scales.float()[..., None])
     q = q.clamp(0, 15).to(torch.uint8).reshape(n, k)
@@ -63,12 +63,11 @@ def unpack_int4_t(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([p & 15, p >> 4], dim=2).reshape(k, n)
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(QuantizedLinear):
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                  bias: torch.Tensor | None, dtype: torch.dtype,
                  input_scales: torch.Tensor | None = None):
-        super().__init__()
-        self.out_features, self.in_features = q.shape
+        super().__init__(*q.shape, None if bias is None else bias.to(dtype), input_scales)
         if self.out_features % PACK_ROWS or self.in_features % scales.shape[0]:
             raise ValueError(f"int4 needs out_features divisible by {PACK_ROWS} and whole "
                              f"groups, got {tuple(q.shape)}")
@@ -84,10 +83,6 @@ class Int4Linear(nn.Module):
             kernel = torch.stack([scales.float(), mins.float() + 8 * scales.float()],
                                  dim=-1).to(dtype)
         self.register_buffer("kernel_scales_zeros", kernel)
-        # Activation-aware scaling (awq.py): the weights hold W * s, the inputs are
-        # divided by s.
-        self.register_buffer("input_scales", input_scales)
-        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
 
     @classmethod
     def of(cls, linear: nn.Linear, group_size: int,
@@ -108,16 +103,8 @@ class Int4Linear(nn.Module):
         w = q.float() * self.scales.float()[:, None, :] + self.mins.float()[:, None, :]
         return w.view(self.in_features, self.out_features).to(dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        if self.input_scales is not None:
-            x2 = x2 / self.input_scales
+    def matmul(self, x2: torch.Tensor) -> torch.Tensor:
         if self.kernel_scales_zeros is not None and few_rows(x2, INT4PACK_MAX_ROWS):
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x2, self.packed, self.group_size, self.kernel_scales_zeros)
-        else:
-            y = x2 @ self.dequantized_t(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*shape[:-1], self.out_features)
+        return x2 @ self.dequantized_t(x2.dtype)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from engine.quantization.kernel_rows import few_rows
+from engine.quantization.layer import QuantizedLinear, nonzero
 
 # torch's CPU int8 kernel reads int8 weights directly, but only pays for a few rows
 # in bf16/fp16 (bench/results/cpu_int8_kernels_2026-11-24.md: 1.9x faster than the
@@ -25,8 +26,7 @@ def quantize_int8(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tenso
     to `dtype` first and the weights divided by the rounded ones, so the kernel's
     scales are the ones the rounding used."""
     w = weight.float()
-    scales = (w.abs().amax(dim=1) / 127).to(dtype)
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero row
+    scales = nonzero((w.abs().amax(dim=1) / 127).to(dtype))
     q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
     return q, scales
 
@@ -37,17 +37,12 @@ def fake_quantize_int8(weight: torch.Tensor) -> torch.Tensor:
     return q.float() * scales[:, None]
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(QuantizedLinear):
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
                  input_scales: torch.Tensor | None = None):
-        super().__init__()
-        self.in_features, self.out_features = qweight.shape[1], qweight.shape[0]
+        super().__init__(*qweight.shape, bias, input_scales)
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales)
-        # Activation-aware scaling (awq.py): the weights hold W * s, the inputs are
-        # divided by s.
-        self.register_buffer("input_scales", input_scales)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @classmethod
     def of(cls, linear: nn.Linear, input_scales: torch.Tensor | None = None) -> Int8Linear:
@@ -58,22 +53,14 @@ class Int8Linear(nn.Module):
         return cls(q, scales, linear.bias.data if linear.bias is not None else None,
                    input_scales)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        if self.input_scales is not None:
-            x2 = x2 / self.input_scales
-        if x.device.type == "cpu" and x.dtype != torch.float32 \
+    def matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        if x2.device.type == "cpu" and x2.dtype != torch.float32 \
                 and few_rows(x2, INT8PACK_MAX_ROWS):
-            y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
-        else:
-            y = torch.nn.functional.linear(x2, self.qweight.to(x.dtype)) * self.scales
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*shape[:-1], self.out_features)
+            return torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
+        return torch.nn.functional.linear(x2, self.qweight.to(x2.dtype)) * self.scales
 
 
-class GroupInt8Linear(nn.Module):
+class GroupInt8Linear(QuantizedLinear):
     """GGUF's Q8_0 kept as it is: int8 weights, one float16 scale per group of 32
     along the input dimension (w = q * scale). torch has no kernel for group-wise
     int8, so the weights are expanded per call: the bytes stay a quarter of fp32's
@@ -81,17 +68,15 @@ class GroupInt8Linear(nn.Module):
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
                  dtype: torch.dtype):
-        super().__init__()
-        self.out_features, self.in_features = q.shape
+        super().__init__(*q.shape, None if bias is None else bias.to(dtype))
         self.group_size = self.in_features // scales.shape[0]
         self.register_buffer("qweight", q)
         self.register_buffer("scales", scales)  # [K / group, N] float16
-        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         q = self.qweight.view(self.out_features, -1, self.group_size).float()
         w = q * self.scales.t().float()[..., None]
         return w.view(self.out_features, self.in_features).to(dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x, self.dequantized(x.dtype), self.bias)
+    def matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x2, self.dequantized(x2.dtype))

@@ -33,6 +33,7 @@ from torch import nn
 from engine.attention.fp8_cache import FP8, FP8_MAX, key_rotation
 from engine.kv_caches import KVCacheFormat
 from engine.quantization.calibration import calibration_tokens, run_calibration_prompt
+from engine.quantization.layer import nonzero
 from modelstore.errors import ModelLoadError
 
 log = logging.getLogger("kvserve.engine")
@@ -70,8 +71,7 @@ def calibrate_scales(model: nn.Module, tokenizer, rotation: torch.Tensor,
                            device, dtype)
     amax = torch.stack([torch.stack([(a.k_cache.float() @ rotation).abs().amax(),
                                      a.v_cache.abs().amax().float()]) for a in attns])
-    # A layer whose K or V were all zero gets scale 1 rather than a division by 0.
-    scales = torch.where(amax > 0, amax / (FP8_MAX / HEADROOM), torch.ones_like(amax))
+    scales = nonzero(amax / (FP8_MAX / HEADROOM))
     log.info("KV cache fp8 (e4m3): per-layer scales from the calibration text, K %.3g..%.3g, "
              "V %.3g..%.3g", *scales[:, 0].aminmax(), *scales[:, 1].aminmax())
     return _pairs(scales)
