@@ -89,7 +89,7 @@ def ours_decode(engine: Engine, clock: Clock, args, dtype: torch.dtype) -> dict:
                         args.decode_tokens) for i in range(args.repeats)]
     step_s = statistics.median(r["decode_s"] for r in runs) / (args.decode_tokens - 1)
     return decode_row(engine.model_config, dtype, step_s, args.decode_tokens,
-                      model_bytes(engine.runner.model))
+                      model_bytes(engine.runner.model), engine.kv_format.dtype)
 
 
 def ours_ttft(engine: Engine, clock: Clock, args) -> dict:

@@ -19,9 +19,11 @@ def make_prompt(vocab: int, length: int, seed: int) -> list[int]:
 
 
 def decode_row(cfg: ModelConfig, dtype: torch.dtype, step_s: float, new_tokens: int,
-               weights: int | None = None) -> dict:
-    """`weights`: the loaded model's bytes where known (quantized weights)."""
-    read = bytes_per_decode_step(cfg, dtype, DECODE_PROMPT_LEN + new_tokens / 2, weights)
+               weights: int | None = None, kv_dtype: torch.dtype | None = None) -> dict:
+    """`weights`: the loaded model's bytes where known (quantized weights); kv_dtype:
+    the KV cache's where it is not `dtype` (an fp8 cache)."""
+    read = bytes_per_decode_step(cfg, dtype, DECODE_PROMPT_LEN + new_tokens / 2, weights,
+                                 kv_dtype)
     return {"tok_s": 1 / step_s, "step_ms": step_s * 1e3,
             "bytes_read_per_step": read["total"],
             "achieved_read_gbps": read["total"] / step_s / 1e9}

@@ -57,7 +57,8 @@ def run(args, command: str | None = None) -> dict:
                 case = profile_case(engine, batch, args.steps)
                 dtype = resolve_dtype(dtype_name, device)
                 need = bytes_per_decode_step(engine.model_config, dtype, PROMPT + args.steps,
-                                             model_bytes(engine.runner.model))
+                                             model_bytes(engine.runner.model),
+                                             engine.kv_format.dtype)
                 floor_ms = (need["weights"] + batch * need["kv"]) / (copy["gbps"] * 1e9) * 1e3
                 result["cases"].append({"dtype": dtype_name, "forward": mode, "batch": batch,
                                         "floor_ms": floor_ms, **case})
@@ -71,7 +72,8 @@ def _engine(args, dtype: str, mode: str, max_batch: int) -> Engine:
         max_model_len=PROMPT + 2 * args.steps + 64, max_num_seqs=max_batch,
         max_num_batched_tokens=max(512, PROMPT * max_batch), kv_cache_memory=1 << 30,
         enable_prefix_caching=False, compile="wait" if mode == "compiled" else "off",
-        attention_backend=args.attention_backend or "auto"))
+        attention_backend=args.attention_backend or "auto",
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype))
 
 
 def profile_case(engine: Engine, batch: int, steps: int) -> dict:

@@ -13,6 +13,7 @@ import time
 import torch
 
 from engine.config import ModelConfig
+from engine.kv_caches import KVCacheFormat
 from modelstore.weight_bytes import weight_bytes
 
 # Dense bf16 TFLOP/s by a substring of torch.cuda.get_device_name, first match wins.
@@ -57,15 +58,17 @@ def prefill_flops(cfg: ModelConfig, tokens: int) -> float:
 
 
 def bytes_per_decode_step(cfg: ModelConfig, dtype: torch.dtype, context: float,
-                          weights: int | None = None) -> dict:
+                          weights: int | None = None,
+                          kv_dtype: torch.dtype | None = None) -> dict:
     """Least bytes one batch-1 decode step reads: every weight once, except an untied
     embedding table (one row of it), plus the KV of the whole context. `weights`:
-    the loaded model's bytes (quantized ones), else its size in `dtype`."""
+    the loaded model's bytes (quantized ones), else its size in `dtype`; the KV in
+    `kv_dtype` (default `dtype`), counted as the engine allocates it."""
     if weights is None:
         weights = weight_bytes(cfg, dtype.itemsize)
     if not cfg.tie_word_embeddings:
         weights -= (cfg.vocab_size - 1) * cfg.hidden_size * dtype.itemsize
-    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    kv_per_token = KVCacheFormat(kv_dtype or dtype).bytes_per_block(cfg, 1)
     return {"weights": weights, "kv": int(kv_per_token * context),
             "total": int(weights + kv_per_token * context)}
 

@@ -123,6 +123,10 @@ def test_bytes_per_decode_step_by_hand():
     tied = bytes_per_decode_step(hand_config(tied=True), torch.bfloat16, context=10)
     # one table, read whole as the head (the embedding row is part of it)
     assert tied["weights"] == (1152 + 32 + 8 + 80) * 2
+    # An fp8 cache: the same weights, one byte a K or V value.
+    fp8 = bytes_per_decode_step(hand_config(), torch.bfloat16, context=10,
+                                kv_dtype=torch.float8_e4m3fn)
+    assert fp8["weights"] == untied["weights"] and fp8["kv"] == untied["kv"] // 2
 
 
 def test_mbu_and_mfu_by_hand():
