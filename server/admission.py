@@ -18,7 +18,7 @@ from server.errors import error_response
 
 # Routes that put work on the engine. Everything else (models, tokenize, health,
 # metrics) stays cheap and is served even while draining or full.
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 RETRY_AFTER_S = 1
 
 

@@ -16,6 +16,9 @@ from server.errors import APIError, error_response, install_error_handlers
 from server.ops import install_ops
 from server.config import ServerConfig
 from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.responses.protocol import ResponsesRequest
+from server.responses.service import ResponsesService
+from server.responses.store import ResponseStore
 from server.tokenization import Tokenization
 from server.validation import check_model
 
@@ -58,6 +61,9 @@ def build_app(engine: EngineClient, model_names: list[str], model_root: str = ""
     async def create_chat_completion(req: ChatCompletionRequest, request: Request):
         return await _cancel_on_disconnect(request, chat.create(req))
 
+    _install_responses(app, ResponsesService(chat, ResponseStore(
+        config.responses_store_max, config.responses_store_ttl)))
+
     def model_card(name: str) -> dict:
         return {"id": name, "object": "model", "created": created, "owned_by": "kvserve",
                 "root": model_root or name, "parent": None,
@@ -73,6 +79,20 @@ def build_app(engine: EngineClient, model_names: list[str], model_root: str = ""
         return model_card(check_model(model, model_names))
 
     return app
+
+
+def _install_responses(app: FastAPI, responses: ResponsesService) -> None:
+    @app.post("/v1/responses")
+    async def create_response(req: ResponsesRequest, request: Request):
+        return await _cancel_on_disconnect(request, responses.create(req))
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str):
+        return responses.retrieve(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        return responses.delete(response_id)
 
 
 async def _cancel_on_disconnect(request: Request, coro):

@@ -2,10 +2,13 @@
 with n choices, answered as a chat.completion or streamed chat.completion.chunks."""
 from __future__ import annotations
 
+import dataclasses
+
 from server.chat_template import chat_prompt_ids, render_chat_text
 from server.generation import ChoiceDelta, PromptGroup
 from server.logprobs import chat_logprobs
 from server.protocol import ChatCompletionRequest, chat_completion_id
+from server.reasoning import ReasoningStream, reasoning_parser
 from server.response_view import ResponseView
 from server.service import GenerationService
 from server.tool_parsers import CallStream
@@ -18,6 +21,12 @@ class ChatService(GenerationService):
     unsupported_fields = CHAT_FIELDS
 
     async def create(self, req: ChatCompletionRequest):
+        view = await self.prepare(req)
+        return await self.respond(view, view.groups, req)
+
+    async def prepare(self, req: ChatCompletionRequest) -> ChatView:
+        """Everything before generation: checks, tool plan, prompt, sampling; the view
+        that reads the output as chat (the Responses API reads it through this too)."""
         model = self.served_model(req)
         extra = req.model_extra or {}
         tokenizer = self.engine.tokenizer
@@ -27,7 +36,7 @@ class ChatService(GenerationService):
                          self.config.tool_call_parser, self.engine.structured_backend)
         if plan is not None and plan.format is not None and plan.format.keeps_special_tokens:
             req.skip_special_tokens = False  # the calls' opening is a special token
-        ids = await self.tokenization.run(self._prompt_ids, req, plan)
+        text, ids = await self.tokenization.run(self._prompt, req, plan)
         param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         max_tokens = output_budget(req.max_output_tokens, len(ids),
                                    self.engine.max_model_len, param)
@@ -36,11 +45,17 @@ class ChatService(GenerationService):
             req, max_tokens, self.vocab_size, num_logprobs,
             tool_grammar=plan.structured if plan is not None else None,
             structured_backend=self.engine.structured_backend))]
-        view = _ChatView(chat_completion_id(), model, req, groups, tokenizer)
+        view = ChatView(chat_completion_id(), model, req, groups, tokenizer)
         view.plan = plan if plan is not None and plan.mode != "none" else None
-        return await self.respond(view, groups, req)
+        parser = reasoning_parser(self.config.reasoning_parser)
+        if parser is not None:
+            constrained = groups[0].params.structured is not None and (
+                plan is None or plan.mode != "auto")  # "auto" leaves text free
+            view.reasoning = lambda: parser.stream(text, constrained)
+        return view
 
-    def _prompt_ids(self, req: ChatCompletionRequest, plan: ToolPlan | None) -> list[int]:
+    def _prompt(self, req: ChatCompletionRequest,
+                plan: ToolPlan | None) -> tuple[str, list[int]]:
         """On the tokenizer's thread: the template, then the length check on what
         it rendered (a template need not use every message), then the tokens."""
         text = render_chat_text(self.engine.tokenizer, req.message_dicts(),
@@ -50,20 +65,22 @@ class ChatService(GenerationService):
                                 tools=plan.tools if plan is not None else None,
                                 tool_format=plan.format if plan is not None else None)
         self.tokenization.refuse_if_too_long(text, "messages")
-        return check_prompt(self.engine, chat_prompt_ids(self.engine.tokenizer, text),
-                            "messages")
+        return text, check_prompt(self.engine, chat_prompt_ids(self.engine.tokenizer, text),
+                                  "messages")
 
 
-class _ChatView(ResponseView):
+class ChatView(ResponseView):
     body_object = "chat.completion"
     chunk_object = "chat.completion.chunk"
     plan: ToolPlan | None = None  # tool calls (not "none"): how the output is read
+    reasoning = None  # --reasoning-parser: () -> a ReasoningStream for one choice
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._held: dict[int, str] = {}  # "required" output per choice, until it ends
         self._parsers: dict[int, CallStream] = {}  # "auto": per choice
         self._calls: dict[int, int] = {}  # "auto": calls sent per choice
+        self._thoughts: dict[int, ReasoningStream] = {}  # per choice, when reasoning
 
     def _logprobs(self, deltas: list[ChoiceDelta]) -> dict | None:
         if not self.req.logprobs:
@@ -73,12 +90,17 @@ class _ChatView(ResponseView):
 
     def choice(self, index: int, deltas: list[ChoiceDelta]) -> dict:
         text = "".join(d.text for d in deltas)
+        thought = None
+        if self.reasoning is not None:
+            thought, text = self.reasoning().whole(text)
         message, finish = {"role": "assistant", "content": text}, deltas[-1].finish_reason
-        content, calls = (self.plan.read(text) if self.plan is not None and finish == "stop"
-                          else (text, None))
+        content, calls = (self.plan.read(text or "")
+                          if self.plan is not None and finish == "stop" else (text, None))
         if calls:
             message, finish = {"role": "assistant", "content": content or None,
                                "tool_calls": calls}, "tool_calls"
+        if self.reasoning is not None:
+            message["reasoning_content"] = thought
         choice = {"index": index, "message": message,
                   "logprobs": self._logprobs(deltas),
                   "finish_reason": finish,
@@ -94,9 +116,16 @@ class _ChatView(ResponseView):
         return body
 
     def chunk_choices(self, d: ChoiceDelta) -> list[dict]:
+        thought = ""
+        if self.reasoning is not None:
+            thought, d = self._split_thought(d)
         delta, finish = {"content": d.text}, d.finish_reason
         if self.plan is not None:
             delta, finish = self.streamed_calls(d)
+        if self.reasoning is not None:  # only what this delta carries
+            delta = {k: v for k, v in delta.items() if v}
+            if thought:
+                delta = {"reasoning_content": thought, **delta}
         choice = {"index": d.index, "delta": delta,
                   "logprobs": self._logprobs([d]), "finish_reason": finish}
         if d.finish_reason is not None:
@@ -112,6 +141,17 @@ class _ChatView(ResponseView):
         role = {"index": d.index, "delta": {"role": "assistant", "content": ""},
                 "logprobs": None, "finish_reason": None}
         return [role, *choices]
+
+    def _split_thought(self, d: ChoiceDelta) -> tuple[str, ChoiceDelta]:
+        """This delta's reasoning, and the delta with only its answer text left."""
+        stream = self._thoughts.get(d.index)
+        if stream is None:
+            stream = self._thoughts[d.index] = self.reasoning()
+        thought, answer = stream.feed(d.text)
+        if d.finish_reason is not None:
+            more_thought, more_answer = stream.finish()
+            thought, answer = thought + more_thought, answer + more_answer
+        return thought, dataclasses.replace(d, text=answer)
 
     def streamed_calls(self, d: ChoiceDelta) -> tuple[dict, str | None]:
         """A tool-calling delta, as OpenAI frames it: a named function's id and name

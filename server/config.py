@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from engine.arg_types import non_negative, parse_bool, positive_int
 from engine.settings import setting
+from server.reasoning import PARSER_CHOICES as REASONING_PARSERS
 from server.tool_formats import PARSER_CHOICES
 
 DEFAULT_MAX_BODY_BYTES = 10 * 2**20
@@ -55,6 +56,17 @@ class ServerConfig:
         "auto", "the format of tool calls a model writes with tool_choice \"auto\" "
         "(auto: read off the chat template; hermes for templates without tools)",
         choices=PARSER_CHOICES)
+    reasoning_parser: str = setting(
+        "none", "split a thinking model's <think>...</think> from its answer into "
+        "reasoning_content (chat) and reasoning items (responses): deepseek_r1 (the "
+        "output starts thinking), qwen3 (it thinks when it opens <think> or the "
+        "prompt left one open)", choices=list(REASONING_PARSERS))
+    responses_store_max: int = setting(
+        1024, "most responses /v1/responses keeps (store: true) for GET and "
+        "previous_response_id, in memory: the oldest go first, a restart forgets them "
+        "(0: keep none)", parse=non_negative(int))
+    responses_store_ttl: float = setting(
+        86400.0, "seconds a stored response is kept", parse=non_negative(float))
     shutdown_timeout: float = setting(
         30.0, "seconds in-flight requests may run after SIGTERM/SIGINT before they are "
         "aborted", parse=non_negative(float))

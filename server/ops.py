@@ -97,7 +97,7 @@ def _document_errors(app: FastAPI, *, keys: bool, protect_metrics: bool, queue_l
                     op["security"] = [{"apiKey": []}]
                 ok = responses.get("200", {}).setdefault("content", {})
                 if path in GENERATION_PATHS:
-                    ok.setdefault("text/event-stream", {})  # data: events, then [DONE]
+                    ok.setdefault("text/event-stream", {})  # server-sent events
                 if path == "/metrics":
                     ok.clear()
                     ok["text/plain"] = {"schema": {"type": "string"}}
@@ -111,7 +111,7 @@ def _error_codes(path: str, method: str, keys: bool, protect_metrics: bool,
     codes = []
     if method == "POST":  # every POST reads a JSON body naming a model
         codes += [400, 404] + [413] * body_limit
-    if "{model}" in path:  # a model named in the path
+    if "{model}" in path or "{response_id}" in path:  # what the path names may be gone
         codes.append(404)
     if keys and guarded(path, protect_metrics):
         codes.append(401)

@@ -40,10 +40,13 @@ class GenerationService:
             raise APIError(503, "the engine is not running")
         return model
 
-    async def respond(self, view: ResponseView, groups: list[PromptGroup], req):
-        opts = TextOptions(req.stop_strings(), req.include_stop_str_in_output,
+    def text_options(self, req) -> TextOptions:
+        return TextOptions(req.stop_strings(), req.include_stop_str_in_output,
                            req.skip_special_tokens, req.cache_salt, req.priority,
                            self.config.request_timeout)
+
+    async def respond(self, view: ResponseView, groups: list[PromptGroup], req):
+        opts = self.text_options(req)
         if req.stream:
             events = generation.stream(self.engine, view.rid, groups, opts)
             return StreamingResponse(view.sse(events), media_type="text/event-stream")
