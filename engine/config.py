@@ -56,6 +56,10 @@ class ModelConfig:
     rope: RopeConfig = field(default_factory=RopeConfig)
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None  # the checkpoint's own dtype name, if stated
+    # A Matryoshka embedding model's vector lengths that `dimensions` may ask for
+    # (config key matryoshka_dimensions); () when any length works (is_matryoshka);
+    # None when its vectors cannot be shortened.
+    shorter_embeddings: tuple[int, ...] | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -126,7 +130,15 @@ class ModelConfig:
             rope=_rope_from_hf(hf),
             eos_token_ids=_eos_ids(hf),
             torch_dtype=_dtype_name(hf),
+            shorter_embeddings=_matryoshka(hf),
         )
+
+
+def _matryoshka(hf) -> tuple[int, ...] | None:
+    dims = getattr(hf, "matryoshka_dimensions", None)
+    if dims:
+        return tuple(int(d) for d in dims)
+    return () if getattr(hf, "is_matryoshka", False) else None
 
 
 def _rope_from_hf(hf) -> RopeConfig:

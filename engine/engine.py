@@ -360,7 +360,8 @@ class Engine:
             finish_reason=req.finish_reason, stop_reason=req.stop_reason,
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            times=RequestTimes.of(req) if req.finished else None)
+            times=RequestTimes.of(req) if req.finished else None,
+            embedding=result.embeddings.get(rid) if result is not None else None)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
                  ) -> list[list[int]]:

@@ -20,6 +20,7 @@ from engine.cuda_graphs import DecodeGraphPlan, DecodeGraphs
 from engine.host_copy import to_device
 from engine.kv_caches import KVCacheFormat, attach_kv_caches
 from engine.models.llama import LlamaForCausalLM
+from engine.pooling import Pooler, PoolRows
 from engine.sampling import Sampler, StepResult
 from engine.sampling.logprobs import MAX_EXACT_ID
 from engine.sampling.prompt_logprobs import PromptSpan
@@ -34,6 +35,7 @@ class LaunchedStep:
     sample: SampleLaunch | None = None  # None: nobody sampled
     verified: StepResult | None = None  # verifications' results (read at once)
     failed: dict[str, str] = field(default_factory=dict)  # left out at preparation
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)  # on the device
     _feed: tuple[torch.Tensor, dict[str, int]] | None = None
 
     def feed_source(self, device: torch.device) -> tuple[torch.Tensor, dict[str, int]]:
@@ -64,6 +66,8 @@ class FlatBatch:
     sampling: list[ScheduledRequest]  # the requests that sample, in row order
     prompt_spans: list[PromptSpan]  # where the prompt rows come from
     verifying: list[ScheduledRequest]  # requests verifying drafts, in row order
+    pooling: list[PoolRows] = field(default_factory=list)  # embedding requests' rows
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)  # set by the forward
 
 
 class ModelRunner:
@@ -85,6 +89,7 @@ class ModelRunner:
         if cfg.vocab_size >= MAX_EXACT_ID:
             raise ValueError("vocabularies of 2**24 tokens or more are not supported")
         self.sampler = Sampler(device)
+        self.pooler = Pooler()  # embedding requests' partial sums
         self.table_rows = BlockTableRows()  # the running requests' block tables
         self.decode_graphs: DecodeGraphs | None = None
         if decode_graphs is not None:
@@ -175,6 +180,7 @@ class ModelRunner:
         step = LaunchedStep(failed=failed)
         if batch is not None:
             logits = self.forward_logits(batch)
+            step.pooled = batch.pooled
             if self.drafter is not None:
                 self.drafter.observe(batch)  # a draft model's own cache keeps up
             if batch.sampling or batch.prompt_spans:
@@ -195,6 +201,7 @@ class ModelRunner:
             result.tokens.update(step.verified.tokens)
             result.failed.update(step.verified.failed)
         result.failed.update(step.failed)
+        result.embeddings = {rid: v.tolist() for rid, v in step.pooled.items()}
         return result
 
     def _draft(self, scheduled: list[ScheduledRequest]) -> None:
@@ -240,7 +247,8 @@ class ModelRunner:
             return False  # the draft model must see the batch: eager steps
         return (g is not None and g.fits(len(scheduled))
                 and all(s.num_new_tokens == 1 and not s.spec_token_ids for s in scheduled)
-                and not any(s.request.needs_prompt_logits for s in scheduled))
+                and not any(s.request.needs_prompt_logits or s.request.params.pooling
+                            for s in scheduled))
 
     def _launch_decode(self, scheduled: list[ScheduledRequest],
                        previous: LaunchedStep | None) -> LaunchedStep:
@@ -283,7 +291,8 @@ class ModelRunner:
         set_attention_context(self.attn_backend, batch.attention)
         try:
             compiled, paged = self.compiled, _decode_inputs(batch.attention)
-            decode_only = batch.rows.num_sample == batch.rows.total == len(batch.input_ids)
+            decode_only = (batch.rows.num_sample == batch.rows.total == len(batch.input_ids)
+                           and not batch.pooling)  # pooling needs the hidden rows
             if compiled is None:
                 hidden = self.model(batch.input_ids, batch.positions)
             elif decode_only and (paged is not None or not compiled.paged_decode):
@@ -294,6 +303,8 @@ class ModelRunner:
                 hidden = compiled.hidden(batch.input_ids, batch.positions)
         finally:
             clear_attention_context()
+        if batch.pooling:
+            batch.pooled = self.pooler.observe(hidden, batch.pooling)
         return self.model.compute_logits(hidden[batch.logit_rows])
 
     def copy_blocks(self, copies) -> None:
@@ -307,6 +318,7 @@ class ModelRunner:
 
     def release(self, request_id: str) -> None:
         self.sampler.release(request_id)
+        self.pooler.release(request_id)
         self.table_rows.drop(request_id)
 
     # -- batch preparation -----------------------------------------------------
@@ -346,7 +358,13 @@ class ModelRunner:
         return FlatBatch(input_ids=input_ids, positions=positions,
                          attention=self.attn_backend.prepare(common), logit_rows=logit_rows,
                          rows=counts, sampling=sampling, prompt_spans=spans,
-                         verifying=verifying)
+                         verifying=verifying, pooling=_pool_rows(scheduled, query_starts))
+
+
+def _pool_rows(scheduled: list[ScheduledRequest], query_starts: list[int]) -> list[PoolRows]:
+    return [PoolRows(s.request.request_id, s.request.params.pooling, query_starts[i],
+                     s.num_new_tokens, restarts=s.start == 0, completes=s.samples)
+            for i, s in enumerate(scheduled) if s.request.params.pooling]
 
 
 def _decode_inputs(meta) -> PagedDecode | None:

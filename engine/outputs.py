@@ -56,3 +56,5 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     # Only on a sequence's finishing output: its timings, for the request histograms.
     times: RequestTimes | None = None
+    # Only on a pooling request's finishing output: its unit-length vector.
+    embedding: list[float] | None = None

@@ -95,6 +95,13 @@ class Request:
         return self.params.prompt_logprobs is not None and self.num_output_tokens == 0
 
     @property
+    def computes_whole_prompt(self) -> bool:
+        """Every prompt position must run, so no prefix-cache hit: prompt logprobs
+        still to compute, or a mean-pooled embedding (it sums every row)."""
+        return self.needs_prompt_logits or (self.params.pooling == "mean"
+                                            and self.num_output_tokens == 0)
+
+    @property
     def banned_stop_ids(self) -> tuple[int, ...]:
         """Stop tokens (EOS unless ignore_eos) the sampler masks while fewer than
         min_tokens tokens have been generated; () once they may end the request."""

@@ -12,6 +12,8 @@ GREEDY_EPSILON = 1e-5
 MAX_LOGPROBS = 20
 # OpenAI clamps logit_bias values to this range.
 MAX_LOGIT_BIAS = 100.0
+# How an embedding request's final hidden states become one vector (engine/pooling.py).
+POOLING_METHODS = ("last", "mean")
 
 
 @dataclass
@@ -46,6 +48,10 @@ class SamplingParams:
     # The output must match this (JSON schema, regex, choice, grammar): the engine
     # masks every token the grammar does not allow.
     structured: StructuredOutput | None = None
+    # An embedding request: its prompt's final hidden states pooled this way (one of
+    # POOLING_METHODS) are the output; it generates nothing (max_tokens 1, the token
+    # thrown away).
+    pooling: str | None = None
     # Derived in __post_init__: any penalty, bias or min_tokens to apply to logits.
     needs_processing: bool = field(default=False, init=False, repr=False, compare=False)
 
@@ -84,6 +90,11 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and not 0 <= k <= MAX_LOGPROBS:
                 raise ValueError(f"{name} must be between 0 and {MAX_LOGPROBS}")
+        if self.pooling is not None:
+            if self.pooling not in POOLING_METHODS:
+                raise ValueError(f"pooling must be one of {POOLING_METHODS}")
+            if self.max_tokens != 1 or self.n != 1:
+                raise ValueError("a pooling request generates nothing: max_tokens and n 1")
 
     @property
     def greedy(self) -> bool:

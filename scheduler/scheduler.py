@@ -271,7 +271,7 @@ class Scheduler:
                 return
             if req.num_computed_tokens == 0:
                 cached = self.kv.lookup_prefix(req.request_id, req.token_ids, req.cache_salt,
-                                               match=not req.needs_prompt_logits)
+                                               match=not req.computes_whole_prompt)
                 req.num_computed_tokens = cached
                 if req.num_preemptions == 0:
                     req.num_cached_tokens = cached

@@ -16,9 +16,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from engine.client.engine_client import EngineClient
 from server.errors import error_response
 
-# Routes that put work on the engine. Everything else (models, tokenize, health,
-# metrics) stays cheap and is served even while draining or full.
+# Routes that generate (they may stream), and all that put work on the engine.
+# Everything else (models, tokenize, health, metrics) stays cheap and is served even
+# while draining or full.
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
+ENGINE_PATHS = GENERATION_PATHS | {"/v1/embeddings"}
 RETRY_AFTER_S = 1
 
 
@@ -85,4 +87,4 @@ class AdmissionMiddleware:
 
 def _is_generation(scope: Scope) -> bool:
     return (scope["type"] == "http" and scope["method"] == "POST"
-            and scope["path"].rstrip("/") in GENERATION_PATHS)
+            and scope["path"].rstrip("/") in ENGINE_PATHS)

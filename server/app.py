@@ -12,6 +12,7 @@ from fastapi.responses import Response
 from engine.client.engine_client import EngineClient
 from server.chat import ChatService
 from server.completions import CompletionService
+from server.embeddings import EmbeddingRequest, EmbeddingService
 from server.errors import APIError, error_response, install_error_handlers
 from server.ops import install_ops
 from server.config import ServerConfig
@@ -60,6 +61,13 @@ def build_app(engine: EngineClient, model_names: list[str], model_root: str = ""
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, request: Request):
         return await _cancel_on_disconnect(request, chat.create(req))
+
+    embeddings = EmbeddingService(engine, model_names, tokenization, config.pooling,
+                                  config.max_prompts_per_request)
+
+    @app.post("/v1/embeddings")
+    async def create_embeddings(req: EmbeddingRequest, request: Request):
+        return await _cancel_on_disconnect(request, embeddings.create(req))
 
     _install_responses(app, ResponsesService(chat, ResponseStore(
         config.responses_store_max, config.responses_store_ttl)))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from server.chat_template import chat_prompt_ids, render_chat_text
+from server.chat_template import chat_prompt_ids, refuse_untrusted_template, render_chat_text
 from server.generation import ChoiceDelta, PromptGroup
 from server.logprobs import chat_logprobs
 from server.protocol import ChatCompletionRequest, chat_completion_id
@@ -28,6 +28,8 @@ class ChatService(GenerationService):
         """Everything before generation: checks, tool plan, prompt, sampling; the view
         that reads the output as chat (the Responses API reads it through this too)."""
         model = self.served_model(req)
+        refuse_untrusted_template(req.chat_template, req.chat_template_kwargs,
+                                  self.config.trust_request_chat_template)
         extra = req.model_extra or {}
         tokenizer = self.engine.tokenizer
         plan = tool_plan(extra.get("tools"), extra.get("tool_choice"),
@@ -44,7 +46,8 @@ class ChatService(GenerationService):
         groups = [PromptGroup(0, ids, sampling_params(
             req, max_tokens, self.vocab_size, num_logprobs,
             tool_grammar=plan.structured if plan is not None else None,
-            structured_backend=self.engine.structured_backend))]
+            structured_backend=self.engine.structured_backend,
+            has_tokenizer=tokenizer is not None))]
         view = ChatView(chat_completion_id(), model, req, groups, tokenizer)
         view.plan = plan if plan is not None and plan.mode != "none" else None
         parser = reasoning_parser(self.config.reasoning_parser)
@@ -61,7 +64,7 @@ class ChatService(GenerationService):
         text = render_chat_text(self.engine.tokenizer, req.message_dicts(),
                                 req.add_generation_prompt, req.continue_final_message,
                                 chat_template=req.chat_template,
-                                chat_template_kwargs=req.chat_template_kwargs,
+                                chat_template_kwargs=req.template_kwargs(),
                                 tools=plan.tools if plan is not None else None,
                                 tool_format=plan.format if plan is not None else None)
         self.tokenization.refuse_if_too_long(text, "messages")

@@ -28,6 +28,16 @@ def message_text(content: Any) -> str:
     return "\n".join(texts)
 
 
+def refuse_untrusted_template(template: str | None, kwargs: dict | None,
+                              trusted: bool) -> None:
+    """A template sent with the request runs on the server: only with
+    --trust-request-chat-template (vLLM's rule)."""
+    if not trusted and (template or (kwargs or {}).get("chat_template")):
+        raise APIError(400, "Chat template is passed with request, but "
+                       "--trust-request-chat-template is not set. Refused request with "
+                       "untrusted chat template.", "chat_template")
+
+
 def render_chat_text(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
                      continue_final_message: bool = False,
                      chat_template: str | None = None,

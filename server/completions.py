@@ -17,6 +17,8 @@ class CompletionService(GenerationService):
 
     async def create(self, req: CompletionRequest):
         model = self.served_model(req)
+        if req.prompt == "":  # vLLM's check: it would be BOS alone, or nothing
+            raise APIError(400, "prompt must not be empty", "prompt")
         prompts = req.prompts()
         if not prompts:  # prompt: []
             raise APIError(400, "the prompt is empty", "prompt")
@@ -44,7 +46,8 @@ class CompletionService(GenerationService):
         prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
         params = sampling_params(req, max_tokens, self.vocab_size, req.logprobs,
                                  prompt_logprobs,
-                                 structured_backend=self.engine.structured_backend)
+                                 structured_backend=self.engine.structured_backend,
+                                 has_tokenizer=self.engine.tokenizer is not None)
         return PromptGroup(index, ids, params, prompt if isinstance(prompt, str) else None,
                            count_output=not req.echo_only)
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from engine.arg_types import non_negative, parse_bool, positive_int
 from engine.settings import setting
+from scheduler.sampling_params import POOLING_METHODS
 from server.reasoning import PARSER_CHOICES as REASONING_PARSERS
 from server.tool_formats import PARSER_CHOICES
 
@@ -56,11 +57,19 @@ class ServerConfig:
         "auto", "the format of tool calls a model writes with tool_choice \"auto\" "
         "(auto: read off the chat template; hermes for templates without tools)",
         choices=PARSER_CHOICES)
+    trust_request_chat_template: bool = setting(
+        False, "render a chat template sent with a request (`chat_template`); without "
+        "it such a request is a 400, as in vLLM: a template is code the server runs",
+        parse=parse_bool)
     reasoning_parser: str = setting(
         "none", "split a thinking model's <think>...</think> from its answer into "
         "reasoning_content (chat) and reasoning items (responses): deepseek_r1 (the "
         "output starts thinking), qwen3 (it thinks when it opens <think> or the "
         "prompt left one open)", choices=list(REASONING_PARSERS))
+    pooling: str = setting(
+        "last", "how /v1/embeddings pools a prompt's final hidden states: last (the "
+        "last token's, as decoder embedding models such as Qwen3-Embedding are "
+        "trained) or mean", choices=list(POOLING_METHODS))
     responses_store_max: int = setting(
         1024, "most responses /v1/responses keeps (store: true) for GET and "
         "previous_response_id, in memory: the oldest go first, a restart forgets them "

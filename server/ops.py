@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from engine.client.engine_client import EngineClient
-from server.admission import GENERATION_PATHS, Admission, AdmissionMiddleware
+from server.admission import ENGINE_PATHS, GENERATION_PATHS, Admission, AdmissionMiddleware
 from server.auth import ApiKeyMiddleware, guarded
 from server.config import ServerConfig
 from server.limits import BodyLimitMiddleware
@@ -36,7 +36,8 @@ def install_ops(app: FastAPI, engine: EngineClient, model_names: list[str], vers
     server_metrics = ServerMetrics(engine, model_names[0] if model_names else "")
     # Outermost: a request's latency counts from its arrival, auth and admission included.
     app.add_middleware(ArrivalMiddleware, hist=server_metrics.frontend)
-    app.include_router(tokenize_router(engine, model_names, tokenization))
+    app.include_router(tokenize_router(engine, model_names, tokenization,
+                                       config.trust_request_chat_template))
 
     @app.get("/health")
     async def health():
@@ -115,7 +116,7 @@ def _error_codes(path: str, method: str, keys: bool, protect_metrics: bool,
         codes.append(404)
     if keys and guarded(path, protect_metrics):
         codes.append(401)
-    if path in GENERATION_PATHS:
+    if path in ENGINE_PATHS:
         codes += [429] * queue_limit + [500, 503]
     if path == "/health":
         codes.append(503)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, field_validator,
                       model_validator)
@@ -15,6 +15,13 @@ log = logging.getLogger("kvserve.server")
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
 MAX_LOGPROBS = 20  # OpenAI's cap on top alternatives per token
+MAX_CACHE_SALT = 128  # vLLM's cap on cache_salt's length
+# Fields whose explicit null means their default (vLLM types them optional).
+NULL_IS_DEFAULT = frozenset({"stream", "n", "echo", "logprobs", "return_token_ids",
+                             "ignore_eos", "skip_special_tokens", "min_tokens",
+                             "include_stop_str_in_output", "add_generation_prompt",
+                             "continue_final_message", "speculative", "priority"})
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
 class StreamOptions(BaseModel):
@@ -50,7 +57,8 @@ class SamplingFields(OpenAIRequest):
     min_tokens: int = Field(default=0, ge=0)
     presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(default=1.0, gt=0.0)
+    # Infinity is valid JSON to Python's parser: not a penalty (vLLM: finite)
+    repetition_penalty: float | None = Field(default=1.0, gt=0.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -60,10 +68,36 @@ class SamplingFields(OpenAIRequest):
     # vLLM's: each choice also carries its token ids (and the prompt's); the only
     # output of a model served without a tokenizer
     return_token_ids: bool = False
-    priority: int = 0  # lower is sooner, with --scheduling-policy priority
+    # lower is sooner, with --scheduling-policy priority
+    priority: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
     # kvserve's: false opts this request out of speculative decoding (when the server
     # runs it); the output is the same either way, only its speed differs
     speculative: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data):
+        """An explicit null for a switch or a count is its default, as vLLM reads it
+        (JavaScript and LangChain clients send nulls)."""
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items() if v is not None or k not in NULL_IS_DEFAULT}
+        return data
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt_is_a_short_plain_string(cls, salt):
+        if salt is None:
+            return salt
+        if not salt:
+            raise ValueError("cache_salt must be a non-empty string if provided")
+        if len(salt) > MAX_CACHE_SALT or any(c in salt for c in "@/\\\x00"):
+            raise ValueError(f"cache_salt must be at most {MAX_CACHE_SALT} characters and "
+                             "must not contain '@', '/', '\\' or NUL")
+        try:
+            salt.encode("utf-8")  # it is hashed with the prompt's blocks
+        except UnicodeEncodeError:
+            raise ValueError("cache_salt is not valid UTF-8 text") from None
+        return salt
 
     @field_validator("logit_bias")
     @classmethod
@@ -135,6 +169,9 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: handed to the template (gpt-oss reads it); "none" also turns thinking
+    # off for templates with an enable_thinking switch, unless the request set it
+    reasoning_effort: Literal[REASONING_EFFORTS] | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self):
@@ -145,6 +182,13 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def max_output_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
+            kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
+        return kwargs or None
 
     def message_dicts(self) -> list[dict]:
         return [m.model_dump(exclude_none=True) for m in self.messages]

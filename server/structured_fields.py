@@ -70,6 +70,9 @@ def _response_format(fmt: Any) -> StructuredOutput | None:
         if not isinstance(body, dict) or "schema" not in body:
             raise APIError(400, "response_format: json_schema needs a `json_schema` object "
                            "with a `schema`", "response_format")
+        if not isinstance(body.get("name"), str) or not body["name"]:
+            raise APIError(400, "response_format: json_schema needs a `name`",
+                           "response_format")
         return _spec("response_format", "json_schema", body["schema"])
     if kind == "structural_tag":  # the whole object is xgrammar's structural tag
         return _spec("response_format", "structural_tag", fmt)

@@ -9,7 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import Field, ValidationError
 
 from engine.client.engine_client import EngineClient
-from server.chat_template import render_chat, render_chat_text
+from server.chat_template import refuse_untrusted_template, render_chat, render_chat_text
 from server.errors import APIError, no_tokenizer
 from server.protocol import ChatMessage, OpenAIRequest
 from server.tokenization import Tokenization
@@ -41,7 +41,8 @@ class DetokenizeRequest(OpenAIRequest):
 
 
 def tokenize_router(engine: EngineClient, model_names: list[str],
-                    tokenization: Tokenization) -> APIRouter:
+                    tokenization: Tokenization, trust_chat_template: bool = False
+                    ) -> APIRouter:
     """The tokenizer runs on `tokenization`'s thread, never on the event loop. A
     prompt longer than the context is still counted here (that is what /tokenize is
     for), so no length shortcut applies."""
@@ -52,6 +53,9 @@ def tokenize_router(engine: EngineClient, model_names: list[str],
     async def tokenize(request: Request):
         req = await _parse_tokenize(request)
         check_model(req.model, model_names)
+        if isinstance(req, TokenizeChatRequest):
+            refuse_untrusted_template(req.chat_template, req.chat_template_kwargs,
+                                      trust_chat_template)
         if tok is None:
             raise no_tokenizer()
         return await tokenization.run(_tokenize, tok, req, engine.max_model_len)

@@ -140,7 +140,7 @@ def _functions(tools: Any) -> dict[str, dict]:
 
 def _named(choice: Any) -> str:
     fn = choice.get("function") if isinstance(choice, dict) else None
-    if not isinstance(choice, dict) or choice.get("type") != "function" \
+    if not isinstance(choice, dict) or choice.get("type", "function") != "function" \
             or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise APIError(400, "tool_choice must be \"none\", \"auto\", \"required\" or "
                        "{\"type\": \"function\", \"function\": {\"name\": ...}}",

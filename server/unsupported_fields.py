@@ -28,6 +28,10 @@ def _text_only(value, _req) -> bool:
     return value is None or value == ["text"]
 
 
+def _true_or_unset(value, _req) -> bool:
+    return value is None or value is True
+
+
 def _best_of_n(value, req) -> bool:
     return value is None or value == req.n
 
@@ -37,6 +41,9 @@ def _best_of_n(value, req) -> bool:
 _SHARED: dict[str, Harmless] = {
     "use_beam_search": _empty, "bad_words": _empty, "allowed_token_ids": _empty,
     "truncate_prompt_tokens": _empty, "prompt_logprobs": _empty, "logits_processors": _empty,
+    "logprob_token_ids": _empty, "thinking_token_budget": _empty,
+    "repetition_detection": _empty, "return_tokens_as_token_ids": _empty,
+    "spaces_between_special_tokens": _true_or_unset,
 }
 COMPLETION_FIELDS: dict[str, Harmless] = {
     **_SHARED, "best_of": _best_of_n, "suffix": _empty,
@@ -47,6 +54,7 @@ CHAT_FIELDS: dict[str, Harmless] = {
     "modalities": _text_only, "audio": _empty, "web_search_options": _empty,
     # vLLM's chat extras: the prompt echoed back, BOS added twice, RAG documents
     "echo": _empty, "add_special_tokens": _empty, "documents": _empty,
+    "include_reasoning": _true_or_unset,
 }
 
 

@@ -63,10 +63,15 @@ def sampling_params(req: SamplingFields, max_tokens: int, vocab_size: int,
                     logprobs: int | None = None,
                     prompt_logprobs: int | None = None,
                     tool_grammar: StructuredOutput | None = None,
-                    structured_backend: str = "xgrammar") -> SamplingParams:
+                    structured_backend: str = "xgrammar",
+                    has_tokenizer: bool = True) -> SamplingParams:
     """tool_grammar: what the request's tool calling makes the output (server/tools.py);
     structured_backend: the engine's, which structured outputs are checked for."""
+    _check_cross_fields(req, max_tokens)
     structured = structured_output(req, structured_backend)
+    if structured is not None and not has_tokenizer:
+        raise APIError(400, "structured outputs need the model's tokenizer, and this "
+                       "model is served without one", "response_format")
     if structured is not None and tool_grammar is not None:
         raise APIError(400, "a structured output (response_format, structured_outputs, "
                        "guided_*) and tool calls cannot be asked for together",
@@ -91,6 +96,17 @@ def sampling_params(req: SamplingFields, max_tokens: int, vocab_size: int,
             speculative=req.speculative, structured=structured or tool_grammar)
     except ValueError as exc:
         raise APIError(400, str(exc)) from exc
+
+
+def _check_cross_fields(req: SamplingFields, max_tokens: int) -> None:
+    """vLLM's checks across fields, each a 400 naming the field."""
+    if req.stream_options is not None and req.stream_options.model_fields_set \
+            and not req.stream:
+        raise APIError(400, "Stream options can only be defined when `stream=True`.",
+                       "stream_options")
+    if req.min_tokens > max_tokens:
+        raise APIError(400, f"min_tokens must be less than or equal to max_tokens="
+                       f"{max_tokens}, got {req.min_tokens}.", "min_tokens")
 
 
 def _or(value, default):

@@ -34,9 +34,10 @@ class _QueueSource:
 
 class AsyncEngine(EngineClient):
     def __init__(self, engine: Engine):
-        super().__init__(engine.tokenizer, engine.max_model_len,
-                         engine.model_config.vocab_size,
-                         engine.config.structured_outputs_backend)
+        mc = engine.model_config
+        super().__init__(engine.tokenizer, engine.max_model_len, mc.vocab_size,
+                         engine.config.structured_outputs_backend, mc.hidden_size,
+                         mc.shorter_embeddings)
         self.engine = engine
         self._commands = _QueueSource()
         self._loop = EngineLoop(engine, self._commands, self._on_report)

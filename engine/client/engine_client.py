@@ -64,10 +64,13 @@ class EngineClient:
     call _on_report / _on_dead as the engine answers."""
 
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int,
-                 structured_backend: str = "xgrammar"):
+                 structured_backend: str = "xgrammar", hidden_size: int = 0,
+                 shorter_embeddings: tuple[int, ...] | None = None):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        # An embedding's length, and the shorter ones it may be cut to (ModelConfig).
+        self.hidden_size, self.shorter_embeddings = hidden_size, shorter_embeddings
         self.structured_backend = structured_backend  # the front end checks specs for it
         self.stats = ServingStats()
         # Guarded by _lock: reservations, adds not yet taken by the engine, and the

@@ -56,8 +56,10 @@ def _child_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
     except BaseException as exc:
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
-    conn.send(("ready", {"max_model_len": engine.max_model_len,
-                         "vocab_size": engine.model_config.vocab_size}))
+    mc = engine.model_config
+    conn.send(("ready", {"max_model_len": engine.max_model_len, "vocab_size": mc.vocab_size,
+                         "hidden_size": mc.hidden_size,
+                         "shorter_embeddings": mc.shorter_embeddings}))
     try:
         EngineLoop(engine, _PipeSource(conn), lambda rep: conn.send(("report", rep))).run()
     except BaseException as exc:
@@ -82,7 +84,8 @@ class ProcessEngine(EngineClient):
         child_conn.close()
         info = self._await_ready()
         super().__init__(tokenizer, info["max_model_len"], info["vocab_size"],
-                         config.structured_outputs_backend)
+                         config.structured_outputs_backend, info["hidden_size"],
+                         info["shorter_embeddings"])
         self._send_lock = threading.Lock()
         self._reader = threading.Thread(target=self._read, name="kvserve-engine-reader",
                                         daemon=True)

@@ -31,6 +31,8 @@ class StepResult:
     # Requests (scheduled request ids: a forking parent stands for its siblings) that
     # failed this step and got no token, with the reason; the engine ends them.
     failed: dict[str, str] = field(default_factory=dict)
+    # Pooling requests whose prompt completed this step: their vectors.
+    embeddings: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass

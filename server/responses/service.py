@@ -28,7 +28,7 @@ SAMPLING_EXTRAS = set(SamplingFields.model_fields) - {
     "return_token_ids"}
 # The chat route's names for what a Responses client calls otherwise.
 _PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens",
-           "response_format": "text.format"}
+           "response_format": "text.format", "reasoning_effort": "reasoning.effort"}
 
 
 class ResponsesService:
@@ -138,15 +138,12 @@ def _as_delta(message: dict) -> dict:
 
 
 def _chat_request(req: ResponsesRequest, conversation: list[dict]) -> ChatCompletionRequest:
-    kwargs = dict(req.chat_template_kwargs or {})
-    effort = (req.reasoning or {}).get("effort")
-    if effort:  # templates with a reasoning switch read it (gpt-oss's)
-        kwargs.setdefault("reasoning_effort", effort)
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     fields = dict(model=req.model, messages=system + conversation,
                   max_completion_tokens=req.max_output_tokens, temperature=req.temperature,
                   top_p=req.top_p, seed=req.seed, stream=req.stream, user=req.user,
-                  chat_template_kwargs=kwargs or None)
+                  chat_template_kwargs=req.chat_template_kwargs,
+                  reasoning_effort=(req.reasoning or {}).get("effort"))
     fields.update((k, v) for k, v in (req.model_extra or {}).items() if k in SAMPLING_EXTRAS)
     tools = chat_tools(req.tools)
     if tools:
@@ -158,7 +155,9 @@ def _chat_request(req: ResponsesRequest, conversation: list[dict]) -> ChatComple
         return ChatCompletionRequest(**fields)
     except ValidationError as exc:
         first = exc.errors()[0]
-        raise APIError(400, f"input: {first['msg']}", "input") from None
+        field = str(first["loc"][0]) if first.get("loc") else "messages"
+        param = _PARAMS.get(field, field)
+        raise APIError(400, f"{param}: {first['msg']}", param) from None
 
 
 def _envelope(req: ResponsesRequest, rid: str, model: str) -> dict:

@@ -7,6 +7,7 @@ from engine.client.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.engine import Engine
 from server.app import build_app
+from server.config import ServerConfig
 from tests.support.server import running_server
 
 SMOL = "smol"  # the default model's served name in these servers
@@ -18,7 +19,9 @@ def smol_url(default_model_dir):
     a real tokenizer and a model that writes text: structured outputs, tools."""
     engine = Engine(EngineConfig(model=str(default_model_dir), dtype="float32",
                                  num_kv_blocks=512))
-    with running_server(build_app(AsyncEngine(engine), [SMOL])) as base:
+    # tools tests send each family's template with the request
+    config = ServerConfig(trust_request_chat_template=True)
+    with running_server(build_app(AsyncEngine(engine), [SMOL], config=config)) as base:
         yield base
 
 

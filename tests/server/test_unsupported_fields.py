@@ -21,6 +21,9 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "description": "
 SHARED = {
     "use_beam_search": True, "bad_words": ["Paris"], "allowed_token_ids": [1, 2],
     "truncate_prompt_tokens": 4, "prompt_logprobs": 1, "logits_processors": ["my.proc"],
+    "logprob_token_ids": [1, 2], "thinking_token_budget": 16,
+    "repetition_detection": {"min_count": 2}, "return_tokens_as_token_ids": True,
+    "spaces_between_special_tokens": False,
 }
 CHANGING = {
     "/v1/completions": {**SHARED, "best_of": 3, "suffix": "the end"},
@@ -29,21 +32,23 @@ CHANGING = {
         "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"},
         "web_search_options": {"search_context_size": "low"}, "echo": True,
         "add_special_tokens": True, "documents": [{"title": "a", "text": "b"}],
+        "include_reasoning": False,
     },
 }
 # Values that leave the output as it is: clients send such defaults.
 UNCHANGING = {
     "/v1/completions": {"best_of": 1, "suffix": "", "response_format": {"type": "text"},
-                        "use_beam_search": False, "bad_words": [], "prompt_logprobs": None},
+                        "use_beam_search": False, "bad_words": [], "prompt_logprobs": None,
+                        "spaces_between_special_tokens": True},
     "/v1/chat/completions": {"tools": [], "tool_choice": "none", "functions": [],
                              "function_call": "auto", "modalities": ["text"], "audio": None,
                              "response_format": {"type": "text"}, "echo": False,
-                             "add_special_tokens": False},
+                             "add_special_tokens": False, "include_reasoning": True},
 }
 # Never change the output (as vLLM ignores `user`): accepted and ignored.
 IGNORED = {"user": "u-1", "service_tier": "auto", "store": False, "metadata": {"k": "v"},
            "parallel_tool_calls": True, "prediction": {"type": "content", "content": "x"},
-           "reasoning_effort": "low", "some_future_field": 1}
+           "some_future_field": 1}
 
 
 def base(path: str) -> dict:
