@@ -101,3 +101,38 @@ def test_the_batched_product_equals_a_per_token_loop():
     untouched = slots < 0
     assert torch.equal(got[untouched], y[untouched])
     assert torch.equal(add_lora(y.clone(), x, a, b, torch.full((t,), -1)), y)
+
+
+def test_slots_are_zero_padded_lru_and_pinned(tiny_model_dir, tmp_path):
+    from engine.lora.slots import LoRASlots, NoFreeSlotError
+
+    base = tiny_model_dir("llama")
+    cfg = ModelConfig.from_pretrained(base)
+    shapes = projection_shapes(cfg)
+    adapters = {}
+    for i, case in enumerate(CASES):
+        make_adapter(base, tmp_path / case, seed=i, **CASES[case])
+        adapters[case] = load_adapter(case, tmp_path / case, 16, cfg.num_layers, shapes)
+    slots = LoRASlots(2, 16, cfg.num_layers, shapes, torch.float32)
+    first = slots.acquire(adapters["r8-attention"])
+    second = slots.acquire(adapters["r16-all"])
+    assert {first, second} == {0, 1}
+    with pytest.raises(NoFreeSlotError):  # both pinned by running requests
+        slots.acquire(adapters["r8-mlp-rslora"])
+    slots.release("r8-attention")
+    third = slots.acquire(adapters["r8-mlp-rslora"])  # takes the unpinned one's slot
+    assert third == first and slots.slot_of("r8-attention") is None
+    # the slot now holds exactly the new adapter: its own projections, zeros elsewhere
+    x = torch.randn(5, cfg.hidden_size)
+    for (layer, module), (a, b) in adapters["r8-mlp-rslora"].weights.items():
+        if shapes[module][0] != cfg.hidden_size:
+            continue
+        y = add_lora(torch.zeros(5, shapes[module][1]), x, slots.a[(layer, module)],
+                     slots.b[(layer, module)], torch.full((5,), third))
+        assert torch.allclose(y, x @ a.T @ b.T, atol=1e-5)
+    assert not slots.a[(0, "q_proj")][third].any()  # the old adapter's q_proj is gone
+    with pytest.raises(RuntimeError, match="in use"):
+        slots.evict("r16-all")
+    slots.release("r16-all")
+    slots.evict("r16-all")
+    assert slots.slot_of("r16-all") is None
