@@ -35,11 +35,11 @@ class Pooler:
         device, float32, unit length)."""
         done = {}
         for it in items:
-            rows = hidden[it.first_row:it.first_row + it.num_rows].float()
-            if it.method == "last":
-                pooled = rows[-1] if it.completes else None
+            end = it.first_row + it.num_rows
+            if it.method == "last":  # only the prompt's very last row matters
+                pooled = hidden[end - 1].float() if it.completes else None
             else:
-                total = rows.sum(dim=0)
+                total = hidden[it.first_row:end].float().sum(dim=0)
                 if not it.restarts and it.request_id in self._sums:
                     total = total + self._sums[it.request_id]
                 self._sums[it.request_id] = total

@@ -59,13 +59,16 @@ class EmbeddingService:
         for text in (x for x in inputs if isinstance(x, str)):
             self.tokenization.refuse_if_too_long(text, "input")
         ids = await self.tokenization.run(
-            lambda: [_checked(self.engine, x) for x in inputs])
+            lambda: [prompt_token_ids(self.engine, x, "input") for x in inputs])
         rid = f"embd-{uuid.uuid4().hex}"
+        tasks = [asyncio.create_task(self._embed(f"{rid}-{i}", x)) for i, x in enumerate(ids)]
         try:
-            vectors = await asyncio.gather(*(self._embed(f"{rid}-{i}", x)
-                                             for i, x in enumerate(ids)))
+            vectors = await asyncio.gather(*tasks)
         except EXPECTED_ERRORS as exc:
             raise APIError(*status_of(exc)) from exc
+        finally:  # one input failed: the others' engine requests are aborted
+            for t in tasks:
+                t.cancel()
         data = [{"object": "embedding", "index": i,
                  "embedding": _encoded(_shortened(v, req.dimensions), req.encoding_format)}
                 for i, v in enumerate(vectors)]
@@ -93,12 +96,6 @@ class EmbeddingService:
             what = f"one of {list(allowed)}" if allowed else f"at most {size}"
             raise APIError(400, f"dimensions must be {what}, got {dimensions}",
                            "dimensions")
-
-
-def _checked(engine: EngineClient, x: str | list[int]) -> list[int]:
-    ids = prompt_token_ids(engine, x)
-    engine.validate(ids)
-    return ids
 
 
 def _shortened(vector: list[float], dimensions: int | None) -> list[float]:

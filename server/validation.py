@@ -29,11 +29,13 @@ def check_prompt(engine: EngineClient, ids: list[int], param: str = "prompt") ->
     return ids
 
 
-def prompt_token_ids(engine: EngineClient, prompt: str | list[int]) -> list[int]:
+def prompt_token_ids(engine: EngineClient, prompt: str | list[int],
+                     param: str = "prompt") -> list[int]:
     if isinstance(prompt, str) and engine.tokenizer is None:
-        raise no_tokenizer("prompt")
-    ids = encode_text(engine.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
-    return check_prompt(engine, ids)
+        raise no_tokenizer(param)
+    ids = (encode_text(engine.tokenizer, prompt, param) if isinstance(prompt, str)
+           else list(prompt))
+    return check_prompt(engine, ids, param)
 
 
 def encode_text(tokenizer, text: str, param: str = "prompt", **kw) -> list[int]:

@@ -103,8 +103,7 @@ class ResponsesService:
 
     def _usage(self, view: ChatView, last, writer: OutputWriter) -> dict:
         chat = generation.usage(view.groups, {0: last})
-        thought = "".join(i["content"][0]["text"] for i in writer.response["output"]
-                          if i["type"] == "reasoning")
+        thought = _text_of(writer.response["output"], "reasoning")
         tokenizer = self.chat.engine.tokenizer
         reasoning = len(tokenizer.encode(thought, add_special_tokens=False)) if thought else 0
         return {"input_tokens": chat["prompt_tokens"],
@@ -118,17 +117,21 @@ class ResponsesService:
 
 def assistant_message(output: list[dict]) -> dict:
     """A response's output items as the assistant's chat message (for the history)."""
-    message: dict = {"role": "assistant", "content": "".join(
-        i["content"][0]["text"] for i in output if i["type"] == "message") or None}
+    message: dict = {"role": "assistant", "content": _text_of(output, "message") or None}
     calls = [{"id": i["call_id"], "type": "function",
               "function": {"name": i["name"], "arguments": i["arguments"]}}
              for i in output if i["type"] == "function_call"]
     if calls:
         message["tool_calls"] = calls
-    thought = "".join(i["content"][0]["text"] for i in output if i["type"] == "reasoning")
+    thought = _text_of(output, "reasoning")
     if thought:
         message["reasoning_content"] = thought
     return message
+
+
+def _text_of(output: list[dict], kind: str) -> str:
+    """The text of a response's items of one kind ("message" or "reasoning")."""
+    return "".join(i["content"][0]["text"] for i in output if i["type"] == kind)
 
 
 def _as_delta(message: dict) -> dict:
