@@ -89,5 +89,12 @@ stage quant_8b "${QUANT_S:-300}" bash -c 'for mode in "" "--quantization fp8" \
     --split-decode-tokens 64 --repeats 2 $mode | grep -E "\"(tok_s|step_ms|median_s|mbu)\""
   done'
 
+# Issue 22 on CUDA: output tok/s of 16 requests over 4 rank-16 adapters (the BGMV
+# Triton kernels) against 16 base-model requests on the same engine, and on one
+# without --enable-lora; the 1B shape, random weights and random adapters (decode
+# steps replay CUDA graphs captured with and without the adapters' product).
+stage lora_1b "${LORA_S:-150}" $PY bench/lora_overhead.py --model preset:llama-3.2-1b \
+  --load-format random --compile off --rounds 2
+
 [ -f "$OUT/tests.log" ] && tail -n 3 "$OUT/tests.log" >>"$OUT/summary.txt"
 $PY bench/gpu_summary.py "$OUT"/gpu_decode_*.json | tee -a "$OUT/summary.txt"

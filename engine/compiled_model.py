@@ -41,6 +41,7 @@ import torch
 import torch._inductor.config
 
 from engine.attention.cpu_paged import PagedDecode
+from engine.lora.step import LoRAStep
 from engine.models.llama import LlamaForCausalLM
 
 log = logging.getLogger("kvserve.compile")
@@ -119,8 +120,12 @@ def graphs_compiled() -> int:
 class CompiledModel:
     """The model's decode logits and hidden states, compiled once `ready`."""
 
-    def __init__(self, model: LlamaForCausalLM, paged_decode: bool = False):
+    def __init__(self, model: LlamaForCausalLM, paged_decode: bool = False,
+                 lora: bool = False):
         self.model = model
+        # With LoRA on, each graph has a twin taking a step's adapters (LoRAStep's
+        # stacks are graph inputs), built beside it so no step waits for one.
+        self.lora = lora
         # The decode graphs take a PagedDecode (attention traced in), else they call
         # the attention custom op; a graph is built for one of the two only.
         self.paged_decode = paged_decode
@@ -141,43 +146,47 @@ class CompiledModel:
                              options={**options, **NO_MODEL_GUARDS})
 
     # Three functions, so each graph has a code object (and a cache) of its own.
-    def _decode_one(self, ids, positions, paged):
-        return self.model.compute_logits(self.model(ids, positions, paged=paged))
+    def _decode_one(self, ids, positions, paged, lora=None):
+        return self.model.compute_logits(self.model(ids, positions, paged=paged, lora=lora))
 
-    def _decode_many(self, ids, positions, paged):
-        return self.model.compute_logits(self.model(ids, positions, paged=paged))
+    def _decode_many(self, ids, positions, paged, lora=None):
+        return self.model.compute_logits(self.model(ids, positions, paged=paged, lora=lora))
 
-    def _hidden_many(self, ids, positions):
-        return self.model(ids, positions)
+    def _hidden_many(self, ids, positions, lora=None):
+        return self.model(ids, positions, lora=lora)
 
     def decode_logits(self, ids: torch.Tensor, positions: torch.Tensor,
-                      paged: PagedDecode | None = None) -> torch.Tensor:
+                      paged: PagedDecode | None = None, lora: LoRAStep | None = None
+                      ) -> torch.Tensor:
         """Logits of every row of a decode-only step (the attention context set).
         paged: the step's attention inputs where attention can be traced into the
         graph (the CPU paged decode); the attention custom op is called otherwise."""
         if not self.ready.is_set():
-            return self.model.compute_logits(self.model(ids, positions, paged=paged))
-        return self._compiled_decode(ids, positions, paged)
+            return self.model.compute_logits(self.model(ids, positions, paged=paged,
+                                                        lora=lora))
+        return self._compiled_decode(ids, positions, paged, lora)
 
-    def _compiled_decode(self, ids, positions, paged):
+    def _compiled_decode(self, ids, positions, paged, lora=None):
         if len(ids) == 1:
             if paged is not None:  # the context grows: the table's width may vary
                 torch._dynamo.mark_dynamic(paged.block_tables, 1)
-            return self._one(ids, positions, paged)
-        return self._many(*_dynamic(ids, positions), _dynamic_paged(paged))
+            return self._one(ids, positions, paged, lora)
+        return self._many(*_dynamic(ids, positions), _dynamic_paged(paged),
+                          _dynamic_lora(lora))
 
-    def hidden(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def hidden(self, ids: torch.Tensor, positions: torch.Tensor,
+               lora: LoRAStep | None = None) -> torch.Tensor:
         """Final hidden states of any step (the attention context set)."""
         if not self.ready.is_set() or len(ids) < 2:
-            return self.model(ids, positions)
-        return self._hidden(*_dynamic(ids, positions))
+            return self.model(ids, positions, lora=lora)
+        return self._hidden(*_dynamic(ids, positions), _dynamic_lora(lora))
 
     def build(self, run_step: Callable[[Callable, int, bool], None], background: bool,
               on_ready: Callable[[], None] = lambda: None) -> threading.Thread | None:
-        """Compiles the three graphs. run_step(fn, num_tokens, decode) runs
-        fn(ids, positions) over a harmless step of that many tokens (decode: one per
-        request, else one request's), its attention context set (the runner knows
-        how). background: on a thread, steps staying eager meanwhile. on_ready runs
+        """Compiles the three graphs (and their LoRA twins). run_step(fn, num_tokens,
+        decode, lora) runs fn(ids, positions) over a harmless step of that many
+        tokens (decode: one per request, else one request's), its attention context
+        set (the runner knows how), with adapter inputs if `lora`. background: on a thread, steps staying eager meanwhile. on_ready runs
         once they are built, before steps use them."""
         if not background:
             self._build(run_step, on_ready)
@@ -194,11 +203,13 @@ class CompiledModel:
         plan = [("decode, 1 request", self._compiled_decode, 1, True),
                 ("decode, 2+ requests", self._compiled_decode, 16, True),
                 ("mixed steps", _marking(self._hidden), 256, False)]
+        plan = [(what + suffix, *rest, lora) for lora, suffix in
+                ((False, ""), (True, ", LoRA"))[:1 + self.lora] for what, *rest in plan]
         try:
             with torch.inference_mode():
-                for i, (what, fn, tokens, decode) in enumerate(plan, 1):
+                for i, (what, fn, tokens, decode, lora) in enumerate(plan, 1):
                     log.info("compiling the forward pass (%d/%d: %s)...", i, len(plan), what)
-                    self._warm_up(run_step, fn, tokens, decode)
+                    self._warm_up(run_step, fn, tokens, decode, lora)
         except Exception as exc:  # noqa: BLE001 - eager steps go on; said once
             self.failed = exc
             log.warning("compiling the forward pass failed, steps stay eager: %s", exc,
@@ -210,18 +221,18 @@ class CompiledModel:
                  os.environ.get("TORCHINDUCTOR_CACHE_DIR", "default"))
         self.ready.set()
 
-    def _warm_up(self, run_step, fn, tokens: int, decode: bool) -> None:
+    def _warm_up(self, run_step, fn, tokens: int, decode: bool, lora: bool) -> None:
         """run_step, and for the batch-1 graph once more with oneDNN allowed if the
         GEMV template alone left a GEMM without a kernel."""
         try:
-            run_step(fn, tokens, decode)
+            run_step(fn, tokens, decode, lora)
         except Exception as exc:  # noqa: BLE001 - one kind is retried, the rest raised
             if tokens != 1 or "NoValidChoicesError" not in str(exc):
                 raise
             log.info("batch-1 decode: Inductor's GEMV template does not cover every "
                      "GEMM of this model; oneDNN allowed where it does not")
             self._one = self._batch_one(BATCH_ONE_FALLBACK)
-            run_step(fn, tokens, decode)
+            run_step(fn, tokens, decode, lora)
 
 
 def _dynamic(ids: torch.Tensor, positions: torch.Tensor):
@@ -241,5 +252,15 @@ def _dynamic_paged(paged: PagedDecode | None) -> PagedDecode | None:
     return paged
 
 
+def _dynamic_lora(lora: LoRAStep | None) -> LoRAStep | None:
+    """A LoRA step's token count may vary."""
+    if lora is not None:
+        for t in (lora.token_slots, lora.mask):
+            if t is not None:
+                torch._dynamo.mark_dynamic(t, 0)
+    return lora
+
+
 def _marking(fn):
-    return lambda ids, positions: fn(*_dynamic(ids, positions))
+    return lambda ids, positions, lora=None: fn(*_dynamic(ids, positions),
+                                                _dynamic_lora(lora))

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.arg_types import non_negative, parse_bool, parse_size, positive_int
+from engine.lora.config import LoRAConfig
 from engine.settings import setting
 
 SUPPORTED_ARCHITECTURES = (
@@ -318,6 +319,8 @@ class EngineConfig:
     # Speculative decoding (None: off): drafts verified by the target in one pass.
     speculative: SpeculativeConfig | None = setting(
         None, "speculative decoding", nested=SpeculativeConfig)
+    # Multi-LoRA serving (None: off): adapters chosen per request (engine/lora/).
+    lora: LoRAConfig | None = setting(None, "LoRA adapters", nested=LoRAConfig)
     # Plan and launch step N+1 while step N runs on the device, its sampled tokens
     # fed to N+1 there: the scheduler, batch preparation and output handling leave
     # the critical path. Not with speculative decoding (drafts need the tokens).

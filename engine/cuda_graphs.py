@@ -7,6 +7,11 @@ the smallest captured batch size ("bucket": 1, 2, 4, 8, then multiples of 16 up 
 --max-num-seqs) and its inputs are copied into static buffers the graph was captured
 on. Padded rows write nowhere (slot -1) and their logits are ignored.
 
+With LoRA on, each bucket has a second graph whose steps add the adapters' product
+(engine/lora/step.py) for each row's slot, read from a static buffer (-1 on padded
+rows and base-model rows): a step with no adapter request replays the graph without
+LoRA and pays nothing for it.
+
 The padded static-shape path also runs without capture (`capture=False`): that is
 how it is tested on CPU, and how --enforce-eager could keep the padding. Mixed steps
 (any prompt chunk) run eagerly in the model runner."""
@@ -36,6 +41,7 @@ class _Static:
     seq_lens: torch.Tensor
     block_tables: torch.Tensor
     query_start_loc: torch.Tensor
+    lora_slots: torch.Tensor  # each row's adapter slot (-1: none)
 
     @classmethod
     def allocate(cls, rows: int, max_blocks: int, device: torch.device) -> "_Static":
@@ -45,7 +51,8 @@ class _Static:
                    torch.full((rows,), -1, dtype=torch.long, device=device),
                    torch.ones(rows, dtype=torch.int32, device=device),
                    z(rows, max_blocks, dtype=torch.int32),
-                   torch.arange(rows + 1, dtype=torch.int32, device=device))
+                   torch.arange(rows + 1, dtype=torch.int32, device=device),
+                   torch.full((rows,), -1, dtype=torch.int32, device=device))
 
 
 @dataclass(frozen=True)
@@ -60,14 +67,17 @@ class DecodeGraphPlan:
 
 class DecodeGraphs:
     def __init__(self, model, backend, block_size: int, max_num_seqs: int,
-                 max_model_len: int, device: torch.device, capture: bool):
+                 max_model_len: int, device: torch.device, capture: bool, lora=None):
+        """lora: the engine's LoRAManager (None: LoRA off)."""
         self.model, self.backend, self.block_size = model, backend, block_size
+        self.lora = lora
         self.buckets = batch_buckets(max_num_seqs)
         self.max_model_len, self.device, self.capture = max_model_len, device, capture
         max_blocks = -(-max_model_len // block_size)
         self.static = _Static.allocate(self.buckets[-1], max_blocks, device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        # (bucket, with LoRA) -> its graph and the logits it writes
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple[int, bool], torch.Tensor] = {}
 
     def fits(self, num_reqs: int) -> bool:
         return num_reqs <= self.buckets[-1]
@@ -81,28 +91,34 @@ class DecodeGraphs:
         pool. Each runs once eagerly first: kernels compile (Triton JIT) outside the
         capture, and lazy allocations happen before it."""
         pool = None
-        for b in reversed(self.buckets):
-            self._forward(b)
+        for key in [(b, lora) for b in reversed(self.buckets)
+                    for lora in (False, True)[:1 + (self.lora is not None)]]:
+            self._forward(*key)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[b] = self._forward(b)
+                self.logits[key] = self._forward(*key)
             pool = graph.pool()
-            self.graphs[b] = graph
+            self.graphs[key] = graph
 
-    def run(self, host: HostStep, input_ids: torch.Tensor) -> torch.Tensor:
+    def run(self, host: HostStep, input_ids: torch.Tensor,
+            lora_slots: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, vocab] of a decode-only step of B requests (B <= the largest
-        bucket); host: its metadata from build_host_step."""
+        bucket); host: its metadata from build_host_step; lora_slots: each request's
+        adapter slot (None: no request has an adapter)."""
         n = len(host.seq_lens)
-        b = self.bucket(n)
-        self._load(host, input_ids, n, b)
-        if b in self.graphs:
-            self.graphs[b].replay()
-            return self.logits[b][:n]
-        return self._forward(b, host_seq_lens=host.seq_lens)[:n]
+        key = (self.bucket(n), lora_slots is not None)
+        self._load(host, input_ids, n, key[0], lora_slots)
+        if key in self.graphs:
+            self.graphs[key].replay()
+            return self.logits[key][:n]
+        return self._forward(*key, host_seq_lens=host.seq_lens)[:n]
 
-    def _load(self, host: HostStep, input_ids: torch.Tensor, n: int, b: int) -> None:
+    def _load(self, host: HostStep, input_ids: torch.Tensor, n: int, b: int,
+              lora_slots: torch.Tensor | None) -> None:
         s, nb = self.static, host.block_tables.shape[1]
+        if lora_slots is not None:  # padded rows keep -1
+            s.lora_slots[:n].copy_(lora_slots, non_blocking=True)
         s.input_ids[:n].copy_(input_ids, non_blocking=True)
         s.positions[:n].copy_(host.positions, non_blocking=True)
         s.slot_mapping[:n].copy_(host.slot_mapping, non_blocking=True)
@@ -110,12 +126,15 @@ class DecodeGraphs:
         s.block_tables[:n, :nb].copy_(host.block_tables, non_blocking=True)
         if b > n:  # padding rows: a 1-token context, written nowhere
             s.slot_mapping[n:b].fill_(-1)
+            s.lora_slots[n:b].fill_(-1)
             s.seq_lens[n:b].fill_(1)
             s.positions[n:b].zero_()
             s.block_tables[n:b, 0].zero_()
 
-    def _forward(self, b: int, host_seq_lens: torch.Tensor | None = None) -> torch.Tensor:
-        """The captured body: the model over the first b static rows."""
+    def _forward(self, b: int, lora: bool = False,
+                 host_seq_lens: torch.Tensor | None = None) -> torch.Tensor:
+        """The captured body: the model over the first b static rows (lora: adding
+        each row's adapter)."""
         s, seq_lens_cpu = self.static, host_seq_lens
         if seq_lens_cpu is not None and len(seq_lens_cpu) < b:  # eager: pads count too
             pad = torch.ones(b - len(seq_lens_cpu), dtype=seq_lens_cpu.dtype)
@@ -131,7 +150,8 @@ class DecodeGraphs:
             num_tokens=b, block_size=self.block_size)
         set_attention_context(self.backend, self.backend.prepare(meta))
         try:
-            hidden = self.model(s.input_ids[:b], s.positions[:b])
+            adapters = self.lora.inputs(s.lora_slots[:b]) if lora else None
+            hidden = self.model(s.input_ids[:b], s.positions[:b], lora=adapters)
         finally:
             clear_attention_context()
         return self.model.compute_logits(hidden)

@@ -11,16 +11,15 @@ from engine.attention import make_backend
 from engine.compiled_model import c_compiler, use_cache_dir
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphPlan
-from engine.kv_caches import KVCacheFormat
-from engine.loader import ModelLoadError, check_fits, load_model, resolve_device, resolve_dtype
+from engine.lora.manager import LoRAManager, lora_key, lora_manager
+from engine.loader import ModelLoadError, check_fits, resolve_device, resolve_dtype
 from engine.memory_budget import profile_kv_budget
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.model_setup import load_served_model
 from engine.outputs import RequestOutput, RequestTimes
 from engine.request_checks import check_request
 from engine.sampling import StepResult
-from engine.spec_decode.drafters import DraftModelDrafter, EarlyExitDrafter
-from engine.spec_decode.speculator import Speculator
+from engine.spec_decode.setup import make_drafter, make_speculator
 from engine.structured.gate import GrammarGate
 from engine.structured.grammars import GrammarCompiler
 from engine.structured.matchers import Matchers
@@ -70,6 +69,9 @@ class Engine:
         torch.manual_seed(config.seed)
         model, self.kv_format = load_served_model(config, cfg, tokenizer, self.device,
                                                   self.dtype, self.max_model_len)
+        # Before the KV cache is sized: the adapter slots' memory is not the cache's.
+        self.lora = (LoRAManager(config.lora, cfg, self.device, self.dtype)
+                     if config.lora is not None else None)
         num_blocks = self._num_kv_blocks(model)
         # A request longer than the whole cache could never run.
         self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)
@@ -78,8 +80,8 @@ class Engine:
         t0 = time.perf_counter()
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.device,
                                   self.kv_format, backend,
-                                  self._make_drafter(model, backend, num_blocks),
-                                  self._decode_graph_plan(backend))
+                                  make_drafter(self, model, backend, num_blocks),
+                                  self._decode_graph_plan(backend), self.lora)
         if self.runner.decode_graphs is not None:
             log.info("captured CUDA graphs for decode batch sizes %s in %.1f s",
                      self.runner.decode_graphs.buckets, time.perf_counter() - t0)
@@ -89,11 +91,12 @@ class Engine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, policy=config.scheduling_policy,
-            long_prefill_token_threshold=config.long_prefill_token_threshold),
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+            max_loras=config.lora.max_loras if config.lora is not None else 0),
             KVCacheConfig(num_blocks, config.block_size, config.enable_prefix_caching,
                           model_key=str(config.model)))
         self.stats = EngineStats()
-        self.speculator = self._make_speculator()
+        self.speculator = make_speculator(config)
         self._inflight: InFlight | None = None  # async scheduling's running step
         if config.async_scheduling and self.device.type != "cuda":
             log.warning("async scheduling on %s overlaps nothing (the forward pass runs "
@@ -105,36 +108,6 @@ class Engine:
                  str(self.kv_format.dtype).removeprefix("torch."), per_token / 1024,
                  num_blocks * config.block_size,
                  num_blocks * config.block_size / self.max_model_len, self.max_model_len)
-
-    def _make_speculator(self) -> Speculator | None:
-        spec = self.config.speculative
-        if spec is None:
-            return None
-        log.info("speculative decoding: %s, %d tokens, off above %s running", spec.method,
-                 spec.num_tokens, spec.disable_batch_size or "no limit")
-        return Speculator(spec)
-
-    def _make_drafter(self, model, backend, num_blocks: int):
-        """What fills the speculator's placeholder drafts before a step: the model's
-        first layers or a draft model (None for ngram, whose drafts are tokens)."""
-        spec = self.config.speculative
-        if spec is not None and spec.method == "early-exit":
-            return EarlyExitDrafter(model, backend, self.config.block_size, self.device,
-                                    spec.draft_layers)
-        if spec is not None and spec.method == "draft":
-            return self._draft_model_drafter(spec.model, backend, num_blocks)
-        return None
-
-    def _draft_model_drafter(self, path: str, backend, num_blocks: int) -> DraftModelDrafter:
-        cfg = ModelConfig.from_pretrained(path)
-        if cfg.vocab_size != self.model_config.vocab_size:
-            raise ModelLoadError(f"the draft model's vocabulary ({cfg.vocab_size} tokens) "
-                                 f"is not the model's ({self.model_config.vocab_size})")
-        draft = load_model(path, cfg, self.dtype, self.device, self.max_model_len,
-                           self.config.load_format, self.config.seed + 1)
-        # The draft's own cache stays in the model dtype: it has no calibrated scales.
-        return DraftModelDrafter(draft, num_blocks, backend, self.config.block_size,
-                                 self.device, KVCacheFormat(self.dtype))
 
     def _decode_graph_plan(self, backend) -> DecodeGraphPlan | None:
         """CUDA graphs for decode-only steps, on CUDA unless --enforce-eager."""
@@ -203,11 +176,14 @@ class Engine:
     # -- requests --------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, arrival_time: float | None = None,
-                    cache_salt: str | None = None, priority: int = 0) -> None:
-        """Raises ValueError for a request that can never run."""
+                    cache_salt: str | None = None, priority: int = 0,
+                    lora_name: str | None = None) -> None:
+        """Raises ValueError for a request that can never run. lora_name: the
+        adapter it runs under (None: the base model)."""
         self.validate(prompt_token_ids, params)
+        lora = lora_key(self.lora, lora_name)
         req = Request(request_id, prompt_token_ids, params, self.eos_token_ids,
-                      arrival_time, cache_salt, priority)
+                      arrival_time, cache_salt, priority, lora)
         req.make_siblings()
         if params.structured is None:
             self.scheduler.add_request(req)
@@ -216,6 +192,28 @@ class Engine:
                              "model has none")
         else:  # enters the scheduler once its grammar is compiled
             self.grammars.hold(req)
+
+    def load_lora(self, name: str, path: str, replace: bool = False) -> None:
+        """Raises LoRAAdapterError (a ValueError) for an adapter it cannot serve.
+        replace: the name may be taken (its adapter retires once the new one loads)."""
+        lora_manager(self.lora).load(name, path, replace)
+        self._retire_adapters()
+
+    def unload_lora(self, name: str) -> None:
+        """Raises KeyError for a name not loaded; requests using it finish with it."""
+        lora_manager(self.lora).unload(name)
+        self._retire_adapters()
+
+    def _retire_adapters(self) -> None:
+        if self.lora is not None and self.lora.retiring:
+            running, waiting = self.adapters_in_use(self.scheduler.stats())
+            self.lora.retire(running | waiting)
+
+    def adapters_in_use(self, stats) -> tuple[frozenset, frozenset]:
+        """The LoRA adapter keys of running requests and of waiting ones (a grammar
+        still compiling counts as waiting), from the scheduler's `stats`."""
+        held = self.grammars.held() if self.grammars is not None else []
+        return stats.lora_running, stats.lora_waiting | {r.lora for r in held}
 
     def validate(self, prompt_token_ids: list[int],
                  params: SamplingParams | None = None) -> None:
@@ -261,6 +259,7 @@ class Engine:
         completed: this one, or under async scheduling the one before it (the new
         step already took that one's tokens as its input, on the device)."""
         outputs, previous = [], self._inflight
+        self._retire_adapters()
         if self.grammars:
             outputs += self._admit_compiled()
         if previous is not None and not self._can_overlap(previous.out):

@@ -2,7 +2,7 @@
 forward pass over it, and sampling (with logprobs and prompt logprobs on request)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import accumulate
 from typing import Any
 
@@ -19,6 +19,8 @@ from engine.compiled_model import CompiledModel
 from engine.cuda_graphs import DecodeGraphPlan, DecodeGraphs
 from engine.host_copy import to_device
 from engine.kv_caches import KVCacheFormat, attach_kv_caches
+from engine.lora.manager import LoRAManager
+from engine.lora.step import LoRAStep
 from engine.models.llama import LlamaForCausalLM
 from engine.pooling import Pooler, PoolRows
 from engine.sampling import Sampler, StepResult
@@ -68,19 +70,22 @@ class FlatBatch:
     verifying: list[ScheduledRequest]  # requests verifying drafts, in row order
     pooling: list[PoolRows] = field(default_factory=list)  # embedding requests' rows
     pooled: dict[str, torch.Tensor] = field(default_factory=dict)  # set by the forward
+    lora: LoRAStep | None = None  # the step's adapters; None: none of its requests has one
 
 
 class ModelRunner:
     """Everything a step uses is handed over here: the attention backend, the drafter
     that fills model-drafted placeholders before a step (speculative early exit or a
-    draft model; None without), and the plan for decode-only steps' CUDA graphs."""
+    draft model; None without), the plan for decode-only steps' CUDA graphs, and the
+    LoRA adapters (engine/lora/manager.py; None: LoRA off)."""
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
                  device: torch.device, kv_format: KVCacheFormat,
                  attn_backend: AttentionBackend,
-                 drafter=None, decode_graphs: DecodeGraphPlan | None = None):
+                 drafter=None, decode_graphs: DecodeGraphPlan | None = None,
+                 lora: LoRAManager | None = None):
         self.model, self.device, self.block_size = model, device, block_size
-        self.attn_backend, self.drafter = attn_backend, drafter
+        self.attn_backend, self.drafter, self.lora = attn_backend, drafter, lora
         cfg = model.config
         # One block more than the KV cache manager hands out: the compiled graphs'
         # warm-up steps write there (background compiling runs beside live steps).
@@ -106,7 +111,8 @@ class ModelRunner:
         # graphs are warmed up through a copy that takes it, and steps take it
         # from when the graphs are ready (a step keeps the path it was prepared on).
         paged = isinstance(self.attn_backend, TorchBackend) and self.device.type == "cpu"
-        compiled = self.compiling = CompiledModel(self.model, paged_decode=paged)
+        compiled = self.compiling = CompiledModel(self.model, paged_decode=paged,
+                                                  lora=self.lora is not None)
         warm_backend = TorchBackend(paged_decode=True) if paged else self.attn_backend
 
         def ready() -> None:
@@ -114,19 +120,21 @@ class ModelRunner:
                 self.attn_backend.paged_decode = True
             self.compiled = compiled
 
-        compiled.build(lambda fn, n, decode: self._warm_up_step(warm_backend, fn, n, decode),
+        compiled.build(lambda fn, n, decode, lora: self._warm_up_step(warm_backend, fn, n,
+                                                                      decode, lora),
                        background, ready)
         return compiled
 
     @torch.inference_mode()
     def _warm_up_step(self, backend: AttentionBackend, fn, num_tokens: int,
-                      decode: bool) -> None:
+                      decode: bool, lora: bool = False) -> None:
         """Runs a compiled function over steps that read and write only the spare
         block. decode: num_tokens one-token requests with two blocks of context each
         (no dimension of size 1 may be specialised on), as fn(ids, positions, paged).
         Else fn(ids, positions) twice, over one prompt of num_tokens beside one
         decode, then two: the decodes of mixed steps have graphs of their own, for
-        one request and for more (cpu_paged.paged_decode)."""
+        one request and for more (cpu_paged.paged_decode). lora: every token
+        through adapter slot 0, for the graphs that take adapters."""
         spare, bs = self.spare_block, self.block_size
         limit = self.model.rotary.max_positions
         start = min(2 * bs, limit) - 1
@@ -144,11 +152,12 @@ class ModelRunner:
             positions, common, (input_ids,) = host.to_device(self.device, [ids])
             meta = backend.prepare(common)
             set_attention_context(backend, meta)
+            adapters = (self.lora.warm_up_inputs(len(ids), per_token=decode),) if lora else ()
             try:
                 if decode:
-                    fn(input_ids, positions, _decode_inputs(meta))
+                    fn(input_ids, positions, _decode_inputs(meta), *adapters)
                 else:
-                    fn(input_ids, positions)
+                    fn(input_ids, positions, *adapters)
             finally:
                 clear_attention_context()
 
@@ -159,7 +168,7 @@ class ModelRunner:
             raise ValueError("CUDA graphs need CUDA and a graph-safe attention backend")
         self.decode_graphs = DecodeGraphs(self.model, self.attn_backend, self.block_size,
                                           plan.max_num_seqs, plan.max_model_len,
-                                          self.device, plan.capture)
+                                          self.device, plan.capture, self.lora)
         if plan.capture:
             self.decode_graphs.capture_all()
 
@@ -258,7 +267,9 @@ class ModelRunner:
         ids = to_device([0 if s.num_pending else s.request.token_ids[s.start]
                          for s in scheduled], torch.long, self.device)
         self._feed_pending(ids, scheduled, list(range(len(scheduled))), previous)
-        logits = self.decode_graphs.run(host, ids)
+        lora = (self.lora.token_slots([s.request.lora for s in scheduled], [1] * len(ids))
+                if self.lora is not None else None)
+        logits = self.decode_graphs.run(host, ids, lora)
         rows = [i for i, s in enumerate(scheduled) if s.samples]
         if len(rows) != len(scheduled):  # a one-token prompt chunk samples nothing
             logits = logits[to_device(rows, torch.long, logits.device)]
@@ -294,13 +305,14 @@ class ModelRunner:
             decode_only = (batch.rows.num_sample == batch.rows.total == len(batch.input_ids)
                            and not batch.pooling)  # pooling needs the hidden rows
             if compiled is None:
-                hidden = self.model(batch.input_ids, batch.positions)
+                hidden = self.model(batch.input_ids, batch.positions, lora=batch.lora)
             elif decode_only and (paged is not None or not compiled.paged_decode):
                 # Every row samples, in order (one graph, LM head in it).
-                return compiled.decode_logits(batch.input_ids, batch.positions, paged)
+                return compiled.decode_logits(batch.input_ids, batch.positions, paged,
+                                              _per_token(batch.lora))
             else:  # mixed steps, and a decode step prepared before the graphs were
                 # ready (no PagedDecode): the graph that calls the custom op
-                hidden = compiled.hidden(batch.input_ids, batch.positions)
+                hidden = compiled.hidden(batch.input_ids, batch.positions, batch.lora)
         finally:
             clear_attention_context()
         if batch.pooling:
@@ -355,16 +367,24 @@ class ModelRunner:
         self._feed_pending(input_ids, scheduled,
                            [query_starts[i] + s.num_new_tokens - 1
                             for i, s in enumerate(scheduled)], previous)
+        lora = (self.lora.step_inputs([s.request.lora for s in scheduled], lens)
+                if self.lora is not None else None)
         return FlatBatch(input_ids=input_ids, positions=positions,
                          attention=self.attn_backend.prepare(common), logit_rows=logit_rows,
                          rows=counts, sampling=sampling, prompt_spans=spans,
-                         verifying=verifying, pooling=_pool_rows(scheduled, query_starts))
+                         verifying=verifying, pooling=_pool_rows(scheduled, query_starts),
+                         lora=lora)
 
 
 def _pool_rows(scheduled: list[ScheduledRequest], query_starts: list[int]) -> list[PoolRows]:
     return [PoolRows(s.request.request_id, s.request.params.pooling, query_starts[i],
                      s.num_new_tokens, restarts=s.start == 0, completes=s.samples)
             for i, s in enumerate(scheduled) if s.request.params.pooling]
+
+
+def _per_token(lora: LoRAStep | None) -> LoRAStep | None:
+    """A compiled decode step's adapters, gathered per token (lora/step.py)."""
+    return None if lora is None or lora.mask is None else replace(lora, per_token=True)
 
 
 def _decode_inputs(meta) -> PagedDecode | None:

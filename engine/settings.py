@@ -11,7 +11,7 @@ import dataclasses
 import os
 from typing import Any, TypeVar
 
-from engine.arg_types import split_keys
+from engine.arg_types import parse_bool, split_keys
 
 T = TypeVar("T")
 _UNSET = dataclasses.MISSING
@@ -20,14 +20,16 @@ _UNSET = dataclasses.MISSING
 def setting(default: Any = _UNSET, help: str = "", *, parse: Any = str,
             choices: list | None = None, flag: str | None = None,
             flag_default: Any = _UNSET, secret_list: bool = False,
-            nested: Any = None, default_factory: Any = _UNSET) -> Any:
+            nested: Any = None, default_factory: Any = _UNSET, many: bool = False) -> Any:
     """A config field that is also a flag. `parse`: turns the flag's text into the
     value; `flag`: its name when not --<field-name>; `flag_default`: the flag's
     default when it differs from the field's (a required field's flag defaults to
     None); `secret_list`: a repeatable, comma-separated list that --help never
-    shows; `nested`: a config class whose own settings are flags."""
+    shows; `nested`: a config class whose own settings are flags; `many`: the flag
+    takes one or more values (`--flag a b`, repeatable; its variable: space-separated)."""
     meta = {"help": help, "parse": parse, "choices": choices, "flag": flag,
-            "flag_default": flag_default, "secret_list": secret_list, "nested": nested}
+            "flag_default": flag_default, "secret_list": secret_list, "nested": nested,
+            "many": many}
     if default_factory is not _UNSET:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -58,6 +60,8 @@ def add_flags(parser: argparse.ArgumentParser, cls, only: set[str] | None = None
             add_flags(parser, f.metadata["nested"])
         elif f.metadata["secret_list"]:
             _add_secret_list(parser, f)
+        elif f.metadata["many"]:
+            _add_many(parser, f)
         else:
             _add_flag(parser, f)
 
@@ -91,9 +95,33 @@ def _add_flag(parser: argparse.ArgumentParser, f: dataclasses.Field) -> None:
         # argparse converts a string default with `type` itself, so a bad value is a
         # usage error naming the flag rather than a traceback.
         default = os.environ[env]
+    # A yes/no flag alone means yes (`--enable-lora`, as vLLM's), or takes a value.
+    switch = {"nargs": "?", "const": True} if meta["parse"] is parse_bool else {}
     parser.add_argument(flag, dest=dest_name(f), default=default, type=meta["parse"],
-                        choices=meta["choices"],
+                        choices=meta["choices"], **switch,
                         help=f"{meta['help']} [env {env}; default: {default}]")
+
+
+class _Many(argparse.Action):
+    """One or more values, repeatable: `--m a b --m c` -> [a, b, c]. Given flags
+    replace the default taken from the environment, as other flags do."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        current = getattr(namespace, self.dest)
+        setattr(namespace, self.dest,
+                (list(current) if current is not self.default else []) + list(values))
+
+
+def _add_many(parser: argparse.ArgumentParser, f: dataclasses.Field) -> None:
+    flag, parse = flag_name(f), f.metadata["parse"]
+    env = env_name(flag)
+    try:
+        default = [parse(v) for v in os.environ.get(env, "").split()]
+    except (argparse.ArgumentTypeError, ValueError) as exc:
+        parser.error(f"{env}: {exc}")
+    parser.add_argument(flag, dest=dest_name(f), default=default, nargs="+", type=parse,
+                        action=_Many, help=f"{f.metadata['help']} [env {env}, "
+                        f"space-separated; default: {' '.join(map(str, default)) or 'none'}]")
 
 
 class _KeyList(argparse.Action):

@@ -25,11 +25,13 @@ def _length_prefixed(text: str) -> bytes:
     return len(raw).to_bytes(8, "little") + raw
 
 
-def root_hash(model_key: str, cache_salt: str | None) -> bytes:
-    """Parent hash of a request's first block, from its extra keys."""
-    # The marker byte keeps salt None apart from salt "".
+def root_hash(model_key: str, cache_salt: str | None, adapter: str | None = None) -> bytes:
+    """Parent hash of a request's first block, from its extra keys (adapter: the
+    LoRA adapter its KV is computed under, None for the base model)."""
+    # The marker bytes keep None apart from "".
     salt = b"\x00" if cache_salt is None else b"\x01" + _length_prefixed(cache_salt)
-    return hashlib.sha256(_ROOT_TAG + _length_prefixed(model_key) + salt).digest()
+    lora = b"" if adapter is None else b"\x02" + _length_prefixed(adapter)
+    return hashlib.sha256(_ROOT_TAG + _length_prefixed(model_key) + salt + lora).digest()
 
 
 class BlockHasher:

@@ -86,6 +86,7 @@ class KVCacheManager:
         token_ids: Sequence[int],
         cache_salt: str | None = None,
         match: bool = True,
+        adapter: str | None = None,
     ) -> int:
         """Attach the longest cached prefix of full blocks to a new request.
 
@@ -95,12 +96,14 @@ class KVCacheManager:
         hashing the request's later blocks, even with caching disabled; stats
         count only while caching is enabled. match=False hits nothing (a
         request that needs the logits of every prompt token) but still sets up
-        the salt, so the blocks it computes are registered under it.
+        the salt, so the blocks it computes are registered under it. adapter:
+        the LoRA adapter the request runs under, a key like the salt (a block
+        computed under one adapter is never a hit for another, or for none).
         """
         old = self._requests.get(request_id)
         if old is not None and old.block_ids:
             raise ValueError(f"request {request_id!r} already holds blocks")
-        req = RequestBlocks(root_hash(self.model_key, cache_salt))
+        req = RequestBlocks(root_hash(self.model_key, cache_salt, adapter))
         self._requests[request_id] = req
         if not (self.enable_prefix_caching and match):
             return 0

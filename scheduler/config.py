@@ -12,6 +12,9 @@ class SchedulerConfig:
     policy: str = "fcfs"  # fcfs | priority
     # Most tokens one request may compute in a step (0: no cap beyond the budget).
     long_prefill_token_threshold: int = 0
+    # Most LoRA adapters among running requests (0: no limit; LoRA off): the
+    # adapter slots the model has. A request of another adapter waits for one.
+    max_loras: int = 0
 
 
 @dataclass(frozen=True)

@@ -90,10 +90,12 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def stats(self) -> SchedulerStats:
-        kv = self.kv
+        kv, lora = self.kv, self.config.max_loras > 0
         return SchedulerStats(len(self.waiting), len(self.running), kv.num_blocks,
                               kv.num_free_blocks, kv.usage, kv.stats.prefix_queries,
-                              kv.stats.prefix_hits, self.num_preemptions)
+                              kv.stats.prefix_hits, self.num_preemptions,
+                              *(frozenset(r.lora for r in q) for q in
+                                (self.running, self.waiting) if lora))
 
     # -- a step that failed on the device side ----------------------------------
     def withdraw_unwritten(self, out: SchedulerOutput, failed: dict[str, str]) -> None:
@@ -257,11 +259,18 @@ class Scheduler:
         return item.num_new_tokens + len(item.spec_token_ids)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        skipped: list[Request] = []  # no slot for their LoRA adapter: they step aside
+        self._admit(out, budget, skipped)
+        self.waiting.push_front_all(skipped)
+
+    def _admit(self, out: SchedulerOutput, budget: int, skipped: list[Request]) -> None:
         # Siblings still to fork from a running parent take their seats when it forks
         # (not counted when the batch is full anyway: the common case stays cheap).
         num_seqs = len(self.running)
         if self.waiting and num_seqs < self.config.max_num_seqs:
             num_seqs += sum(len(r.pending_forks) for r in self.running)
+        # LoRA adapters running, and None: the base model is never held back.
+        adapters = {None, *(r.lora for r in self.running)} if self.config.max_loras else set()
         while self.waiting and budget > 0:
             req = self.waiting.peek()
             if num_seqs + 1 + len(req.pending_forks) > self.config.max_num_seqs \
@@ -269,9 +278,13 @@ class Scheduler:
                 return
             if req.num_pending_tokens:  # preempted with its token still on the way
                 return
+            if req.lora not in adapters and len(adapters) > self.config.max_loras > 0:
+                skipped.append(self.waiting.pop())
+                continue
             if req.num_computed_tokens == 0:
                 cached = self.kv.lookup_prefix(req.request_id, req.token_ids, req.cache_salt,
-                                               match=not req.computes_whole_prompt)
+                                               match=not req.computes_whole_prompt,
+                                               adapter=req.lora)
                 req.num_computed_tokens = cached
                 if req.num_preemptions == 0:
                     req.num_cached_tokens = cached
@@ -286,6 +299,7 @@ class Scheduler:
                 req.first_scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            adapters.add(req.lora)
             num_seqs += 1 + len(req.pending_forks)
             item = ScheduledRequest(req, n, self.kv.live_block_table(req.request_id))
             out.scheduled.append(item)

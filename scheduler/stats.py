@@ -16,3 +16,7 @@ class SchedulerStats:
     prefix_queries: int  # prompt tokens looked up in the prefix cache
     prefix_hits: int  # of those, tokens found cached
     num_preemptions: int
+    # The LoRA adapter keys of running and of waiting requests (None: the base model;
+    # both empty while the scheduler runs no adapters).
+    lora_running: frozenset = frozenset()
+    lora_waiting: frozenset = frozenset()

@@ -23,6 +23,10 @@ class FCFSQueue:
     def push_front(self, req: Request) -> None:
         self._q.appendleft(req)
 
+    def push_front_all(self, reqs: list[Request]) -> None:
+        """Back at the head, in their order."""
+        self._q.extendleft(reversed(reqs))
+
     def peek(self) -> Request:
         return self._q[0]
 
@@ -54,6 +58,11 @@ class PriorityQueue:
 
     def push_front(self, req: Request) -> None:
         heapq.heappush(self._heap, (req.priority, next(self._front_rank), req))
+
+    def push_front_all(self, reqs: list[Request]) -> None:
+        """Each at the head of its priority class, in their order."""
+        for req in reversed(reqs):
+            self.push_front(req)
 
     def peek(self) -> Request:
         return self._heap[0][2]

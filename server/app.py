@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -14,6 +13,8 @@ from server.chat import ChatService
 from server.completions import CompletionService
 from server.embeddings import EmbeddingRequest, EmbeddingService
 from server.errors import APIError, error_response, install_error_handlers
+from server.lora_api import lora_router
+from server.models_api import models_router
 from server.ops import install_ops
 from server.config import ServerConfig
 from server.protocol import ChatCompletionRequest, CompletionRequest
@@ -21,7 +22,6 @@ from server.responses.protocol import ResponsesRequest
 from server.responses.service import ResponsesService
 from server.responses.store import ResponseStore
 from server.tokenization import Tokenization
-from server.validation import check_model
 
 log = logging.getLogger("kvserve.server")
 
@@ -50,7 +50,6 @@ def build_app(engine: EngineClient, model_names: list[str], model_root: str = ""
     install_error_handlers(app)
     install_ops(app, engine, model_names, VERSION, config, tokenization)
     completions = CompletionService(engine, model_names, tokenization, config)
-    created = int(time.time())
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, request: Request):
@@ -72,19 +71,8 @@ def build_app(engine: EngineClient, model_names: list[str], model_root: str = ""
     _install_responses(app, ResponsesService(chat, ResponseStore(
         config.responses_store_max, config.responses_store_ttl)))
 
-    def model_card(name: str) -> dict:
-        return {"id": name, "object": "model", "created": created, "owned_by": "kvserve",
-                "root": model_root or name, "parent": None,
-                "max_model_len": engine.max_model_len}
-
-    @app.get("/v1/models")
-    async def list_models():
-        return {"object": "list", "data": [model_card(name) for name in model_names]}
-
-    # `:path`: served names often hold a slash ("meta-llama/Llama-3.2-1B")
-    @app.get("/v1/models/{model:path}")
-    async def retrieve_model(model: str):
-        return model_card(check_model(model, model_names))
+    app.include_router(models_router(engine, model_names, model_root))
+    app.include_router(lora_router(engine, model_names, config.allow_runtime_lora_updating))
 
     return app
 

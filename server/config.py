@@ -76,6 +76,11 @@ class ServerConfig:
         "(0: keep none)", parse=non_negative(int))
     responses_store_ttl: float = setting(
         86400.0, "seconds a stored response is kept", parse=non_negative(float))
+    # vLLM's switch is VLLM_ALLOW_RUNTIME_LORA_UPDATING; this one's variable is
+    # KVSERVE_ALLOW_RUNTIME_LORA_UPDATING.
+    allow_runtime_lora_updating: bool = setting(
+        False, "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs "
+        "--enable-lora; behind --api-key when one is set)", parse=parse_bool)
     shutdown_timeout: float = setting(
         30.0, "seconds in-flight requests may run after SIGTERM/SIGINT before they are "
         "aborted", parse=non_negative(float))

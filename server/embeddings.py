@@ -19,7 +19,7 @@ from server.errors import APIError
 from server.generation import EXPECTED_ERRORS, status_of
 from server.protocol import OpenAIRequest, TokenIds
 from server.tokenization import Tokenization
-from server.validation import check_model, prompt_token_ids
+from server.validation import check_model, lora_of, prompt_token_ids
 
 
 class EmbeddingRequest(OpenAIRequest):
@@ -46,7 +46,7 @@ class EmbeddingService:
         self.pooling, self.max_inputs = pooling, max_inputs
 
     async def create(self, req: EmbeddingRequest) -> dict:
-        model = check_model(req.model, self.model_names)
+        model = check_model(req.model, self.model_names, self.engine.adapters.served)
         inputs = req.inputs()
         if not inputs:
             raise APIError(400, "input must not be empty", "input")
@@ -61,7 +61,9 @@ class EmbeddingService:
         ids = await self.tokenization.run(
             lambda: [prompt_token_ids(self.engine, x, "input") for x in inputs])
         rid = f"embd-{uuid.uuid4().hex}"
-        tasks = [asyncio.create_task(self._embed(f"{rid}-{i}", x)) for i, x in enumerate(ids)]
+        lora = lora_of(self.engine, model)
+        tasks = [asyncio.create_task(self._embed(f"{rid}-{i}", x, lora))
+                 for i, x in enumerate(ids)]
         try:
             vectors = await asyncio.gather(*tasks)
         except EXPECTED_ERRORS as exc:
@@ -76,9 +78,9 @@ class EmbeddingService:
         return {"object": "list", "data": data, "model": model,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
-    async def _embed(self, rid: str, ids: list[int]) -> list[float]:
+    async def _embed(self, rid: str, ids: list[int], lora: str | None) -> list[float]:
         params = SamplingParams(max_tokens=1, temperature=0.0, pooling=self.pooling)
-        async for out in self.engine.generate(rid, ids, params):
+        async for out in self.engine.generate(rid, ids, params, lora_name=lora):
             if out.finish_reason == "error":
                 raise APIError(500, f"the engine failed this request: {out.error}")
             if out.embedding is not None:

@@ -52,6 +52,7 @@ class TextOptions:
     cache_salt: str | None = None
     priority: int = 0
     timeout: float = 0.0  # --request-timeout: seconds, 0: none
+    lora_name: str | None = None  # the LoRA adapter the request asked for as its model
 
 
 @dataclass
@@ -130,7 +131,8 @@ async def run_group(engine: EngineClient, rid: str, group: PromptGroup, opts: Te
     seqs = [_Sequence(engine.tokenizer, group, opts) for _ in range(group.params.n)]
     engine_id = f"{rid}-{group.index}"
     gen = engine.generate(engine_id, group.prompt_ids, group.params,
-                          cache_salt=opts.cache_salt, priority=opts.priority)
+                          cache_salt=opts.cache_salt, priority=opts.priority,
+                          lora_name=opts.lora_name)
     async with contextlib.aclosing(gen):
         with _deadline(engine, engine_id, opts.timeout):
             await _relay(engine, gen, seqs, group, emit)

@@ -13,7 +13,7 @@ from server.config import ServerConfig
 from server.response_view import ResponseView
 from server.tokenization import Tokenization
 from server.unsupported_fields import Harmless, refuse_unsupported
-from server.validation import check_model
+from server.validation import check_model, lora_of
 
 
 class GenerationService:
@@ -31,7 +31,7 @@ class GenerationService:
         """The model name to answer with; 404 for an unknown one, 400 past --max-n
         or for a field this route does not support yet (server/unsupported_fields.py),
         503 (a status, not an error inside a 200 stream) when the engine is down."""
-        model = check_model(req.model, self.model_names)
+        model = check_model(req.model, self.model_names, self.engine.adapters.served)
         refuse_unsupported(req, self.unsupported_fields)
         if req.n > self.config.max_n:
             raise APIError(400, f"n must be at most {self.config.max_n} (--max-n), got "
@@ -43,7 +43,7 @@ class GenerationService:
     def text_options(self, req) -> TextOptions:
         return TextOptions(req.stop_strings(), req.include_stop_str_in_output,
                            req.skip_special_tokens, req.cache_salt, req.priority,
-                           self.config.request_timeout)
+                           self.config.request_timeout, lora_of(self.engine, req.model))
 
     async def respond(self, view: ResponseView, groups: list[PromptGroup], req):
         opts = self.text_options(req)

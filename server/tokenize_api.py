@@ -52,7 +52,7 @@ def tokenize_router(engine: EngineClient, model_names: list[str],
     @router.post("/tokenize")
     async def tokenize(request: Request):
         req = await _parse_tokenize(request)
-        check_model(req.model, model_names)
+        check_model(req.model, model_names, engine.adapters.served)
         if isinstance(req, TokenizeChatRequest):
             refuse_untrusted_template(req.chat_template, req.chat_template_kwargs,
                                       trust_chat_template)
@@ -62,7 +62,7 @@ def tokenize_router(engine: EngineClient, model_names: list[str],
 
     @router.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
-        check_model(req.model, model_names)
+        check_model(req.model, model_names, engine.adapters.served)
         bad = next((t for t in req.tokens if not 0 <= t < engine.vocab_size), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} is out of the vocabulary "

@@ -2,6 +2,8 @@
 model names; each failure is an APIError with OpenAI's status and wording."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from engine.client.engine_client import EngineClient
 from scheduler.sampling_params import SamplingParams
 from scheduler.structured_output import StructuredOutput
@@ -10,13 +12,21 @@ from server.protocol import SamplingFields
 from server.structured_fields import structured_output
 
 
-def check_model(requested: str | None, names: list[str]) -> str:
+def check_model(requested: str | None, names: list[str], adapters: Mapping[str, str] = {}
+                ) -> str:
+    """The served name a request's `model` asks for: a name of the base model (None:
+    the first) or a LoRA adapter's."""
     if requested is None:
         return names[0]
-    if requested not in names:
+    if requested not in names and requested not in adapters:
         raise APIError(404, f"The model `{requested}` does not exist.", "model",
                        "model_not_found")
     return requested
+
+
+def lora_of(engine: EngineClient, model: str | None) -> str | None:
+    """The LoRA adapter a request's `model` names, None for the base model."""
+    return model if model is not None and model in engine.adapters.served else None
 
 
 def check_prompt(engine: EngineClient, ids: list[int], param: str = "prompt") -> list[int]:

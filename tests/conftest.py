@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -51,6 +52,19 @@ def _compile_mode():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Engine, "__init__", patched)
         yield
+
+
+@pytest.fixture
+def frozen_heap():
+    """For a timing guard on work in this process: the objects the suite has piled
+    up (1.5 million by its end) frozen out of the garbage collector. Its full
+    collections scan them all, and took up to 1.7 s in the suite, stalling whatever
+    ran then (a /health answer took 1.22 s against a 0.25 s limit). A server's own
+    heap is a fraction of that."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
 
 
 @pytest.fixture(scope="session")

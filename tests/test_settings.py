@@ -10,11 +10,12 @@ import pytest
 
 from engine.arg_types import parse_bool, parse_size
 from engine.config import EngineConfig, SpeculativeConfig
+from engine.lora.config import LoRAConfig
 from engine.settings import dest_name, env_name, flag_name, from_args, settings_of
 from server.cli import build_parser
 from server.config import ServerConfig
 
-CONFIGS = [EngineConfig, SpeculativeConfig, ServerConfig]
+CONFIGS = [EngineConfig, SpeculativeConfig, LoRAConfig, ServerConfig]
 SETTINGS = [(cls, f) for cls in CONFIGS for f in settings_of(cls)
             if f.metadata["nested"] is None]
 
@@ -48,6 +49,8 @@ def _sample(f) -> tuple[str, object]:
     meta = f.metadata
     if meta["secret_list"]:
         return "a, b", ["a", "b"]
+    if meta["many"]:  # --lora-modules
+        return "a=/x b=/y", [("a", "/x"), ("b", "/y")]
     if meta["choices"]:
         return str(meta["choices"][-1]), meta["choices"][-1]
     parse = meta["parse"]
@@ -77,6 +80,18 @@ def test_the_configs_come_back_from_the_flags():
     assert engine == EngineConfig("/m", max_num_seqs=3,
                                   speculative=SpeculativeConfig("ngram", num_tokens=2))
     assert from_args(ServerConfig, args) == ServerConfig(api_keys=["k1", "k2"], port=9)
+    args = build_parser().parse_args(["serve", "--enable-lora", "--lora-modules", "a=/x",
+                                      "b=/y", "--lora-modules", "c=/z", "--max-loras", "2"])
+    assert from_args(EngineConfig, args, model="/m").lora == LoRAConfig(
+        True, (("a", "/x"), ("b", "/y"), ("c", "/z")), max_loras=2)
+    args = build_parser().parse_args(["serve", "--enable-lora", "--lora-modules",
+                                      '{"name": "j", "path": "/j", "base_model_name": "m"}'])
+    assert from_args(EngineConfig, args, model="/m").lora.modules == (("j", "/j"),)
+    args = build_parser().parse_args(["serve", "--lora-modules", "a=/x"])
+    with pytest.raises(ValueError, match="--enable-lora"):
+        from_args(EngineConfig, args, model="/m")
+    with pytest.raises(SystemExit):  # not name=path: a usage error naming the flag
+        build_parser().parse_args(["serve", "--lora-modules", "a"])
     defaults = build_parser().parse_args(["serve"])
     assert from_args(EngineConfig, defaults, model="/m") == EngineConfig("/m")
     assert from_args(ServerConfig, defaults) == ServerConfig()

@@ -10,6 +10,7 @@ import queue
 import threading
 
 from engine.engine import Engine
+from engine.client.adapters import served_adapters
 from engine.client.engine_client import EngineClient
 from engine.client.engine_loop import EngineLoop
 from engine.client.messages import EngineCommand, Shutdown
@@ -37,7 +38,7 @@ class AsyncEngine(EngineClient):
         mc = engine.model_config
         super().__init__(engine.tokenizer, engine.max_model_len, mc.vocab_size,
                          engine.config.structured_outputs_backend, mc.hidden_size,
-                         mc.shorter_embeddings)
+                         mc.shorter_embeddings, served_adapters(engine))
         self.engine = engine
         self._commands = _QueueSource()
         self._loop = EngineLoop(engine, self._commands, self._on_report)

@@ -15,6 +15,7 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
+from engine.client.adapters import Adapters
 from engine.client.messages import AbortRequest, AddRequest, EngineCommand, StepReport
 from engine.outputs import RequestOutput
 from engine.request_checks import check_request
@@ -65,13 +66,16 @@ class EngineClient:
 
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int,
                  structured_backend: str = "xgrammar", hidden_size: int = 0,
-                 shorter_embeddings: tuple[int, ...] | None = None):
+                 shorter_embeddings: tuple[int, ...] | None = None,
+                 lora: tuple[dict[str, str] | None, int] = (None, 0)):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         # An embedding's length, and the shorter ones it may be cut to (ModelConfig).
         self.hidden_size, self.shorter_embeddings = hidden_size, shorter_embeddings
         self.structured_backend = structured_backend  # the front end checks specs for it
+        # LoRA adapters: (served name -> path, or None: LoRA off; --max-loras).
+        self.adapters = Adapters(*lora)
         self.stats = ServingStats()
         # Guarded by _lock: reservations, adds not yet taken by the engine, and the
         # scheduler's queue lengths as of its last report.
@@ -143,7 +147,8 @@ class EngineClient:
     # -- the API used by the server ---------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, cache_salt: str | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, lora_name: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Yields one output per step in which a sequence got tokens (for n > 1 the
         n sequences interleave; `index` tells them apart), until all n finished.
         Leaving the iteration early aborts whatever is unfinished. Check the request
@@ -154,7 +159,7 @@ class EngineClient:
         stream: asyncio.Queue = asyncio.Queue()
         self._register(request_id, stream)
         self._queue_add(AddRequest(request_id, prompt_token_ids, params, cache_salt,
-                                   priority))
+                                   priority, lora_name))
         unfinished = set(range(params.n))
         waiting = len(prompt_token_ids)  # counted until the first output
         self.waiting_prompt_tokens += waiting
@@ -214,6 +219,21 @@ class EngineClient:
             # the engine's death behind this error. The reader reports the death.
             pass
 
+    async def change_adapter(self, name: str, path: str | None, replace: bool = False
+                             ) -> None:
+        """Loads (path) or unloads (None) a LoRA adapter once the engine has: raises
+        ValueError for one it cannot serve, AdapterNotFoundError for an unload of
+        one not loaded. replace: a load may take the name of a loaded adapter."""
+        if not self.is_alive:
+            raise EngineDeadError("the engine is not running")
+        command, done = self.adapters.request(name, path, replace)
+        try:
+            self._submit(command)
+        except EngineDeadError:
+            self.adapters.forget(command.op_id)
+            raise
+        await done
+
     def abort_all(self) -> int:
         """Aborts every request a generate() is waiting on (they end with finish
         reason "abort"); returns how many."""
@@ -227,6 +247,7 @@ class EngineClient:
     def _on_report(self, rep: StepReport) -> None:
         for listener in self.report_listeners:
             listener(rep)
+        self.adapters.on_report(rep)
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         with self._lock:
             self._queued_adds -= rep.added
@@ -268,6 +289,7 @@ class EngineClient:
         with self._lock:
             targets = list(self._streams.values())
         dead = EngineDeadError(f"engine loop died: {exc!r}")
+        self.adapters.fail_all(dead)
         for loop, stream in targets:
             loop.call_soon_threadsafe(stream.put_nowait, dead)
 

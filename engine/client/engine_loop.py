@@ -9,7 +9,9 @@ from collections.abc import Callable
 from typing import Protocol
 
 from engine.engine import Engine
-from engine.client.messages import AbortRequest, AddRequest, EngineCommand, Shutdown, StepReport
+from engine.lora.manager import adapter_names
+from engine.client.messages import (AbortRequest, AdapterReply, AddRequest, ChangeAdapter,
+                                    EngineCommand, Shutdown, StepReport)
 
 
 class CommandSource(Protocol):
@@ -61,6 +63,9 @@ class EngineLoop:
         if self._spec is not None:
             spec = self.engine.speculator.stats
             rep.spec, self._spec = spec.since(self._spec), spec.copy()
+        if self.engine.lora is not None:
+            running, waiting = self.engine.adapters_in_use(stats)
+            rep.lora_running, rep.lora_waiting = adapter_names(running), adapter_names(waiting)
 
     def _handle(self, command: EngineCommand, rep: StepReport) -> None:
         if isinstance(command, AddRequest):
@@ -68,7 +73,8 @@ class EngineLoop:
             try:
                 self.engine.add_request(command.request_id, command.prompt_token_ids,
                                         command.params, cache_salt=command.cache_salt,
-                                        priority=command.priority)
+                                        priority=command.priority,
+                                        lora_name=command.lora_name)
                 rep.prompt_tokens += len(command.prompt_token_ids)
                 rep.constrained += command.params.structured is not None
             except ValueError as exc:
@@ -76,7 +82,22 @@ class EngineLoop:
         elif isinstance(command, AbortRequest):
             rep.outputs.extend(self.engine.abort_request(
                 command.request_id, command.index, command.reason))
+        elif isinstance(command, ChangeAdapter):
+            rep.adapter_replies.append(self._change_adapter(command))
         elif isinstance(command, Shutdown):
             self.stopped = True
         else:
             raise TypeError(f"not an engine command: {command!r}")
+
+    def _change_adapter(self, command: ChangeAdapter) -> AdapterReply:
+        try:
+            if command.path is None:
+                self.engine.unload_lora(command.name)
+            else:
+                self.engine.load_lora(command.name, command.path, command.replace)
+        except KeyError:
+            return AdapterReply(command.op_id, f"The lora adapter '{command.name}' cannot "
+                                "be found.", not_found=True)
+        except ValueError as exc:
+            return AdapterReply(command.op_id, str(exc))
+        return AdapterReply(command.op_id)

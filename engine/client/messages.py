@@ -19,6 +19,7 @@ class AddRequest:
     params: SamplingParams  # params.n sequences, reported as (request_id, index)
     cache_salt: str | None = None
     priority: int = 0
+    lora_name: str | None = None  # the LoRA adapter it runs under; None: the base model
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,11 +30,28 @@ class AbortRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class ChangeAdapter:
+    """Loads (path given) or unloads (path None) a LoRA adapter; answered in a
+    report's adapter_replies under op_id."""
+    op_id: int
+    name: str
+    path: str | None = None
+    replace: bool = False  # a load may take the name of a loaded adapter
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterReply:
+    op_id: int
+    error: str | None = None  # None: done
+    not_found: bool = False  # the error is an unknown adapter (a 404)
+
+
+@dataclass(frozen=True, slots=True)
 class Shutdown:
     pass
 
 
-EngineCommand = AddRequest | AbortRequest | Shutdown
+EngineCommand = AddRequest | AbortRequest | ChangeAdapter | Shutdown
 
 
 @dataclass(slots=True)
@@ -60,3 +78,7 @@ class StepReport:
     spec: SpecDecodeStats | None = None  # speculative decoding's counts (deltas), if on
     constrained: int = 0  # accepted adds with a structured output
     grammar_compile_seconds: list[float] = field(default_factory=list)  # since last
+    adapter_replies: list[AdapterReply] = field(default_factory=list)
+    # With LoRA on: the adapters of running and of waiting requests (names, sorted).
+    lora_running: tuple[str, ...] = ()
+    lora_waiting: tuple[str, ...] = ()

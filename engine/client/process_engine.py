@@ -15,6 +15,7 @@ import threading
 from multiprocessing.connection import Connection
 
 from engine.config import EngineConfig
+from engine.client.adapters import served_adapters
 from engine.client.engine_client import EngineClient, EngineDeadError
 from engine.client.messages import EngineCommand, Shutdown
 
@@ -59,7 +60,8 @@ def _child_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
     mc = engine.model_config
     conn.send(("ready", {"max_model_len": engine.max_model_len, "vocab_size": mc.vocab_size,
                          "hidden_size": mc.hidden_size,
-                         "shorter_embeddings": mc.shorter_embeddings}))
+                         "shorter_embeddings": mc.shorter_embeddings,
+                         "adapters": served_adapters(engine)}))
     try:
         EngineLoop(engine, _PipeSource(conn), lambda rep: conn.send(("report", rep))).run()
     except BaseException as exc:
@@ -85,7 +87,7 @@ class ProcessEngine(EngineClient):
         info = self._await_ready()
         super().__init__(tokenizer, info["max_model_len"], info["vocab_size"],
                          config.structured_outputs_backend, info["hidden_size"],
-                         info["shorter_embeddings"])
+                         info["shorter_embeddings"], info["adapters"])
         self._send_lock = threading.Lock()
         self._reader = threading.Thread(target=self._read, name="kvserve-engine-reader",
                                         daemon=True)

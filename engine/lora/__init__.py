@@ -1,2 +1,4 @@
-"""Multi-LoRA serving (issue 22): PEFT adapters read and checked (adapter.py) and the
-batched LoRA product over a flat step (batched.py). Not wired into the model yet."""
+"""Multi-LoRA serving (issue 22): PEFT adapters read and checked (adapter.py), the
+engine's registry of them (manager.py), the resident ones' stacked buffers
+(slots.py), and one step's inputs and product (step.py: dense matmuls on CPU, the
+BGMV Triton kernels of triton_kernels.py on CUDA; batched.py is their reference)."""

@@ -1,8 +1,9 @@
 """The batched LoRA product of one projection over a flat step (the Punica idea):
 every token carries the slot of its request's adapter (-1: none), adapters sit in
-fixed stacked buffers (A [slots, r_max, in], B [slots, out, r_max], zero-padded to
-the largest rank, so shapes never depend on which adapters are loaded), and each
-token gets x @ A[slot].T @ B[slot].T added: shrink to the rank, then expand.
+fixed stacked buffers (A [slots, r_max, in], B transposed [slots, r_max, out],
+zero-padded to the largest rank, so shapes never depend on which adapters are
+loaded), and each token gets x @ A[slot].T @ B[slot] added: shrink to the rank,
+then expand.
 
 This is the torch reference: one shrink and one expand per adapter present, over
 its tokens (a segment of the sorted batch), none at all when no token has one."""
@@ -18,5 +19,5 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor,
     for slot in present[present >= 0].tolist():
         rows = (slots == slot).nonzero(as_tuple=True)[0]
         shrunk = x[rows] @ a_stack[slot].T  # [n, r]
-        y.index_add_(0, rows, (shrunk @ b_stack[slot].T).to(y.dtype))
+        y.index_add_(0, rows, (shrunk @ b_stack[slot]).to(y.dtype))
     return y

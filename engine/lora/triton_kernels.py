@@ -1,7 +1,7 @@
 """The batched LoRA product as Triton kernels (Punica's BGMV: one adapter slot per
 token, gathered from the stacked buffers): a shrink kernel, x [T, in] -> [T, r] in
-fp32, one program per token; an expand kernel adding [T, r] @ B[slot].T into y, one
-program per token and block of outputs. Tokens with slot -1 cost one load and leave y
+fp32, one program per token; an expand kernel adding [T, r] @ B[slot] into y (B
+stored transposed, [slots, r, out]), one program per token and block of outputs. Tokens with slot -1 cost one load and leave y
 alone. Vector products (tl.sum), not tl.dot: a decode token is one row, below the
 16 rows tl.dot needs; a segment kernel (SGMV) for long prompt chunks is the next step.
 
@@ -35,7 +35,7 @@ def _shrink(x_ptr, a_ptr, slots_ptr, tmp_ptr, IN, R, stride_x, stride_as, stride
 
 
 @triton.jit
-def _expand(tmp_ptr, b_ptr, slots_ptr, y_ptr, OUT, R, stride_tmp, stride_bs, stride_bo,
+def _expand(tmp_ptr, b_ptr, slots_ptr, y_ptr, OUT, R, stride_tmp, stride_bs, stride_br,
             stride_y, BLOCK_R: tl.constexpr, BLOCK_O: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slots_ptr + t)
@@ -43,7 +43,8 @@ def _expand(tmp_ptr, b_ptr, slots_ptr, y_ptr, OUT, R, stride_tmp, stride_bs, str
         o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
         r = tl.arange(0, BLOCK_R)
         shrunk = tl.load(tmp_ptr + t * stride_tmp + r, mask=r < R, other=0.0)
-        b = tl.load(b_ptr + slot * stride_bs + o[:, None] * stride_bo + r[None, :],
+        # B[slot] is [rank, out]: contiguous along the outputs each program writes.
+        b = tl.load(b_ptr + slot * stride_bs + r[None, :] * stride_br + o[:, None],
                     mask=(o[:, None] < OUT) & (r[None, :] < R), other=0.0).to(tl.float32)
         delta = tl.sum(b * shrunk[None, :], axis=1)
         y = tl.load(y_ptr + t * stride_y + o, mask=o < OUT, other=0.0)
@@ -53,12 +54,13 @@ def _expand(tmp_ptr, b_ptr, slots_ptr, y_ptr, OUT, R, stride_tmp, stride_bs, str
 
 def add_lora_triton(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor,
                     b_stack: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """As batched.add_lora: y [T, out] += x @ A[slot].T @ B[slot].T per token."""
+    """As batched.add_lora: y [T, out] += x @ A[slot].T @ B[slot] per token (a_stack
+    [slots, rank, in], b_stack [slots, rank, out])."""
     for name, t in (("y", y), ("x", x), ("a_stack", a_stack), ("b_stack", b_stack)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} needs a contiguous last dim, got strides {t.stride()}")
     tokens, fan_in = x.shape
-    rank, fan_out = a_stack.shape[1], b_stack.shape[1]
+    rank, fan_out = a_stack.shape[1], b_stack.shape[2]
     if tokens == 0:
         return y
     slots = slots.to(torch.int32)

@@ -13,12 +13,14 @@ from engine.attention import paged_attention
 from engine.attention.cpu_paged import PagedDecode, decode_in_place
 from engine.attention.fp8_cache import rotate
 from engine.config import ModelConfig
+from engine.lora.step import LoRAStep
 from engine.models.layers import PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
+        self.layer = layer  # which adapter weights a LoRA step adds here
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = PackedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], cfg.qkv_bias)
@@ -34,9 +36,12 @@ class Attention(nn.Module):
         self.key_rotation: torch.Tensor | None = None
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
-                paged: PagedDecode | None = None) -> torch.Tensor:
+                paged: PagedDecode | None = None, lora: LoRAStep | None = None
+                ) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)
+        if lora is not None:
+            qkv = lora.add("qkv", self.layer, x, qkv)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.reshape(n, self.num_heads, self.head_dim)
@@ -54,33 +59,42 @@ class Attention(nn.Module):
         else:  # a compiled decode graph: attention traced with the rest
             o = decode_in_place(q, k, v, self.k_cache, self.v_cache, paged, self.scale,
                                 k_scale, v_scale)
-        return self.o_proj(o.reshape(n, q_size))
+        o = o.reshape(n, q_size)
+        out = self.o_proj(o)
+        return out if lora is None else lora.add("o", self.layer, o, out)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
+        self.layer = layer
         inter = cfg.intermediate_size
         self.gate_up_proj = PackedLinear(cfg.hidden_size, [inter, inter], cfg.mlp_bias)
         self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, lora: LoRAStep | None = None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if lora is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
+        gate, up = lora.add("gate_up", self.layer, x, gate_up).chunk(2, dim=-1)
+        h = F.silu(gate) * up
+        return lora.add("down", self.layer, h, self.down_proj(h))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, layer)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
-                paged: PagedDecode | None = None) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x), paged)
-        return x + self.mlp(self.post_attention_layernorm(x))
+                paged: PagedDecode | None = None, lora: LoRAStep | None = None
+                ) -> torch.Tensor:
+        x = x + self.self_attn(rope, self.input_layernorm(x), paged, lora)
+        return x + self.mlp(self.post_attention_layernorm(x), lora)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -95,27 +109,28 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                num_layers: int | None = None, paged: PagedDecode | None = None
-                ) -> torch.Tensor:
+                num_layers: int | None = None, paged: PagedDecode | None = None,
+                lora: LoRAStep | None = None) -> torch.Tensor:
         """Returns the final hidden states [T, hidden] (logits are taken only for the
         rows that need them, see compute_logits). num_layers: stop after that many
         layers and normalise there (early-exit drafts: the first layers plus the
         LM head make a draft model with no weights of its own). paged: a decode-only
         step's attention inputs, for attention written as plain ops (compiled decode
-        graphs on CPU); without it every layer calls the attention custom op."""
+        graphs on CPU); without it every layer calls the attention custom op.
+        lora: the step's adapters (engine/lora/step.py), None when it has none."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary.table(positions, x.dtype)
         # (Slicing a ModuleList builds a new one: only when asked.)
         layers = self.layers if num_layers is None else self.layers[:num_layers]
         for layer in layers:
-            x = layer(rope, x, paged)
+            x = layer(rope, x, paged, lora)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

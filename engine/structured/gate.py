@@ -22,6 +22,10 @@ class GrammarGate:
     def hold(self, req: Request) -> None:
         self._held[req.request_id] = (req, self.compiler.submit(req.params.structured))
 
+    def held(self) -> list[Request]:
+        """The requests waiting for their grammar."""
+        return [req for req, _ in self._held.values()]
+
     def drop(self, request_id: str) -> Request | None:
         """An aborted request that never reached the scheduler."""
         held = self._held.pop(request_id, None)

@@ -5,6 +5,8 @@ Counters are plain families rather than prometheus_client.Counter objects becaus
 their totals already live in ServingStats, summed from the engine's reports."""
 from __future__ import annotations
 
+import time
+
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.client.engine_client import EngineClient
@@ -48,6 +50,8 @@ class EngineCollector:
                         "grammar) the engine accepted.", stats.constrained_requests)
         yield self._success()
         yield from self._spec_decode(stats.spec)
+        if e.adapters.enabled:
+            yield self._lora_info()
 
     def _one(self, family, name: str, doc: str, value: float):
         metric = family(PREFIX + name, doc, labels=[LABEL])
@@ -71,6 +75,19 @@ class EngineCollector:
         for pos, count in enumerate(spec.accepted_per_position):
             metric.add_metric([self.model_name, str(pos)], count)
         yield metric
+
+    def _lora_info(self) -> GaugeMetricFamily:
+        """vLLM's lora_requests_info, what the Gateway API Inference Extension routes
+        by (adapter affinity): the adapters of running and of waiting requests as
+        comma-separated labels, and as the value when they were read (Unix time)."""
+        a = self.engine.adapters
+        metric = GaugeMetricFamily(PREFIX + "lora_requests_info",
+                                   "Running and waiting LoRA adapters (in the labels).",
+                                   labels=["max_lora", "running_lora_adapters",
+                                           "waiting_lora_adapters"])
+        metric.add_metric([str(a.max_loras), ",".join(a.running), ",".join(a.waiting)],
+                          time.time())
+        return metric
 
     def _success(self) -> CounterMetricFamily:
         metric = CounterMetricFamily(PREFIX + "request_success",

@@ -188,7 +188,7 @@ def test_bench_provenance_still_importable():
     assert info["device"] == "some GPU" and {"commit", "command", "python"} <= set(info)
 
 
-def test_bench_profile_end_to_end(tmp_path, capsys):
+def test_bench_profile_end_to_end(tmp_path, capsys, frozen_heap):
     """`kvserve bench profile`, eager only (the compiled forward pass has tests of its
     own): every bucket of a step's time is there and accounts for the step."""
     out = tmp_path / "profile.json"

@@ -31,7 +31,8 @@ def test_padded_decode_matches_eager(tiny_engine_factory, arch):
     padded.runner.use_decode_graphs(DecodeGraphPlan(16, padded.max_model_len, capture=False))
     calls = []
     run = padded.runner.decode_graphs.run
-    padded.runner.decode_graphs.run = lambda host, ids: calls.append(len(ids)) or run(host, ids)
+    padded.runner.decode_graphs.run = lambda host, ids, lora: (calls.append(len(ids))
+                                                            or run(host, ids, lora))
     prompts = varied_prompts(eager.model_config.vocab_size, count=11)
     prompts.append([7])  # a one-token prompt: its first step is a decode-shaped step
     greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
@@ -71,9 +72,9 @@ def test_triton_planning_for_a_captured_graph(tiny_engine_factory):
     graphed.runner.use_decode_graphs(DecodeGraphPlan(4, graphed.max_model_len, capture=False))
     g = graphed.runner.decode_graphs
 
-    def as_captured(host, ids):
+    def as_captured(host, ids, lora):
         n = len(ids)
-        g._load(host, ids, n, g.bucket(n))
+        g._load(host, ids, n, g.bucket(n), lora)
         return g._forward(g.bucket(n))[:n]  # no host lengths, as in capture
 
     g.run = as_captured

@@ -91,7 +91,8 @@ def test_refusing_5mb_prompts_stalls_neither_health_nor_streams(tiny_model_dir, 
     assert seen["seconds"] < 1.0, seen["seconds"]
 
 
-def test_a_prompt_tokenized_in_full_stalls_nothing(tiny_engine_factory, monkeypatch):
+def test_a_prompt_tokenized_in_full_stalls_nothing(tiny_engine_factory, monkeypatch,
+                                                   frozen_heap):
     """Without the length shortcut (a tokenizer that drops text gives no bound), a
     prompt is tokenized in full, on the tokenizer's thread (about a second for this
     one, which the shortcut lets through for the default model: 8,192 tokens of at

@@ -87,15 +87,15 @@ def test_the_batched_product_equals_a_per_token_loop():
     torch.manual_seed(0)
     slots_n, r_max, d_in, d_out, t = 3, 16, 24, 40, 29
     a = torch.randn(slots_n, r_max, d_in)
-    b = torch.randn(slots_n, d_out, r_max)
+    b = torch.randn(slots_n, r_max, d_out)  # B transposed, as the slots hold it
     a[1, 8:] = 0  # a rank-8 adapter in a rank-16 slot: zero-padded
-    b[1, :, 8:] = 0
+    b[1, 8:] = 0
     x, y = torch.randn(t, d_in), torch.randn(t, d_out)
     slots = torch.randint(-1, slots_n, (t,))
     want = y.clone()
     for i in range(t):
         if slots[i] >= 0:
-            want[i] += b[slots[i]] @ (a[slots[i]] @ x[i])
+            want[i] += (a[slots[i]] @ x[i]) @ b[slots[i]]
     got = add_lora(y.clone(), x, a, b, slots)
     assert torch.allclose(got, want, atol=1e-4)
     untouched = slots < 0
@@ -103,7 +103,7 @@ def test_the_batched_product_equals_a_per_token_loop():
     assert torch.equal(add_lora(y.clone(), x, a, b, torch.full((t,), -1)), y)
 
 
-def test_slots_are_zero_padded_lru_and_pinned(tiny_model_dir, tmp_path):
+def test_slots_are_zero_padded_and_least_recently_used(tiny_model_dir, tmp_path):
     from engine.lora.slots import LoRASlots, NoFreeSlotError
 
     base = tiny_model_dir("llama")
@@ -114,25 +114,26 @@ def test_slots_are_zero_padded_lru_and_pinned(tiny_model_dir, tmp_path):
         make_adapter(base, tmp_path / case, seed=i, **CASES[case])
         adapters[case] = load_adapter(case, tmp_path / case, 16, cfg.num_layers, shapes)
     slots = LoRASlots(2, 16, cfg.num_layers, shapes, torch.float32)
-    first = slots.acquire(adapters["r8-attention"])
-    second = slots.acquire(adapters["r16-all"])
+    first = slots.place("a", adapters["r8-attention"])
+    second = slots.place("b", adapters["r16-all"])
     assert {first, second} == {0, 1}
-    with pytest.raises(NoFreeSlotError):  # both pinned by running requests
-        slots.acquire(adapters["r8-mlp-rslora"])
-    slots.release("r8-attention")
-    third = slots.acquire(adapters["r8-mlp-rslora"])  # takes the unpinned one's slot
-    assert third == first and slots.slot_of("r8-attention") is None
+    with pytest.raises(NoFreeSlotError):  # a step needing all three
+        slots.place("c", adapters["r8-mlp-rslora"], keep={"a", "b"})
+    slots.place("b", adapters["r16-all"])  # used again: "a" is now the older
+    third = slots.place("c", adapters["r8-mlp-rslora"])
+    assert third == first and slots.slot_of("a") is None and slots.slot_of("b") == second
+
     # the slot now holds exactly the new adapter: its own projections, zeros elsewhere
     x = torch.randn(5, cfg.hidden_size)
     for (layer, module), (a, b) in adapters["r8-mlp-rslora"].weights.items():
         if shapes[module][0] != cfg.hidden_size:
             continue
-        y = add_lora(torch.zeros(5, shapes[module][1]), x, slots.a[(layer, module)],
-                     slots.b[(layer, module)], torch.full((5,), third))
+        y = add_lora(torch.zeros(5, shapes[module][1]), x, *slots.views(module, layer),
+                     torch.full((5,), third))
         assert torch.allclose(y, x @ a.T @ b.T, atol=1e-5)
-    assert not slots.a[(0, "q_proj")][third].any()  # the old adapter's q_proj is gone
-    with pytest.raises(RuntimeError, match="in use"):
-        slots.evict("r16-all")
-    slots.release("r16-all")
-    slots.evict("r16-all")
-    assert slots.slot_of("r16-all") is None
+    assert not slots.views("q_proj", 0)[0][third].any()  # the old adapter's q_proj is gone
+    # B sits on its block's diagonal: nothing of k's block reaches q's outputs
+    q_out = shapes["q_proj"][1]
+    assert not slots.expand[0][:, 2 * 16:, :q_out].any()
+    slots.evict("b")
+    assert slots.slot_of("b") is None

@@ -18,9 +18,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def test_kernels_match_the_torch_reference(tokens, fan_in, fan_out, rank, dtype):
     torch.manual_seed(tokens)
     a = torch.randn(3, rank, fan_in, device=DEVICE).to(dtype) / fan_in ** 0.5
-    b = torch.randn(3, fan_out, rank, device=DEVICE).to(dtype)
+    b = torch.randn(3, rank, fan_out, device=DEVICE).to(dtype)
     a[2, rank // 2:] = 0  # a smaller adapter in a zero-padded slot
-    b[2, :, rank // 2:] = 0
+    b[2, rank // 2:] = 0
     x = torch.randn(tokens, fan_in, device=DEVICE).to(dtype)
     y = torch.randn(tokens, fan_out, device=DEVICE).to(dtype)
     slots = torch.randint(-1, 3, (tokens,), device=DEVICE)
@@ -34,6 +34,6 @@ def test_kernels_match_the_torch_reference(tokens, fan_in, fan_out, rank, dtype)
 
 def test_no_adapter_anywhere_changes_nothing():
     x, y = torch.randn(4, 16, device=DEVICE), torch.randn(4, 8, device=DEVICE)
-    a, b = torch.randn(2, 4, 16, device=DEVICE), torch.randn(2, 8, 4, device=DEVICE)
+    a, b = torch.randn(2, 4, 16, device=DEVICE), torch.randn(2, 4, 8, device=DEVICE)
     out = add_lora_triton(y.clone(), x, a, b, torch.full((4,), -1, device=DEVICE))
     assert torch.equal(out, y)

@@ -1,0 +1,44 @@
+"""Speculative decoding's parts, built from --speculative-method and the flags beside
+it: the speculator that proposes drafts, and what fills its placeholder drafts before
+a step (the model's first layers, or a draft model; none for ngram, whose drafts are
+tokens)."""
+from __future__ import annotations
+
+import logging
+
+from engine.config import EngineConfig, ModelConfig
+from engine.kv_caches import KVCacheFormat
+from engine.loader import ModelLoadError, load_model
+from engine.spec_decode.drafters import DraftModelDrafter, EarlyExitDrafter
+from engine.spec_decode.speculator import Speculator
+
+log = logging.getLogger("kvserve.engine")
+
+
+def make_speculator(config: EngineConfig) -> Speculator | None:
+    spec = config.speculative
+    if spec is None:
+        return None
+    log.info("speculative decoding: %s, %d tokens, off above %s running", spec.method,
+             spec.num_tokens, spec.disable_batch_size or "no limit")
+    return Speculator(spec)
+
+
+def make_drafter(engine, model, backend, num_blocks: int):
+    """The drafter of the engine's --speculative-method (engine: its config, device,
+    dtype and model facts), or None."""
+    spec, config = engine.config.speculative, engine.config
+    if spec is not None and spec.method == "early-exit":
+        return EarlyExitDrafter(model, backend, config.block_size, engine.device,
+                                spec.draft_layers)
+    if spec is None or spec.method != "draft":
+        return None
+    cfg = ModelConfig.from_pretrained(spec.model)
+    if cfg.vocab_size != engine.model_config.vocab_size:
+        raise ModelLoadError(f"the draft model's vocabulary ({cfg.vocab_size} tokens) "
+                             f"is not the model's ({engine.model_config.vocab_size})")
+    draft = load_model(spec.model, cfg, engine.dtype, engine.device, engine.max_model_len,
+                       config.load_format, config.seed + 1)
+    # The draft's own cache stays in the model dtype: it has no calibrated scales.
+    return DraftModelDrafter(draft, num_blocks, backend, config.block_size, engine.device,
+                             KVCacheFormat(engine.dtype))
