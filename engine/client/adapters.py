@@ -52,10 +52,12 @@ class Adapters:
             with self._lock:
                 loop, future, command = self._pending.pop(reply.op_id)
                 if reply.error is None:  # before the caller can read it
-                    if command.path is None:
-                        self.served.pop(command.name, None)
-                    else:
-                        self.served[command.name] = command.path
+                    served = {n: p for n, p in self.served.items() if n != command.name}
+                    if command.path is not None:
+                        served[command.name] = command.path
+                    # A new dict, never one changed in place: the event loop reads
+                    # it without the lock.
+                    self.served = served
             loop.call_soon_threadsafe(_settle, future, reply)
 
     def fail_all(self, exc: BaseException) -> None:

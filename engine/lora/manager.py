@@ -118,7 +118,6 @@ class LoRAManager:
                         token_slots, mask)
 
 
-
 def lora_manager(manager: LoRAManager | None) -> LoRAManager:
     """The engine's adapters, or the ValueError of an engine serving none."""
     if manager is None:

@@ -5,8 +5,8 @@ model adds x @ A[slot].T @ B[slot].T to each projection an adapter targets. The
 projections that read one input (q, k and v; gate and up) are one group, as they are
 one packed linear in the model: a group's A are stacked, so one shrink serves them
 all, and its B sit on the diagonal of one [projections x slots x rank, outputs]
-matrix, so one expand adds to the packed output. Two ways to compute it, the same
-numbers:
+matrix, so one expand adds to the packed output. Three ways to compute it, the same
+numbers up to rounding:
 - `mask` set (CPU): dense over the resident slots. One shrink of x against every
   slot's A at once ([T, projections x slots x rank]), the columns of other slots
   zeroed by the step's 0/1 mask, one expand (addmm) into the packed output: two

