@@ -2,7 +2,7 @@
 forward pass over it, and sampling (with logprobs and prompt logprobs on request)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
 
@@ -309,7 +309,7 @@ class ModelRunner:
             elif decode_only and (paged is not None or not compiled.paged_decode):
                 # Every row samples, in order (one graph, LM head in it).
                 return compiled.decode_logits(batch.input_ids, batch.positions, paged,
-                                              _per_token(batch.lora))
+                                              batch.lora and batch.lora.gathered())
             else:  # mixed steps, and a decode step prepared before the graphs were
                 # ready (no PagedDecode): the graph that calls the custom op
                 hidden = compiled.hidden(batch.input_ids, batch.positions, batch.lora)
@@ -380,11 +380,6 @@ def _pool_rows(scheduled: list[ScheduledRequest], query_starts: list[int]) -> li
     return [PoolRows(s.request.request_id, s.request.params.pooling, query_starts[i],
                      s.num_new_tokens, restarts=s.start == 0, completes=s.samples)
             for i, s in enumerate(scheduled) if s.request.params.pooling]
-
-
-def _per_token(lora: LoRAStep | None) -> LoRAStep | None:
-    """A compiled decode step's adapters, gathered per token (lora/step.py)."""
-    return None if lora is None or lora.mask is None else replace(lora, per_token=True)
 
 
 def _decode_inputs(meta) -> PagedDecode | None:

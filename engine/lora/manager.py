@@ -106,8 +106,7 @@ class LoRAManager:
         """Every token through slot 0, whatever it holds: for compiling the graphs
         that take adapters (their output is thrown away)."""
         step = self.inputs(torch.zeros(num_tokens, dtype=torch.int32, device=self.device))
-        step.per_token = per_token and step.mask is not None
-        return step
+        return step.gathered() if per_token else step
 
     def inputs(self, token_slots: torch.Tensor) -> LoRAStep:
         """A step's LoRA inputs from each token's slot (the dense path's mask is

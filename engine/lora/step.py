@@ -27,7 +27,7 @@ A step none of whose requests has an adapter gets no LoRAStep at all: it costs
 nothing, the same graphs as with LoRA off."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -50,6 +50,11 @@ class LoRAStep:
     token_slots: torch.Tensor  # [T] int32, -1: no adapter
     mask: torch.Tensor | None  # [T, slots x rank] 0/1 in the model dtype (dense path)
     per_token: bool = False  # gathered per token (compiled decode graphs on CPU)
+
+    def gathered(self) -> LoRAStep:
+        """This step for a compiled decode graph: gathered per token where the
+        product is computed by torch ops (the kernels need no such choice)."""
+        return self if self.mask is None else replace(self, per_token=True)
 
     def add(self, group: str, layer: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the group's packed projections of x, [T, out]) plus the LoRA deltas."""
