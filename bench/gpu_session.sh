@@ -47,6 +47,11 @@ stage() {
 
 # Not `slow`: those need the default model, which comes from a package registry. A
 # module whose imports are missing there (fastapi, httpx?) fails alone, not the stage.
+# Issue 23: tests/engine/parallel runs tensor parallelism over gloo there too; the
+# bench stages below are TP=1 through the model code that shards (at one rank its
+# row-parallel and vocabulary-parallel layers are plain Linear and Embedding), so
+# their figures are the "unchanged at TP=1" check. Multi-GPU TP waits for a machine
+# with several GPUs.
 stage tests "${TESTS_S:-140}" $PY -m pytest -q -p no:cacheprovider --maxfail=10 \
   --continue-on-collection-errors \
   -m "not slow" ${TESTS:-tests/engine tests/bench tests/server/test_engine_process.py}

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.arg_types import non_negative, parse_bool, parse_size, positive_int
+from engine.kv_events.config import KVEventsConfig
 from engine.lora.config import LoRAConfig
 from engine.settings import setting
 
@@ -321,6 +322,17 @@ class EngineConfig:
         None, "speculative decoding", nested=SpeculativeConfig)
     # Multi-LoRA serving (None: off): adapters chosen per request (engine/lora/).
     lora: LoRAConfig | None = setting(None, "LoRA adapters", nested=LoRAConfig)
+    # engine/kv_events/: the prefix cache's changes for prefix-aware routers.
+    kv_events_config: KVEventsConfig | None = setting(
+        None, "KV cache events as vLLM publishes them, a JSON object: "
+        "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": "
+        "\"tcp://*:5557\", \"topic\": \"kv\"}' (also replay_endpoint, buffer_steps, hwm, "
+        "max_queue_size)", parse=KVEventsConfig.parse)
+    # engine/parallel/: the model split over ranks, one process each (rank 0 is the
+    # engine's own), its layers' partial sums all-reduced.
+    tensor_parallel_size: int = setting(
+        1, "ranks the model is split over (tensor parallelism; one GPU each, or one "
+        "process each on CPU)", parse=int)
     # Plan and launch step N+1 while step N runs on the device, its sampled tokens
     # fed to N+1 there: the scheduler, batch preparation and output handling leave
     # the critical path. Not with speculative decoding (drafts need the tokens).
@@ -329,5 +341,7 @@ class EngineConfig:
         "(hides the scheduler's time; not with speculative decoding)", parse=parse_bool)
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be at least 1")
         if self.async_scheduling and self.speculative is not None:
             raise ValueError("async scheduling does not work with speculative decoding")

@@ -12,10 +12,14 @@ from engine.compiled_model import c_compiler, use_cache_dir
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphPlan
 from engine.lora.manager import LoRAManager, lora_key, lora_manager
-from engine.loader import ModelLoadError, check_fits, resolve_device, resolve_dtype
-from engine.memory_budget import profile_kv_budget
-from engine.model_runner import LaunchedStep, ModelRunner
+from engine.loader import resolve_device, resolve_dtype
+from engine.memory_budget import log_kv_cache, num_kv_blocks
+from engine.model_runner import ModelRunner
+from engine.step_batch import LaunchedStep
 from engine.model_setup import load_served_model
+from engine.kv_events.publisher import make_publisher
+from engine.parallel import comm
+from engine.parallel.group import start_group
 from engine.outputs import RequestOutput, RequestTimes
 from engine.request_checks import check_request
 from engine.sampling import StepResult
@@ -32,8 +36,6 @@ from scheduler.config import KVCacheConfig, SchedulerConfig
 from scheduler.scheduler import Scheduler
 
 log = logging.getLogger("kvserve.engine")
-
-DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
 @dataclass
@@ -67,26 +69,33 @@ class Engine:
             log.info("%s has no tokenizer: token ids only", config.model)
         self.eos_token_ids = self._eos_ids()
         torch.manual_seed(config.seed)
+        # Tensor parallelism: the other ranks start loading their parts beside ours.
+        self.tp = start_group(config, cfg, self.device, self.dtype, self.max_model_len)
         model, self.kv_format = load_served_model(config, cfg, tokenizer, self.device,
-                                                  self.dtype, self.max_model_len)
+                                                  self.dtype, self.max_model_len,
+                                                  comm.shard())
         # Before the KV cache is sized: the adapter slots' memory is not the cache's.
         self.lora = (LoRAManager(config.lora, cfg, self.device, self.dtype)
                      if config.lora is not None else None)
-        num_blocks = self._num_kv_blocks(model)
+        num_blocks = num_kv_blocks(config, cfg, model, self.device, self.dtype, self.kv_format)
         # A request longer than the whole cache could never run.
         self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)
+        if self.tp is not None:
+            self.tp.share_num_blocks(num_blocks)
         backend = make_backend(config.attention_backend, self.device, config.block_size,
                                self.dtype, self.kv_format.dtype)
         t0 = time.perf_counter()
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.device,
                                   self.kv_format, backend,
                                   make_drafter(self, model, backend, num_blocks),
-                                  self._decode_graph_plan(backend), self.lora)
+                                  self._decode_graph_plan(backend), self.lora,
+                                  self.tp.channel if self.tp is not None else None)
         if self.runner.decode_graphs is not None:
             log.info("captured CUDA graphs for decode batch sizes %s in %.1f s",
                      self.runner.decode_graphs.buckets, time.perf_counter() - t0)
         self._compile_forward()
         self.grammars = self._grammar_gate()
+        self.kv_events = make_publisher(config.kv_events_config)
         self.scheduler = Scheduler.with_kv_cache(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -94,7 +103,7 @@ class Engine:
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             max_loras=config.lora.max_loras if config.lora is not None else 0),
             KVCacheConfig(num_blocks, config.block_size, config.enable_prefix_caching,
-                          model_key=str(config.model)))
+                          model_key=str(config.model), kv_events=self.kv_events is not None))
         self.stats = EngineStats()
         self.speculator = make_speculator(config)
         self._inflight: InFlight | None = None  # async scheduling's running step
@@ -102,17 +111,12 @@ class Engine:
             log.warning("async scheduling on %s overlaps nothing (the forward pass runs "
                         "on the host) and reports each step one step later",
                         self.device.type)
-        per_token = self.kv_format.bytes_per_block(cfg, config.block_size) / config.block_size
-        log.info("KV cache: %d blocks of %d tokens, %s, %.1f KiB a token (%d tokens, %.1fx "
-                 "concurrency at %d)", num_blocks, config.block_size,
-                 str(self.kv_format.dtype).removeprefix("torch."), per_token / 1024,
-                 num_blocks * config.block_size,
-                 num_blocks * config.block_size / self.max_model_len, self.max_model_len)
+        log_kv_cache(num_blocks, config.block_size, self.kv_format, cfg, self.max_model_len)
 
     def _decode_graph_plan(self, backend) -> DecodeGraphPlan | None:
         """CUDA graphs for decode-only steps, on CUDA unless --enforce-eager."""
-        if self.device.type != "cuda" or self.config.enforce_eager:
-            return None
+        if self.device.type != "cuda" or self.config.enforce_eager or self.tp is not None:
+            return None  # (tensor parallel steps stay eager until measured on GPUs)
         if not backend.graph_safe:
             log.info("CUDA graphs off: the %s attention backend cannot be captured",
                      backend.name)
@@ -132,7 +136,7 @@ class Engine:
 
     def _compile_forward(self) -> None:
         """The Inductor-compiled forward pass, as `compile` and --enforce-eager say."""
-        mode = "off" if self.config.enforce_eager else self.config.compile
+        mode = "off" if self.config.enforce_eager or self.tp is not None else self.config.compile
         if mode == "auto":
             mode = "off" if self.device.type == "cuda" else "background"
         if mode == "off":
@@ -157,21 +161,26 @@ class Engine:
             ids.add(self.tokenizer.eos_token_id)
         return tuple(sorted(ids))
 
-    def _num_kv_blocks(self, model) -> int:
-        """--num-kv-blocks, else --kv-cache-memory, else on CUDA what
-        --gpu-memory-utilization leaves after a profile step, else 1 GiB (CPU)."""
-        c = self.config
-        per_block = self.kv_format.bytes_per_block(self.model_config, c.block_size)
-        if c.num_kv_blocks or c.kv_cache_memory is not None:
-            num = c.num_kv_blocks or c.kv_cache_memory // per_block
-        elif self.device.type == "cuda":
-            num = profile_kv_budget(model, c, self.device, self.dtype, self.kv_format) // per_block
-        else:
-            num = DEFAULT_CPU_KV_BYTES // per_block
-        if num < 1:
-            raise ModelLoadError("the KV cache budget is smaller than one block")
-        check_fits(num * per_block, self.device, "the KV cache")
-        return num
+    def close(self) -> None:
+        """Stops the other tensor-parallel ranks and the KV event publisher, if any
+        (the engine runs no more)."""
+        if self.tp is not None:
+            self.tp.close()
+            self.tp = None
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
+
+    def publish_kv_events(self) -> None:
+        """What entered and left the prefix cache since the last call, to the KV
+        event subscribers (--kv-events-config)."""
+        if self.kv_events is not None:
+            self.kv_events.publish(self.scheduler.take_kv_events())
+
+    def on_rank_death(self, callback) -> None:
+        """callback(why), on another thread, when a tensor-parallel rank dies."""
+        if self.tp is not None:
+            self.tp.on_death(callback)
 
     # -- requests --------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],

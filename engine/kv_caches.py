@@ -30,8 +30,9 @@ def attach_kv_caches(model: LlamaForCausalLM, num_blocks: int, block_size: int,
     """A paged (K, V) pair per layer, zeroed, and each layer's attention pointed at
     its pair and its scales: [(k, v)], each [num_blocks, block_size, kv_heads,
     head_dim]."""
-    cfg = model.config
-    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    cfg, attn = model.config, model.layers[0].self_attn
+    # The KV heads this tensor-parallel rank holds (all of them at one rank).
+    shape = (num_blocks, block_size, attn.num_kv_heads, cfg.head_dim)
     caches = [(torch.zeros(shape, dtype=fmt.dtype, device=device),
                torch.zeros(shape, dtype=fmt.dtype, device=device))
               for _ in range(cfg.num_layers)]
@@ -40,3 +41,12 @@ def attach_kv_caches(model: LlamaForCausalLM, num_blocks: int, block_size: int,
         layer.self_attn.kv_scales = fmt.scales[i] if fmt.scales else None
         layer.self_attn.key_rotation = fmt.key_rotation
     return caches
+
+
+def copy_blocks(caches: list[tuple], copies: list[tuple[int, int, int]]) -> None:
+    """Copy-on-write: each (src block, dst block, tokens) copies the first `tokens`
+    slots of src's K and V to dst, in every (k, v) pair of `caches`."""
+    for src, dst, num_tokens in copies:
+        for k, v in caches:
+            k[dst, :num_tokens] = k[src, :num_tokens]
+            v[dst, :num_tokens] = v[src, :num_tokens]

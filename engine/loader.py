@@ -14,6 +14,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
+from engine.parallel.shard import SINGLE, TPShard
 from modelstore.errors import ModelLoadError
 from modelstore.presets import resolve_model_path
 from modelstore.weight_bytes import weight_bytes
@@ -102,12 +103,13 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                max_positions: int) -> LlamaForCausalLM:
+                max_positions: int, shard: TPShard = SINGLE) -> LlamaForCausalLM:
     """Parameters are created on the meta device (no memory, no init work), then
-    given uninitialised storage on `device`."""
-    check_fits(int(weight_bytes(cfg, dtype.itemsize)), device, "the model's weights")
+    given uninitialised storage on `device`; `shard`: the tensor-parallel rank's part."""
+    check_fits(int(weight_bytes(cfg, dtype.itemsize)) // shard.size, device,
+               "the model's weights")
     with _default_dtype(dtype), torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_positions)
+        model = LlamaForCausalLM(cfg, max_positions, shard)
     model.to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty may untie shared parameters
         model.lm_head.weight = model.embed_tokens.weight
@@ -133,23 +135,27 @@ def resolve_load_format(model: str | Path, load_format: str) -> str:
 def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
                device: torch.device, max_positions: int,
                load_format: str = "safetensors", seed: int = 0,
-               quantization: str = "auto") -> LlamaForCausalLM:
+               quantization: str = "auto", shard: TPShard = SINGLE) -> LlamaForCausalLM:
     """`model_dir` may be `preset:NAME`; `random` never reads it (no checkpoint).
     A GGUF's quantized blocks are kept unless `quantization` is none; a float
-    checkpoint is quantized afterwards (engine.quantization.quantize_model)."""
+    checkpoint is quantized afterwards (engine.quantization.quantize_model).
+    shard: the tensor-parallel rank's part, the only part read (safetensors)."""
     load_format = resolve_load_format(model_dir, load_format)
     if load_format not in ("random", "safetensors", "gguf"):
         raise ModelLoadError(f"unknown load format {load_format!r}")
     if load_format == "gguf":
         from engine.gguf_loader import load_gguf_model
 
+        if shard.size > 1:
+            raise ModelLoadError("tensor parallelism reads safetensors checkpoints, "
+                                 "not GGUF files")
         return load_gguf_model(resolve_model_path(model_dir), cfg, dtype, device,
                                max_positions, quantization)
-    model = build_model(cfg, dtype, device, max_positions)
+    model = build_model(cfg, dtype, device, max_positions, shard)
     if load_format == "random":
         init_random(model, seed)
     else:
-        load_safetensors(model, resolve_model_path(model_dir))
+        load_safetensors(model, resolve_model_path(model_dir), shard)
     return model
 
 
@@ -170,7 +176,10 @@ def init_random(model: nn.Module, seed: int, std: float = 0.02) -> None:
         p.data.normal_(0.0, std, generator=gens[p.device])
 
 
-def load_safetensors(model: LlamaForCausalLM, model_dir: Path) -> None:
+def load_safetensors(model: LlamaForCausalLM, model_dir: Path,
+                     shard: TPShard = SINGLE) -> None:
+    """Each tensor read once, memory-mapped, and only the rows or columns `shard`
+    holds (a tensor-parallel rank never reads the whole model)."""
     from safetensors import safe_open
 
     files = sorted(model_dir.glob("*.safetensors"))
@@ -182,7 +191,7 @@ def load_safetensors(model: LlamaForCausalLM, model_dir: Path) -> None:
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                if _load_one(model, params, name, f.get_tensor(name)):
+                if _load_one(model, params, name, f.get_slice(name), shard):
                     loaded.add(_our_name(name))
     missing = _expected_weights(model, params) - loaded
     if missing:
@@ -199,7 +208,8 @@ def _our_name(ckpt_name: str) -> tuple[str, int | None]:
     return name, None
 
 
-def _load_one(model, params: dict, ckpt_name: str, tensor: torch.Tensor) -> bool:
+def _load_one(model, params: dict, ckpt_name: str, tensor, tp: TPShard = SINGLE) -> bool:
+    """tensor: the checkpoint's (a tensor, or a safetensors slice read where indexed)."""
     name, shard = _our_name(ckpt_name)
     if name == "lm_head.weight" and model.config.tie_word_embeddings:
         return False  # tied: the embedding is the head
@@ -207,6 +217,7 @@ def _load_one(model, params: dict, ckpt_name: str, tensor: torch.Tensor) -> bool
         if "rotary_emb" in name:
             return False
         raise ModelLoadError(f"unexpected weight {ckpt_name!r} in checkpoint")
+    tensor = tp.checkpoint_slice(model.config, name, shard, tensor)
     if shard is not None:
         module_name, _, attr = name.rpartition(".")
         model.get_submodule(module_name).load_shard(attr, shard, tensor)

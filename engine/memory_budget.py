@@ -14,6 +14,36 @@ import torch
 
 log = logging.getLogger("kvserve.engine")
 
+DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+def num_kv_blocks(config, model_config, model, device: torch.device, dtype: torch.dtype,
+                  kv_format) -> int:
+    """--num-kv-blocks, else --kv-cache-memory, else on CUDA what
+    --gpu-memory-utilization leaves after a profile step, else 1 GiB (CPU)."""
+    from engine.loader import ModelLoadError, check_fits
+
+    per_block = kv_format.bytes_per_block(model_config, config.block_size)
+    if config.num_kv_blocks or config.kv_cache_memory is not None:
+        num = config.num_kv_blocks or config.kv_cache_memory // per_block
+    elif device.type == "cuda":
+        num = profile_kv_budget(model, config, device, dtype, kv_format) // per_block
+    else:
+        num = DEFAULT_CPU_KV_BYTES // per_block
+    if num < 1:
+        raise ModelLoadError("the KV cache budget is smaller than one block")
+    check_fits(num * per_block, device, "the KV cache")
+    return num
+
+
+def log_kv_cache(num_blocks: int, block_size: int, kv_format, model_config,
+                 max_model_len: int) -> None:
+    per_token = kv_format.bytes_per_block(model_config, block_size) / block_size
+    log.info("KV cache: %d blocks of %d tokens, %s, %.1f KiB a token (%d tokens, %.1fx "
+             "concurrency at %d)", num_blocks, block_size,
+             str(kv_format.dtype).removeprefix("torch."), per_token / 1024,
+             num_blocks * block_size, num_blocks * block_size / max_model_len, max_model_len)
+
 
 def kv_budget_bytes(total: int, utilization: float, peak_allocated: int,
                     non_torch: int) -> int:

@@ -2,9 +2,7 @@
 forward pass over it, and sampling (with logprobs and prompt logprobs on request)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import Any
 
 import torch
 
@@ -18,74 +16,35 @@ from engine.block_table_rows import BlockTableRows
 from engine.compiled_model import CompiledModel
 from engine.cuda_graphs import DecodeGraphPlan, DecodeGraphs
 from engine.host_copy import to_device
-from engine.kv_caches import KVCacheFormat, attach_kv_caches
+from engine.kv_caches import KVCacheFormat, attach_kv_caches, copy_blocks
 from engine.lora.manager import LoRAManager
-from engine.lora.step import LoRAStep
 from engine.models.llama import LlamaForCausalLM
+from engine.parallel.step_channel import StepChannel
 from engine.pooling import Pooler, PoolRows
 from engine.sampling import Sampler, StepResult
+from engine.step_batch import FlatBatch, LaunchedStep
 from engine.sampling.logprobs import MAX_EXACT_ID
-from engine.sampling.prompt_logprobs import PromptSpan
 from engine.sampling.step_result import SampleLaunch
 from engine.sampling.step_logits import LogitRows, StepLogits
 from scheduler.output import ScheduledRequest, SchedulerOutput
-
-
-@dataclass
-class LaunchedStep:
-    """A step sent to the device whose results the host has not read yet."""
-    sample: SampleLaunch | None = None  # None: nobody sampled
-    verified: StepResult | None = None  # verifications' results (read at once)
-    failed: dict[str, str] = field(default_factory=dict)  # left out at preparation
-    pooled: dict[str, torch.Tensor] = field(default_factory=dict)  # on the device
-    _feed: tuple[torch.Tensor, dict[str, int]] | None = None
-
-    def feed_source(self, device: torch.device) -> tuple[torch.Tensor, dict[str, int]]:
-        """The step's sampled tokens on the device and each request's index there:
-        what the next step reads its pending tokens from."""
-        if self._feed is None:
-            launch = self.sample
-            ids = [q.request_id for q in launch.seqs] if launch is not None else []
-            if launch is not None and launch.result is None:
-                tokens = launch.tokens
-            else:  # finished on the host at launch (a fault was isolated), or nothing
-                done = launch.result.tokens if launch is not None else {}
-                tokens = to_device([done.get(rid, 0) for rid in ids], torch.long, device)
-            self._feed = tokens, {rid: i for i, rid in enumerate(ids)}
-        return self._feed
-
-
-@dataclass
-class FlatBatch:
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    attention: Any  # what the attention backend's prepare made of the step's metadata
-    # The hidden rows the model computes logits for, in LogitRows' order: the last
-    # row of each request that samples, the prompt rows whose logits prompt logprobs
-    # need, the k + 1 rows of each verification
-    logit_rows: torch.Tensor
-    rows: LogitRows  # how many of each
-    sampling: list[ScheduledRequest]  # the requests that sample, in row order
-    prompt_spans: list[PromptSpan]  # where the prompt rows come from
-    verifying: list[ScheduledRequest]  # requests verifying drafts, in row order
-    pooling: list[PoolRows] = field(default_factory=list)  # embedding requests' rows
-    pooled: dict[str, torch.Tensor] = field(default_factory=dict)  # set by the forward
-    lora: LoRAStep | None = None  # the step's adapters; None: none of its requests has one
 
 
 class ModelRunner:
     """Everything a step uses is handed over here: the attention backend, the drafter
     that fills model-drafted placeholders before a step (speculative early exit or a
     draft model; None without), the plan for decode-only steps' CUDA graphs, and the
-    LoRA adapters (engine/lora/manager.py; None: LoRA off)."""
+    LoRA adapters (engine/lora/manager.py; None: LoRA off), and under tensor
+    parallelism the channel that hands each step to the other ranks (rank 0's
+    runner is the only one: the others run the steps it sends)."""
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
                  device: torch.device, kv_format: KVCacheFormat,
                  attn_backend: AttentionBackend,
                  drafter=None, decode_graphs: DecodeGraphPlan | None = None,
-                 lora: LoRAManager | None = None):
+                 lora: LoRAManager | None = None, step_channel: StepChannel | None = None):
         self.model, self.device, self.block_size = model, device, block_size
         self.attn_backend, self.drafter, self.lora = attn_backend, drafter, lora
+        self.step_channel = step_channel
         cfg = model.config
         # One block more than the KV cache manager hands out: the compiled graphs'
         # warm-up steps write there (background compiling runs beside live steps).
@@ -299,6 +258,8 @@ class ModelRunner:
                                                                              device)]
 
     def forward_logits(self, batch: FlatBatch) -> torch.Tensor:
+        if self.step_channel is not None:  # every rank runs this forward pass
+            self.step_channel.send(batch.host, batch.input_ids, batch.logit_rows)
         set_attention_context(self.attn_backend, batch.attention)
         try:
             compiled, paged = self.compiled, _decode_inputs(batch.attention)
@@ -322,11 +283,10 @@ class ModelRunner:
     def copy_blocks(self, copies) -> None:
         if not copies:  # almost every step: build nothing
             return
-        caches = self.kv_caches + getattr(self.drafter, "kv_caches", [])
-        for c in copies:
-            for k, v in caches:
-                k[c.dst, :c.num_tokens] = k[c.src, :c.num_tokens]
-                v[c.dst, :c.num_tokens] = v[c.src, :c.num_tokens]
+        triples = [(c.src, c.dst, c.num_tokens) for c in copies]
+        if self.step_channel is not None:  # the other ranks copy with the next step
+            self.step_channel.pending_copies += triples
+        copy_blocks(self.kv_caches + getattr(self.drafter, "kv_caches", []), triples)
 
     def release(self, request_id: str) -> None:
         self.sampler.release(request_id)
@@ -373,7 +333,7 @@ class ModelRunner:
                          attention=self.attn_backend.prepare(common), logit_rows=logit_rows,
                          rows=counts, sampling=sampling, prompt_spans=spans,
                          verifying=verifying, pooling=_pool_rows(scheduled, query_starts),
-                         lora=lora)
+                         lora=lora, host=host)
 
 
 def _pool_rows(scheduled: list[ScheduledRequest], query_starts: list[int]) -> list[PoolRows]:

@@ -11,6 +11,7 @@ from torch import nn
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_caches import KVCacheFormat
 from engine.loader import load_model, resolve_load_format
+from engine.parallel.shard import SINGLE, TPShard
 from engine.quantization import model_bytes, quantize_model
 from engine.quantization.awq import calibration_inputs
 from engine.quantization.kv_fp8 import kv_cache_format
@@ -20,10 +21,12 @@ log = logging.getLogger("kvserve.engine")
 
 def load_served_model(config: EngineConfig, cfg: ModelConfig, tokenizer,
                       device: torch.device, dtype: torch.dtype,
-                      max_model_len: int) -> tuple[nn.Module, KVCacheFormat]:
+                      max_model_len: int, shard: TPShard = SINGLE
+                      ) -> tuple[nn.Module, KVCacheFormat]:
+    """shard: the tensor-parallel rank's part of the weights (rank 0's here)."""
     load_format = resolve_load_format(config.model, config.load_format)
     model = load_model(config.model, cfg, dtype, device, max_model_len, load_format,
-                       config.seed, config.quantization)
+                       config.seed, config.quantization, shard)
     if load_format != "gguf":
         quantize_model(model, config.quantization, config.quantization_group_size,
                        lambda: calibration_inputs(model, tokenizer, device, dtype))

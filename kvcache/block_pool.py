@@ -8,8 +8,10 @@ Invariants (checked by the tests):
 from __future__ import annotations
 
 from collections.abc import Iterable
+from collections.abc import Sequence
 
 from .block import Block
+from .events import KVEventLog
 from .free_queue import FreeBlockQueue
 from .records import CacheStats
 
@@ -17,7 +19,8 @@ from .records import CacheStats
 class BlockPool:
     """Hands out, shares, frees and evicts fixed-size blocks."""
 
-    def __init__(self, num_blocks: int, stats: CacheStats) -> None:
+    def __init__(self, num_blocks: int, stats: CacheStats,
+                 events: KVEventLog | None = None) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -26,6 +29,7 @@ class BlockPool:
         # prefix (two requests computing it concurrently) simply stays unregistered.
         self.cached: dict[bytes, Block] = {}
         self._stats = stats
+        self.events = events  # None: nobody listens, nothing recorded
 
     @property
     def num_free(self) -> int:
@@ -47,8 +51,7 @@ class BlockPool:
         return taken
 
     def _evict(self, block: Block) -> None:
-        del self.cached[block.block_hash]
-        block.block_hash = None
+        self.unregister(block)
         self._stats.evictions += 1
 
     def touch(self, block: Block) -> None:
@@ -76,26 +79,46 @@ class BlockPool:
     def lookup(self, block_hash: bytes) -> Block | None:
         return self.cached.get(block_hash)
 
-    def register_all(self, blocks: Iterable[Block], hashes: Iterable[bytes]) -> None:
-        """register() for just-filled blocks in bulk (one call per step)."""
+    def register_all(self, blocks: Sequence[Block], hashes: Sequence[bytes],
+                     parent: bytes | None = None, token_ids: Sequence[int] = ()) -> None:
+        """Makes just-filled blocks hittable, in bulk (one call per step); a block
+        whose hash another block holds stays unregistered. parent: the hash before
+        hashes[0]; token_ids: the blocks' tokens (both for the events only)."""
         cached = self.cached
-        for block, block_hash in zip(blocks, hashes):
+        newly = []
+        for i, (block, block_hash) in enumerate(zip(blocks, hashes)):
             if block.block_hash is None and block_hash not in cached:
                 cached[block_hash] = block
                 block.block_hash = block_hash
+                newly.append(i)
+        if self.events is not None and newly:
+            self._record_stored(newly, hashes, parent, token_ids)
 
-    def unregister(self, block: Block) -> None:
-        """Forget a held block's hash (its KV will never be written)."""
-        del self.cached[block.block_hash]
-        block.block_hash = None
+    def _record_stored(self, newly: list[int], hashes: Sequence[bytes],
+                       parent: bytes | None, token_ids: Sequence[int]) -> None:
+        """One BlockStored per run of consecutive blocks registered."""
+        size, start = self.events.block_size, 0
+        for end in range(1, len(newly) + 1):
+            if end == len(newly) or newly[end] != newly[end - 1] + 1:
+                first, last = newly[start], newly[end - 1] + 1
+                self.events.stored(hashes[first:last],
+                                   hashes[first - 1] if first else parent,
+                                   token_ids[first * size:last * size])
+                start = end
 
     def register(self, block: Block, block_hash: bytes) -> bool:
         """Make a just-filled block hittable; False when the hash is taken."""
         if block.block_hash is not None or block_hash in self.cached:
             return False
-        self.cached[block_hash] = block
-        block.block_hash = block_hash
+        self.register_all([block], [block_hash])
         return True
+
+    def unregister(self, block: Block) -> None:
+        """Forget a block's hash (evicted, or its KV will never be written)."""
+        del self.cached[block.block_hash]
+        if self.events is not None:
+            self.events.removed(block.block_hash)
+        block.block_hash = None
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refuses (False) while any block is in use.
@@ -109,4 +132,6 @@ class BlockPool:
         for block in self.cached.values():
             block.block_hash = None
         self.cached.clear()
+        if self.events is not None:
+            self.events.cleared()
         return True

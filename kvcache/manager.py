@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from .block import Block
 from .block_hash import BlockHasher, root_hash
 from .block_pool import BlockPool
+from .events import KVCacheEvent, KVEventLog
 from .records import BlockCopy, CacheStats
 from .request_blocks import RequestBlocks
 
@@ -27,6 +28,7 @@ class KVCacheManager:
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         model_key: str = "",
+        kv_events: bool = False,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -35,7 +37,9 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.model_key = model_key
         self.stats = CacheStats()
-        self._pool = BlockPool(num_blocks, self.stats)
+        # kv_events: the pool records what enters and leaves the prefix cache.
+        self._pool = BlockPool(num_blocks, self.stats,
+                               KVEventLog(block_size) if kv_events else None)
         self._blocks: list[Block] = self._pool.blocks
         self._free_queue = self._pool.free_queue  # .size without a property hop
         self._hasher = BlockHasher(block_size)
@@ -259,7 +263,12 @@ class KVCacheManager:
         hashes.extend(new_hashes)
         blocks = self._blocks
         filled = [blocks[i] for i in req.block_ids[first:num_full]]
-        self._pool.register_all(filled, new_hashes)
+        if self._pool.events is None:
+            self._pool.register_all(filled, new_hashes)
+        else:  # a chain's first block has no parent block (its root is no block)
+            size = self.block_size
+            self._pool.register_all(filled, new_hashes, hashes[first - 1] if first else None,
+                                    token_ids[first * size:num_full * size])
 
     # ------------------------------------------------------ fork and free
 
@@ -344,6 +353,10 @@ class KVCacheManager:
         runner for the step it just planned)."""
         req = self._requests.get(request_id)
         return req.block_ids if req is not None else []
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The prefix cache's events since the last call ([] unless kv_events)."""
+        return self._pool.events.take() if self._pool.events is not None else []
 
     def take_copies(self) -> list[BlockCopy]:
         """Pending copy-on-write instructions since the last call; clears them."""

@@ -24,3 +24,6 @@ class KVCacheConfig:
     block_size: int
     enable_prefix_caching: bool = True
     model_key: str = ""  # part of every block hash: no hits across models
+    # Record what enters and leaves the prefix cache (vLLM's KV cache events), for
+    # routers that place requests by the prefixes each replica holds.
+    kv_events: bool = False

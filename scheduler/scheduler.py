@@ -17,8 +17,10 @@ simply the next one it computes (the runner feeds it on the device)."""
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 
 from kvcache import KVCacheManager
+from kvcache.events import KVCacheEvent
 from scheduler.config import KVCacheConfig, SchedulerConfig
 from scheduler.failed_steps import withdraw_unwritten
 from scheduler.output import ScheduledRequest, SchedulerOutput
@@ -33,8 +35,7 @@ class Scheduler:
 
     @classmethod
     def with_kv_cache(cls, config: SchedulerConfig, cache: KVCacheConfig) -> Scheduler:
-        return cls(config, KVCacheManager(cache.num_blocks, cache.block_size,
-                                          cache.enable_prefix_caching, cache.model_key))
+        return cls(config, KVCacheManager(**asdict(cache)))  # the same fields
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
         if config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
@@ -90,12 +91,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def stats(self) -> SchedulerStats:
-        kv, lora = self.kv, self.config.max_loras > 0
-        return SchedulerStats(len(self.waiting), len(self.running), kv.num_blocks,
-                              kv.num_free_blocks, kv.usage, kv.stats.prefix_queries,
-                              kv.stats.prefix_hits, self.num_preemptions,
-                              *(frozenset(r.lora for r in q) for q in
-                                (self.running, self.waiting) if lora))
+        return SchedulerStats.of(self)
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """What entered and left the prefix cache since the last call (or [])."""
+        return self.kv.take_events()
 
     # -- a step that failed on the device side ----------------------------------
     def withdraw_unwritten(self, out: SchedulerOutput, failed: dict[str, str]) -> None:

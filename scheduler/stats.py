@@ -20,3 +20,12 @@ class SchedulerStats:
     # both empty while the scheduler runs no adapters).
     lora_running: frozenset = frozenset()
     lora_waiting: frozenset = frozenset()
+
+    @staticmethod
+    def of(scheduler) -> "SchedulerStats":
+        kv, lora = scheduler.kv, scheduler.config.max_loras > 0
+        return SchedulerStats(len(scheduler.waiting), len(scheduler.running), kv.num_blocks,
+                              kv.num_free_blocks, kv.usage, kv.stats.prefix_queries,
+                              kv.stats.prefix_hits, scheduler.num_preemptions,
+                              *(frozenset(r.lora for r in q) for q in
+                                (scheduler.running, scheduler.waiting) if lora))

@@ -10,6 +10,7 @@ import pytest
 
 from engine.arg_types import parse_bool, parse_size
 from engine.config import EngineConfig, SpeculativeConfig
+from engine.kv_events.config import KVEventsConfig
 from engine.lora.config import LoRAConfig
 from engine.settings import dest_name, env_name, flag_name, from_args, settings_of
 from server.cli import build_parser
@@ -60,6 +61,9 @@ def _sample(f) -> tuple[str, object]:
         return "1MiB", 2**20
     if parse is str:
         return "some-text", "some-text"
+    if parse is KVEventsConfig.parse:
+        text = '{"enable_kv_cache_events": true, "topic": "kv"}'
+        return text, KVEventsConfig(enable_kv_cache_events=True, topic="kv")
     value = 7 if parse(str(7)) == 7 else 0.5  # an int flag or a float one
     return str(value), parse(str(value))
 

@@ -43,6 +43,7 @@ class AsyncEngine(EngineClient):
         self._commands = _QueueSource()
         self._loop = EngineLoop(engine, self._commands, self._on_report)
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+        engine.on_rank_death(lambda why: self._on_dead(RuntimeError(why)))
 
     def start(self) -> None:
         self._thread.start()
@@ -65,3 +66,5 @@ class AsyncEngine(EngineClient):
         except BaseException as exc:  # the engine is dead: fail everyone, never hang
             log.exception("engine loop died")
             self._on_dead(exc)
+        finally:
+            self.engine.close()

@@ -51,6 +51,7 @@ class EngineLoop:
 
     def _snapshot(self, rep: StepReport) -> None:
         """Queue lengths and KV usage as they are now; counters since the last report."""
+        self.engine.publish_kv_events()
         stats = self.engine.scheduler.stats()
         rep.waiting, rep.running, rep.kv_usage = (stats.num_waiting, stats.num_running,
                                                   stats.kv_usage)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import signal
 import threading
 from multiprocessing.connection import Connection
@@ -58,15 +59,27 @@ def _child_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
     mc = engine.model_config
-    conn.send(("ready", {"max_model_len": engine.max_model_len, "vocab_size": mc.vocab_size,
-                         "hidden_size": mc.hidden_size,
-                         "shorter_embeddings": mc.shorter_embeddings,
-                         "adapters": served_adapters(engine)}))
+    send_lock = threading.Lock()  # the loop reports; a rank's watcher may say it died
+
+    def send(message) -> None:
+        with send_lock:
+            conn.send(message)
+
+    def rank_died(why: str) -> None:
+        logging.getLogger("kvserve.engine").critical("%s", why)
+        send(("dead", why))
+        os._exit(1)  # the loop may be blocked in a collective that never completes
+
+    engine.on_rank_death(rank_died)
+    send(("ready", {"max_model_len": engine.max_model_len, "vocab_size": mc.vocab_size,
+                    "hidden_size": mc.hidden_size, "shorter_embeddings": mc.shorter_embeddings,
+                    "adapters": served_adapters(engine)}))
     try:
-        EngineLoop(engine, _PipeSource(conn), lambda rep: conn.send(("report", rep))).run()
+        EngineLoop(engine, _PipeSource(conn), lambda rep: send(("report", rep))).run()
     except BaseException as exc:
         logging.getLogger("kvserve.engine").exception("engine loop died")
-        conn.send(("dead", f"{type(exc).__name__}: {exc}"))
+        send(("dead", f"{type(exc).__name__}: {exc}"))
+    engine.close()
     from engine.compiled_model import exit_if_compiling
 
     exit_if_compiling(0)

@@ -15,16 +15,22 @@ from engine.attention.fp8_cache import rotate
 from engine.config import ModelConfig
 from engine.lora.step import LoRAStep
 from engine.models.layers import PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary
+from engine.parallel import comm
+from engine.parallel.layers import RowParallelLinear, VocabParallelEmbedding
+from engine.parallel.shard import SINGLE, TPShard
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int = 0):
+    """The heads one tensor-parallel rank holds (`shard`; all of them at one rank)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0, shard: TPShard = SINGLE):
         super().__init__()
         self.layer = layer  # which adapter weights a LoRA step adds here
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.num_heads, self.num_kv_heads = shard.heads(cfg), shard.kv_heads(cfg)
+        self.head_dim = cfg.head_dim
+        q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.qkv_proj = PackedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], cfg.qkv_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim ** -0.5
@@ -65,12 +71,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int = 0):
+    def __init__(self, cfg: ModelConfig, layer: int = 0, shard: TPShard = SINGLE):
         super().__init__()
         self.layer = layer
-        inter = cfg.intermediate_size
+        inter = shard.intermediate(cfg)
         self.gate_up_proj = PackedLinear(cfg.hidden_size, [inter, inter], cfg.mlp_bias)
-        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor, lora: LoRAStep | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -83,12 +89,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int = 0):
+    def __init__(self, cfg: ModelConfig, layer: int = 0, shard: TPShard = SINGLE):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = Attention(cfg, layer, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, layer)
+        self.mlp = MLP(cfg, layer, shard)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 paged: PagedDecode | None = None, lora: LoRAStep | None = None
@@ -104,14 +110,16 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig, max_positions: int):
+    def __init__(self, cfg: ModelConfig, max_positions: int, shard: TPShard = SINGLE):
         super().__init__()
-        self.config = cfg
+        self.config = cfg  # the whole model's, whatever part of it `shard` holds
+        self.shard = shard
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(shard.vocab(cfg), cfg.hidden_size,
+                                                   shard.vocab_start(cfg))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, shard) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, shard.vocab(cfg), bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -134,4 +142,6 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """Float32 logits [rows, vocab] (under tensor parallelism on rank 0; every
+        rank calls it, the others get their own columns)."""
+        return comm.gather_vocab(self.lm_head(hidden).float(), self.config.vocab_size)

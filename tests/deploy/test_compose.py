@@ -77,3 +77,23 @@ def test_prometheus_scrapes_the_kvserve_service():
         proc = subprocess.run(["promtool", "check", "config", str(config)],
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_the_replicas_profile_puts_two_replicas_behind_the_router():
+    from engine.kv_events.config import KVEventsConfig
+
+    services = compose()["services"]
+    profiled = {n for n, s in services.items() if "replicas" in s.get("profiles", [])}
+    assert profiled == {"kvserve-a", "kvserve-b", "router"}
+    command = services["router"]["command"]
+    assert "--policy=cache_aware" in command
+    assert {"http://kvserve-a:8000", "http://kvserve-b:8000"} <= set(command)
+    gpus = [services[n]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+            for n in ("kvserve-a", "kvserve-b")]
+    assert gpus[0] != gpus[1]
+    for name in ("kvserve-a", "kvserve-b"):
+        env = services[name]["environment"]
+        assert KVEventsConfig.parse(env["KVSERVE_KV_EVENTS_CONFIG"]).enable_kv_cache_events
+    assert services["router"]["depends_on"] == {
+        n: {"condition": "service_healthy"} for n in ("kvserve-a", "kvserve-b")}
+    assert (ROOT / services["router"]["build"] / "Dockerfile").is_file()

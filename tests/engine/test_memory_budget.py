@@ -26,7 +26,8 @@ def test_profile_step_runs(tiny_engine_factory):
 
 def test_cpu_default_is_one_gib(tiny_model_dir):
     from engine.config import EngineConfig
-    from engine.engine import DEFAULT_CPU_KV_BYTES, Engine
+    from engine.engine import Engine
+    from engine.memory_budget import DEFAULT_CPU_KV_BYTES
 
     engine = Engine(EngineConfig(model=str(tiny_model_dir("llama")), device="cpu"))
     per_block = engine.kv_format.bytes_per_block(engine.model_config, 16)

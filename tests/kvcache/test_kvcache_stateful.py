@@ -19,6 +19,8 @@ from hypothesis.stateful import (
 )
 
 from kvcache import KVCacheManager
+from kvcache.block_hash import BlockHasher
+from kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from tests.kvcache.kvcache_sim import FakeDevice, check_pool_invariants
 
 # A tiny vocabulary makes shared prefixes (and so prefix hits) common.
@@ -46,7 +48,9 @@ class KVCacheMachine(RuleBasedStateMachine):
         caching=st.booleans(),
     )
     def setup(self, block_size: int, num_blocks: int, caching: bool) -> None:
-        self.mgr = KVCacheManager(num_blocks, block_size, caching, model_key="m")
+        self.mgr = KVCacheManager(num_blocks, block_size, caching, model_key="m",
+                                  kv_events=True)
+        self.from_events: set[bytes] = set()  # the cached hashes, as events tell them
         self.dev = FakeDevice(num_blocks, block_size)
         self.bs = block_size
         self.live: dict[str, Req] = {}
@@ -192,6 +196,26 @@ class KVCacheMachine(RuleBasedStateMachine):
         check_pool_invariants(self.mgr, self.live)
         if not self.live:
             assert self.mgr.num_free_blocks == self.mgr.num_blocks
+
+    @invariant()
+    def events_tell_the_cached_hashes(self) -> None:
+        """Replaying the events alone gives the pool's hash set; a stored run's
+        hashes are its tokens chained from its parent."""
+        for e in self.mgr.take_events():
+            if isinstance(e, BlockStored):
+                assert len(e.token_ids) == len(e.block_hashes) * self.bs
+                if e.parent_block_hash is not None:
+                    assert BlockHasher(self.bs).hash_blocks(
+                        e.parent_block_hash, e.token_ids, 0,
+                        len(e.block_hashes)) == e.block_hashes
+                self.from_events.update(e.block_hashes)
+            elif isinstance(e, BlockRemoved):
+                assert set(e.block_hashes) <= self.from_events
+                self.from_events.difference_update(e.block_hashes)
+            else:
+                assert isinstance(e, AllBlocksCleared)
+                self.from_events.clear()
+        assert self.from_events == set(self.mgr._pool.cached)
 
     @invariant()
     def tables_read_back_their_tokens(self) -> None:

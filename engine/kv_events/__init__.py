@@ -1,0 +1,1 @@
+"""KV cache events: the prefix cache's changes published for prefix-aware routers."""

@@ -1,0 +1,38 @@
+"""The model's layers that talk to the other tensor-parallel ranks. At one rank they
+are plain nn.Linear / nn.Embedding (quantization may replace them as such)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.parallel import comm
+
+
+class RowParallelLinear(nn.Linear):
+    """Holds the rank's input columns: the ranks' partial products are summed by one
+    all-reduce, and the bias (every rank holds it) added once, after it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if comm.shard().size == 1:
+            return super().forward(x)
+        y = comm.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Holds the rows [start, start + num_embeddings) of the vocabulary: a token
+    outside them looks up zeros here and its row on another rank; the all-reduce
+    adds them up."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, start: int = 0):
+        super().__init__(num_embeddings, embedding_dim)
+        self.start = start
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if comm.shard().size == 1:
+            return super().forward(input_ids)
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return comm.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0))
