@@ -154,3 +154,12 @@ def test_small_files_and_functions(package):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 length = node.end_lineno - node.lineno + 1
                 assert length <= 60, f"{path}:{node.lineno} {node.name} has {length} lines"
+
+
+@pytest.mark.parametrize("package", [*LAYERS, "modelstore"])  # bench/ has script folders
+def test_every_folder_of_modules_is_a_package(package):
+    """setuptools' find_packages skips a folder without __init__.py (a namespace
+    package): `pip install .` would ship kvserve without it."""
+    for folder in [ROOT / package, *(ROOT / package).rglob("*")]:
+        if folder.is_dir() and "__pycache__" not in folder.parts and any(folder.glob("*.py")):
+            assert (folder / "__init__.py").is_file(), folder

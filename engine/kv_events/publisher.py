@@ -1,12 +1,13 @@
 """Publishes the prefix cache's events as vLLM does, so that routers consuming vLLM's
-events (llm-d's precise prefix-cache scorer, Dynamo's KV router) route to kvserve:
-a ZMQ PUB socket sends each step's events as one msgpack EventBatch, in a
-three-frame message (topic, sequence number as 8 big-endian bytes, payload). The
-batch is msgspec's array form of vLLM's structs: [ts, [event, ...]], each event
-["BlockStored", hashes, parent hash, token ids, block size, lora id, medium],
-["BlockRemoved", hashes, medium] or ["AllBlocksCleared"]. Block hashes go out as
-64-bit integers (the last 8 bytes of our sha256 chain hashes), as vLLM sends its
-own by default.
+events (vllm-router's kv_aware policy, llm-d's precise prefix-cache scorer, Dynamo's
+KV router) route to kvserve: a ZMQ PUB socket sends each step's events as one
+msgpack EventBatch, in a three-frame message (topic, sequence number as 8
+big-endian bytes, payload). The encoding is vLLM 0.29's (msgspec structs): the
+batch an array [ts, events], each event a map tagged by "type": {"type":
+"BlockStored", "block_hashes", "parent_block_hash", "token_ids", "block_size",
+"lora_id", "medium", "lora_name"}, {"type": "BlockRemoved", "block_hashes",
+"medium"} or {"type": "AllBlocksCleared"}. Block hashes go out as 64-bit integers
+(the last 8 bytes of our sha256 chain hashes), as vLLM sends its own by default.
 
 Encoding and sending happen on a thread of their own: the engine's step only
 queues the events. With replay_endpoint, a ROUTER socket answers a subscriber that
@@ -36,16 +37,20 @@ def external_hash(block_hash: bytes) -> int:
     return int.from_bytes(block_hash[-8:], "big")
 
 
-def encode_event(event: KVCacheEvent) -> list:
+def encode_event(event: KVCacheEvent) -> dict:
     if isinstance(event, BlockStored):
         parent = event.parent_block_hash
-        return ["BlockStored", [external_hash(h) for h in event.block_hashes],
-                None if parent is None else external_hash(parent), event.token_ids,
-                event.block_size, None, MEDIUM]
+        return {"type": "BlockStored",
+                "block_hashes": [external_hash(h) for h in event.block_hashes],
+                "parent_block_hash": None if parent is None else external_hash(parent),
+                "token_ids": event.token_ids, "block_size": event.block_size,
+                "lora_id": None, "medium": MEDIUM, "lora_name": None}
     if isinstance(event, BlockRemoved):
-        return ["BlockRemoved", [external_hash(h) for h in event.block_hashes], MEDIUM]
+        return {"type": "BlockRemoved",
+                "block_hashes": [external_hash(h) for h in event.block_hashes],
+                "medium": MEDIUM}
     if isinstance(event, AllBlocksCleared):
-        return ["AllBlocksCleared"]
+        return {"type": "AllBlocksCleared"}
     raise TypeError(f"not a KV cache event: {event!r}")
 
 

@@ -1,6 +1,7 @@
 """KV cache events: a real ZMQ subscriber rebuilds the set of cached block hashes from
 the events alone, and it equals the block pool's own after a random workload that
-evicts; the messages are vLLM's (three frames, msgpack EventBatch arrays)."""
+evicts; the messages are vLLM's (three frames, a msgpack EventBatch array of
+"type"-tagged event maps)."""
 from __future__ import annotations
 
 import random
@@ -24,20 +25,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def apply(cached: set[int], ever: set[int], event: list) -> None:
+def apply(cached: set[int], ever: set[int], event: dict) -> None:
     """One event, as a router would apply it to its view of a replica (`ever`:
-    every hash stored so far)."""
-    kind = event[0]
+    every hash stored so far). vLLM 0.29's maps, exactly these keys."""
+    kind = event["type"]
     if kind == "BlockStored":
-        _, hashes, parent, tokens, block_size, lora, medium = event
-        assert len(tokens) == len(hashes) * block_size == len(hashes) * 16
+        assert set(event) == {"type", "block_hashes", "parent_block_hash", "token_ids",
+                              "block_size", "lora_id", "medium", "lora_name"}
+        hashes, parent = event["block_hashes"], event["parent_block_hash"]
+        assert len(event["token_ids"]) == len(hashes) * event["block_size"] == len(hashes) * 16
         assert parent is None or parent in ever  # a chain continues a stored block
-        assert (lora, medium) == (None, "GPU")
+        assert (event["lora_id"], event["medium"]) == (None, "GPU")
         cached.update(hashes)
         ever.update(hashes)
     elif kind == "BlockRemoved":
-        assert set(event[1]) <= cached, "removed a hash never stored"
-        cached.difference_update(event[1])
+        assert set(event) == {"type", "block_hashes", "medium"}
+        assert set(event["block_hashes"]) <= cached, "removed a hash never stored"
+        cached.difference_update(event["block_hashes"])
     elif kind == "AllBlocksCleared":
         cached.clear()
     else:

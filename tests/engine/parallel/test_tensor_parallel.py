@@ -81,6 +81,15 @@ def test_two_ranks_match_one_rank_tiny(tiny_model_dir, monkeypatch):
     assert sum(copies) > 0  # the fork's shared last block was copied on write
 
 
+def test_two_ranks_sharing_one_kv_head_match_one_rank(tmp_path):
+    from tests.support.tiny_models import make_tiny_model
+
+    # 4 query heads, 1 KV head: both ranks hold (a copy of) the one KV head.
+    model_dir = make_tiny_model(tmp_path / "one-kv-head", "llama", num_attention_heads=4,
+                                num_key_value_heads=1, hidden_size=64)
+    assert_same_as_one_rank(model_dir, 2, vocab=300)
+
+
 @pytest.mark.slow
 def test_three_ranks_match_one_rank_default_model(default_model_dir):
     # SmolLM2-135M: 9 query heads, 3 KV heads, tied embeddings, 49152-token vocabulary.
