@@ -77,7 +77,8 @@ class Engine:
         # Before the KV cache is sized: the adapter slots' memory is not the cache's.
         self.lora = (LoRAManager(config.lora, cfg, self.device, self.dtype)
                      if config.lora is not None else None)
-        num_blocks = num_kv_blocks(config, cfg, model, self.device, self.dtype, self.kv_format)
+        kv_cfg = comm.shard().kv_view(cfg)  # the KV heads this process's cache holds
+        num_blocks = num_kv_blocks(config, kv_cfg, model, self.device, self.dtype, self.kv_format)
         # A request longer than the whole cache could never run.
         self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)
         if self.tp is not None:
@@ -111,7 +112,7 @@ class Engine:
             log.warning("async scheduling on %s overlaps nothing (the forward pass runs "
                         "on the host) and reports each step one step later",
                         self.device.type)
-        log_kv_cache(num_blocks, config.block_size, self.kv_format, cfg, self.max_model_len)
+        log_kv_cache(num_blocks, config.block_size, self.kv_format, kv_cfg, self.max_model_len)
 
     def _decode_graph_plan(self, backend) -> DecodeGraphPlan | None:
         """CUDA graphs for decode-only steps, on CUDA unless --enforce-eager."""

@@ -6,7 +6,7 @@ Column-parallel layers (qkv, gate/up) keep the rank's output rows; row-parallel
 ones (o, down) its input columns, their partial sums all-reduced."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -38,6 +38,10 @@ class TPShard:
     def kv_heads(self, cfg: ModelConfig) -> int:
         """KV heads held here: a share, or one replicated head (fewer than ranks)."""
         return max(1, cfg.num_kv_heads // self.size)
+
+    def kv_view(self, cfg: ModelConfig) -> ModelConfig:
+        """cfg as this rank's KV cache sees it (its KV heads): what a block costs here."""
+        return replace(cfg, num_kv_heads=self.kv_heads(cfg))
 
     def first_kv_head(self, cfg: ModelConfig) -> int:
         # With replication, the KV head that this rank's query heads read.
