@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.arg_types import non_negative, parse_bool, parse_size, positive_int
-from engine.kv_events.config import KVEventsConfig
+from engine.kv_events.config import KVEventsConfig, parse_flag as parse_kv_events_flag
 from engine.lora.config import LoRAConfig
 from engine.settings import setting
 
@@ -327,12 +327,12 @@ class EngineConfig:
         None, "KV cache events as vLLM publishes them, a JSON object: "
         "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": "
         "\"tcp://*:5557\", \"topic\": \"kv\"}' (also replay_endpoint, buffer_steps, hwm, "
-        "max_queue_size)", parse=KVEventsConfig.parse)
+        "max_queue_size)", parse=parse_kv_events_flag)
     # engine/parallel/: the model split over ranks, one process each (rank 0 is the
     # engine's own), its layers' partial sums all-reduced.
     tensor_parallel_size: int = setting(
         1, "ranks the model is split over (tensor parallelism; one GPU each, or one "
-        "process each on CPU)", parse=int)
+        "process each on CPU)", parse=positive_int)
     # Plan and launch step N+1 while step N runs on the device, its sampled tokens
     # fed to N+1 there: the scheduler, batch preparation and output handling leave
     # the critical path. Not with speculative decoding (drafts need the tokens).

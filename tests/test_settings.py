@@ -10,7 +10,7 @@ import pytest
 
 from engine.arg_types import parse_bool, parse_size
 from engine.config import EngineConfig, SpeculativeConfig
-from engine.kv_events.config import KVEventsConfig
+from engine.kv_events.config import KVEventsConfig, parse_flag
 from engine.lora.config import LoRAConfig
 from engine.settings import dest_name, env_name, flag_name, from_args, settings_of
 from server.cli import build_parser
@@ -61,7 +61,7 @@ def _sample(f) -> tuple[str, object]:
         return "1MiB", 2**20
     if parse is str:
         return "some-text", "some-text"
-    if parse is KVEventsConfig.parse:
+    if parse is parse_flag:
         text = '{"enable_kv_cache_events": true, "topic": "kv"}'
         return text, KVEventsConfig(enable_kv_cache_events=True, topic="kv")
     value = 7 if parse(str(7)) == 7 else 0.5  # an int flag or a float one

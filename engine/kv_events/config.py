@@ -1,6 +1,7 @@
 """--kv-events-config: vLLM's JSON object, the same keys and defaults."""
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import dataclass, fields
 
@@ -18,20 +19,28 @@ class KVEventsConfig:
 
     @staticmethod
     def parse(text: str) -> "KVEventsConfig":
-        """From the flag's JSON text; ValueError names an unknown key."""
+        """From --kv-events-config's JSON text; ValueError says what is wrong."""
         try:
             values = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"--kv-events-config is not JSON: {exc}") from exc
+            raise ValueError(f"not JSON: {exc}") from exc
         if not isinstance(values, dict):
-            raise ValueError("--kv-events-config must be a JSON object")
+            raise ValueError("not a JSON object")
         known = {f.name for f in fields(KVEventsConfig)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ValueError(f"--kv-events-config: unknown keys {unknown}; known: "
+            raise ValueError(f"unknown keys {unknown}; known: "
                              f"{sorted(known)}")
         config = KVEventsConfig(**values)
         if config.publisher not in ("zmq", "null"):
-            raise ValueError(f"--kv-events-config: publisher must be zmq or null, got "
+            raise ValueError(f"publisher must be zmq or null, got "
                              f"{config.publisher!r}")
         return config
+
+
+def parse_flag(text: str) -> KVEventsConfig:
+    """KVEventsConfig.parse for the flag and its variable: argparse shows the reason."""
+    try:
+        return KVEventsConfig.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc

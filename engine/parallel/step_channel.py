@@ -2,9 +2,10 @@
 metadata (positions, cache slots, query starts, context lengths, block tables, the
 logit rows, the copy-on-write copies) written once into a shared-memory segment
 every rank maps, then one broadcast of a small header (the sizes, and the go
-signal). No pickling, and nothing sent per rank. The input ids go in the segment on
-CPU; on CUDA they are on rank 0's device (async scheduling feeds pending tokens
-there), so they follow in one device broadcast.
+signal). No pickling, and nothing sent per rank. The input ids and the logit rows
+go in the segment on CPU; on CUDA they are on rank 0's device (async scheduling
+feeds pending tokens there; reading them back would wait for the device), so they
+follow in one device broadcast.
 
 A rank reads the segment before its first collective of the step, and rank 0 writes
 the next step only after this one's last collective: no step overwrites one still
@@ -31,7 +32,7 @@ class Step:
     """One step as a rank other than 0 receives it."""
     host: HostStep
     input_ids: torch.Tensor  # [T] on the device
-    logit_rows: torch.Tensor  # [L] int64, host
+    logit_rows: torch.Tensor  # [L] int64 on the device
     copies: list[tuple[int, int, int]]  # (src block, dst block, tokens)
 
 
@@ -76,10 +77,10 @@ class StepChannel:
         on_cpu = self.device.type == "cpu"
         copies = torch.tensor(self.pending_copies, dtype=torch.int64).reshape(-1)
         self.pending_copies = []
-        parts = [input_ids.reshape(-1)] if on_cpu else []
+        on_device = [input_ids.reshape(-1), logit_rows.reshape(-1)]
+        parts = on_device if on_cpu else []
         parts += [host.positions, host.slot_mapping, host.query_start_loc.long(),
-                  host.seq_lens.long(), host.block_tables.long().reshape(-1),
-                  logit_rows.cpu().reshape(-1), copies]
+                  host.seq_lens.long(), host.block_tables.long().reshape(-1), copies]
         size = sum(p.numel() for p in parts)
         if size > self.capacity:
             self._map(self.generation + 1, max(size, 2 * self.capacity, _INITIAL_CAPACITY))
@@ -89,7 +90,7 @@ class StepChannel:
                       len(logit_rows), len(copies) // 3, host.max_query_len,
                       host.max_seq_len, host.num_decodes])
         if not on_cpu:
-            dist.broadcast(input_ids, src=0)
+            dist.broadcast(torch.cat(on_device), src=0)
 
     def stop(self) -> None:
         self._header([STOP] + [0] * (_HEADER - 1))
@@ -108,15 +109,17 @@ class StepChannel:
             return None
         if gen != self.generation:
             self._map(gen, capacity)
-        sizes = [t] if self.device.type == "cpu" else []
-        sizes += [t, t, r + 1, r, r * w, num_rows, 3 * num_copies]
+        on_cpu = self.device.type == "cpu"
+        sizes = [t, num_rows] if on_cpu else []
+        sizes += [t, t, r + 1, r, r * w, 3 * num_copies]
         parts = self.buffer[:sum(sizes)].clone().split(sizes)
-        if self.device.type == "cpu":
-            input_ids, parts = parts[0], parts[1:]
+        if on_cpu:
+            (input_ids, rows), parts = parts[:2], parts[2:]
         else:
-            input_ids = torch.empty(t, dtype=torch.long, device=self.device)
-            dist.broadcast(input_ids, src=0)
-        positions, slots, qsl, seq_lens, tables, rows, copies = parts
+            on_device = torch.empty(t + num_rows, dtype=torch.long, device=self.device)
+            dist.broadcast(on_device, src=0)
+            input_ids, rows = on_device.split([t, num_rows])
+        positions, slots, qsl, seq_lens, tables, copies = parts
         host = HostStep(positions, slots, qsl.int(), seq_lens.int(), tables.int().view(r, w),
                         max_q, max_seq, decodes, self.block_size)
         return Step(host, input_ids, rows, [tuple(c) for c in copies.view(-1, 3).tolist()])

@@ -68,13 +68,13 @@ def serve(spec: WorkerSpec) -> None:
     with torch.inference_mode():
         while (step := channel.receive()) is not None:
             copy_blocks(caches, step.copies)
-            positions, common, (rows,) = step.host.to_device(device, [step.logit_rows])
+            positions, common, _ = step.host.to_device(device)
             set_attention_context(backend, backend.prepare(common))
             try:
                 hidden = model(step.input_ids, positions)
             finally:
                 clear_attention_context()
-            model.compute_logits(hidden[rows])  # this rank's columns, gathered on rank 0
+            model.compute_logits(hidden[step.logit_rows])  # this rank's columns, gathered on rank 0
     comm.destroy()
 
 

@@ -5,7 +5,6 @@ evicts; the messages are vLLM's (three frames, a msgpack EventBatch array of
 from __future__ import annotations
 
 import random
-import socket
 import time
 
 import msgpack
@@ -17,12 +16,7 @@ from engine.engine import Engine
 from engine.kv_events.config import KVEventsConfig
 from engine.kv_events.publisher import external_hash
 from scheduler.sampling_params import SamplingParams
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.support.server import free_port
 
 
 def apply(cached: set[int], ever: set[int], event: dict) -> None:
@@ -61,7 +55,7 @@ def drain(sub: zmq.Socket, cached: set[int], seqs: list[int], quiet_s: float = 1
 
 
 def test_a_subscriber_rebuilds_the_pools_hashes(tiny_model_dir):
-    port, replay_port = _free_port(), _free_port()
+    port, replay_port = free_port(), free_port()
     config = KVEventsConfig.parse(
         f'{{"enable_kv_cache_events": true, "publisher": "zmq", '
         f'"endpoint": "tcp://127.0.0.1:{port}", "topic": "kv", '
@@ -117,6 +111,14 @@ def replayed(endpoint: str, start: int) -> set[int]:
         dealer.close(0)
 
 
+def test_the_flag_says_what_is_wrong(capsys):
+    from server.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--kv-events-config", '{"endpiont": "x"}'])
+    assert "unknown keys ['endpiont']" in capsys.readouterr().err
+
+
 def test_bad_configs_are_refused():
     with pytest.raises(ValueError, match="unknown keys"):
         KVEventsConfig.parse('{"enable_kv_cache_events": true, "endpiont": "x"}')
@@ -132,7 +134,7 @@ def test_a_server_publishes_as_it_serves(tiny_model_dir, tmp_path):
 
     from tests.server.test_ops_shutdown import serving
 
-    port = _free_port()
+    port = free_port()
     flag = ('{"enable_kv_cache_events": true, "publisher": "zmq", '
             f'"endpoint": "tcp://127.0.0.1:{port}", "topic": "kv"}}')
     sub = zmq.Context.instance().socket(zmq.SUB)
