@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from .block import Block
 from .block_hash import BlockHasher, root_hash
+from .block_map import block_states
 from .block_pool import BlockPool
 from .events import KVCacheEvent, KVEventLog
 from .records import BlockCopy, CacheStats
@@ -353,6 +354,11 @@ class KVCacheManager:
         runner for the step it just planned)."""
         req = self._requests.get(request_id)
         return req.block_ids if req is not None else []
+
+    def block_states(self) -> bytes:
+        """One state digit per block (block_map.py), for the live engine view."""
+        return block_states(self._blocks, self._pool.cached.values(),
+                            self._requests.values(), self.block_size)
 
     def take_events(self) -> list[KVCacheEvent]:
         """The prefix cache's events since the last call ([] unless kv_events)."""

@@ -25,13 +25,15 @@ from scheduler.config import KVCacheConfig, SchedulerConfig
 from scheduler.failed_steps import withdraw_unwritten
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import Request, RequestStatus
+from scheduler.snapshot import SchedulerSnapshot
 from scheduler.stats import SchedulerStats
 from scheduler.waiting_queue import make_waiting_queue
 
 
 class Scheduler:
     """Owns the waiting and running queues and the KV cache manager; the engine
-    drives it by schedule / update / abort / fail_requests and reads stats()."""
+    drives it by schedule / update / abort / fail_requests, reads stats() every
+    step and snapshot() when someone watches the engine page."""
 
     @classmethod
     def with_kv_cache(cls, config: SchedulerConfig, cache: KVCacheConfig) -> Scheduler:
@@ -70,9 +72,8 @@ class Scheduler:
         return ended
 
     def abort(self, request_id: str, reason: str = "abort") -> list[Request]:
-        """Ends the request (and any siblings still waiting to fork from it).
-        reason: the finish reason to record; "stop" when the front end ended it at a
-        stop string, so metrics count it as the stop it is."""
+        """Ends the request (and any siblings still waiting to fork from it) with
+        `reason`: "stop" when the front end found a stop string (metrics count it so)."""
         req = self.requests.get(request_id)
         if req is None:
             return []
@@ -93,6 +94,9 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         return SchedulerStats.of(self)
 
+    def snapshot(self) -> SchedulerSnapshot:
+        return SchedulerSnapshot.of(self)
+
     def take_kv_events(self) -> list[KVCacheEvent]:
         """What entered and left the prefix cache since the last call (or [])."""
         return self.kv.take_events()
@@ -105,11 +109,10 @@ class Scheduler:
 
     def fail_requests(self, out: SchedulerOutput, failed: dict[str, str]
                       ) -> list[tuple[Request, str]]:
-        """Ends the requests of `out` the step failed for (request id -> why), with
-        their siblings still to fork: finish reason "error". Returns each request
-        ended with its reason. The step's new blocks hold KV never confirmed good
-        (none at all if its batch was never prepared): they leave the prefix cache,
-        as a preempted request's do, before the rest is freed."""
+        """Ends the requests of `out` the step failed for (request id -> why), and
+        their siblings still to fork, with reason "error"; returns (request, why) for
+        each. The step's new blocks hold KV never confirmed good: they leave the
+        prefix cache, as a preempted request's do, before the rest is freed."""
         starts = {s.request.request_id: s.start for s in out.scheduled}
         ended = []
         for rid, why in failed.items():
@@ -386,10 +389,7 @@ class Scheduler:
         req.append_token(token, self.config.max_model_len, now)
         changed.append(req)
         if req.status is RequestStatus.FINISHED:
-            if waiting:
-                self.waiting.remove(req)
-            else:
-                self.running.remove(req)
+            (self.waiting if waiting else self.running).remove(req)
             self._release(req)
 
     def _release(self, req: Request) -> None:

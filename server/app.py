@@ -12,6 +12,9 @@ from engine.client.engine_client import EngineClient
 from server.chat import ChatService
 from server.completions import CompletionService
 from server.embeddings import EmbeddingRequest, EmbeddingService
+from server.engine_view.history import EngineHistory
+from server.engine_view.hub import EngineViewHub
+from server.engine_view.routes import engine_view_router
 from server.errors import APIError, error_response, install_error_handlers
 from server.lora_api import lora_router
 from server.models_api import models_router
@@ -22,6 +25,7 @@ from server.responses.protocol import ResponsesRequest
 from server.responses.service import ResponsesService
 from server.responses.store import ResponseStore
 from server.tokenization import Tokenization
+from server.ui.routes import install_ui
 
 log = logging.getLogger("kvserve.server")
 
@@ -40,15 +44,20 @@ def build_app(engine: EngineClient, model_names: list[str], model_root: str = ""
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         engine.start()
+        engine_view.start()
         try:
             yield
         finally:
+            await engine_view.stop()
             tokenization.shutdown()
             engine.shutdown()
 
     app = FastAPI(title="kvserve", version=VERSION, lifespan=lifespan)
     install_error_handlers(app)
-    install_ops(app, engine, model_names, VERSION, config, tokenization)
+    metrics = install_ops(app, engine, model_names, VERSION, config, tokenization)
+    engine_view = EngineViewHub(engine, EngineHistory(engine, metrics.frontend))
+    app.include_router(engine_view_router(engine_view, model_names))
+    install_ui(app)
     completions = CompletionService(engine, model_names, tokenization, config)
 
     @app.post("/v1/completions")

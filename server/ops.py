@@ -24,7 +24,7 @@ from server.tokenize_api import tokenize_router
 
 
 def install_ops(app: FastAPI, engine: EngineClient, model_names: list[str], version: str,
-                config: ServerConfig, tokenization: Tokenization) -> Admission:
+                config: ServerConfig, tokenization: Tokenization) -> ServerMetrics:
     admission = Admission(engine, config.max_waiting_requests, config.max_waiting_tokens)
     app.state.admission = admission  # the shutdown drain finds it here
     app.add_middleware(AdmissionMiddleware, admission=admission)
@@ -59,7 +59,7 @@ def install_ops(app: FastAPI, engine: EngineClient, model_names: list[str], vers
                      queue_limit=bool(config.max_waiting_requests
                                       or config.max_waiting_tokens),
                      body_limit=bool(config.max_request_body_bytes))
-    return admission
+    return server_metrics
 
 
 _ERROR = {"description": "Error", "content": {"application/json": {

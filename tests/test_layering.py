@@ -76,7 +76,7 @@ def test_layers_import_the_benchmarks_only_lazily(package):
 # by the speculator, which proposes drafts for the running requests.
 SCHEDULER_VERBS = {"add_request", "abort_request", "has_unfinished", "schedule", "update",
                    "stats", "fail_requests", "withdraw_unwritten", "with_kv_cache",
-                   "running", "take_kv_events"}
+                   "running", "take_kv_events", "snapshot"}
 
 
 def _scheduler_uses(tree) -> set[str]:

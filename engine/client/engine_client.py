@@ -12,11 +12,14 @@ import contextlib
 import contextvars
 import logging
 import threading
+import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
 from engine.client.adapters import Adapters
-from engine.client.messages import AbortRequest, AddRequest, EngineCommand, StepReport
+from engine.client.messages import (AbortRequest, AddRequest, EngineCommand, EngineSnapshot,
+                                    StepReport, TakeSnapshot)
 from engine.outputs import RequestOutput
 from engine.request_checks import check_request
 from engine.spec_decode.speculator import SpecDecodeStats
@@ -29,9 +32,21 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+RECENT_FINISHED = 32  # sequences the engine page lists as just ended
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedSequence:
+    request_id: str
+    index: int
+    reason: str
+    num_generated: int  # tokens it generated (0 when unknown)
+    at: float  # time.monotonic() when its end was reported
+
+
 @dataclass
 class ServingStats:
-    """Counters for /metrics, updated from the engine's reports."""
+    """Counters for /metrics and the engine page, updated from the engine's reports."""
     prompt_tokens: int = 0  # prompt tokens of requests the engine accepted
     generation_tokens: int = 0
     # Sequences that ended, by finish reason (a stop string found by the front end
@@ -43,6 +58,12 @@ class ServingStats:
     kv_usage: float = 0.0  # as of the last report (0..1)
     spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)  # speculative decoding
     constrained_requests: int = 0  # accepted with a structured output
+    steps: int = 0  # engine steps run
+    step_tokens: int = 0  # tokens those steps computed: prompt tokens plus sampled ones
+    prompt_tokens_computed: int = 0  # of those, prompt (or recomputed) tokens
+    # The last sequences that ended, newest last, for the engine page.
+    recent_finished: deque[FinishedSequence] = field(
+        default_factory=lambda: deque(maxlen=RECENT_FINISHED))
 
 
 class _Reservation:
@@ -89,6 +110,8 @@ class EngineClient:
         # Called with every report, on the thread that receives it (benchmarks and
         # step-level metrics listen here); they must be quick.
         self.report_listeners: list[Callable[[StepReport], None]] = []
+        # Called, on that thread too, with each snapshot take_snapshot() asked for.
+        self.snapshot_listener: Callable[[EngineSnapshot], None] | None = None
 
     # -- the transport (subclasses) --------------------------------------------------
     def start(self) -> None:
@@ -234,6 +257,16 @@ class EngineClient:
             raise
         await done
 
+    def recent_finished(self) -> list[FinishedSequence]:
+        with self._lock:  # the reports' thread appends under it
+            return list(self.stats.recent_finished)
+
+    def take_snapshot(self) -> None:
+        """Asks the engine for a snapshot of its queues and KV cache, which comes to
+        snapshot_listener with the engine's next report (the engine page's view)."""
+        if self.error is None:
+            self._submit(TakeSnapshot())
+
     def abort_all(self) -> int:
         """Aborts every request a generate() is waiting on (they end with finish
         reason "abort"); returns how many."""
@@ -247,6 +280,8 @@ class EngineClient:
     def _on_report(self, rep: StepReport) -> None:
         for listener in self.report_listeners:
             listener(rep)
+        if rep.snapshot is not None and self.snapshot_listener is not None:
+            self.snapshot_listener(rep.snapshot)
         self.adapters.on_report(rep)
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         with self._lock:
@@ -270,6 +305,9 @@ class EngineClient:
         stats.preemptions += rep.preemptions
         stats.constrained_requests += rep.constrained
         stats.kv_usage = rep.kv_usage
+        stats.steps += rep.step_start is not None
+        stats.step_tokens += rep.step_tokens
+        stats.prompt_tokens_computed += rep.prompt_tokens_computed
         if rep.spec is not None:
             stats.spec.add(rep.spec)
         for out in rep.outputs:
@@ -277,6 +315,9 @@ class EngineClient:
             if out.finished:
                 reason = out.finish_reason or "unknown"
                 stats.finished[reason] = stats.finished.get(reason, 0) + 1
+                generated = out.times.num_generation_tokens if out.times is not None else 0
+                stats.recent_finished.append(FinishedSequence(
+                    out.request_id, out.index, reason, generated, time.monotonic()))
 
     def _route(self, batches: dict, request_id: str, item) -> None:
         target = self._streams.get(request_id)

@@ -11,7 +11,8 @@ from typing import Protocol
 from engine.engine import Engine
 from engine.lora.manager import adapter_names
 from engine.client.messages import (AbortRequest, AdapterReply, AddRequest, ChangeAdapter,
-                                    EngineCommand, Shutdown, StepReport)
+                                    EngineCommand, EngineSnapshot, Shutdown, StepReport,
+                                    TakeSnapshot)
 
 
 class CommandSource(Protocol):
@@ -24,6 +25,7 @@ class EngineLoop:
                  report: Callable[[StepReport], None]):
         self.engine, self.commands, self.report = engine, commands, report
         self.stopped = False
+        self._snapshot_asked = False  # a TakeSnapshot came in since the last report
         self._last = engine.scheduler.stats()  # counters are reported as differences
         spec = engine.speculator
         self._spec = spec.stats.copy() if spec is not None else None
@@ -37,7 +39,7 @@ class EngineLoop:
                 self._handle(command, rep)
             if engine.has_unfinished_requests() and not self.stopped:
                 self._step(rep)
-            self._snapshot(rep)
+            self._counts(rep)
             self.report(rep)
 
     def _step(self, rep: StepReport) -> None:
@@ -49,7 +51,7 @@ class EngineLoop:
         rep.prompt_tokens_computed = stats.prompt_tokens_computed - computed
         rep.step_tokens = rep.prompt_tokens_computed + stats.generated_tokens - sampled
 
-    def _snapshot(self, rep: StepReport) -> None:
+    def _counts(self, rep: StepReport) -> None:
         """Queue lengths and KV usage as they are now; counters since the last report."""
         self.engine.publish_kv_events()
         stats = self.engine.scheduler.stats()
@@ -67,6 +69,11 @@ class EngineLoop:
         if self.engine.lora is not None:
             running, waiting = self.engine.adapters_in_use(stats)
             rep.lora_running, rep.lora_waiting = adapter_names(running), adapter_names(waiting)
+        if self._snapshot_asked:
+            self._snapshot_asked = False
+            rep.snapshot = EngineSnapshot(self.engine.scheduler.snapshot(),
+                                          self.engine.speculator is not None,
+                                          time.monotonic())
 
     def _handle(self, command: EngineCommand, rep: StepReport) -> None:
         if isinstance(command, AddRequest):
@@ -85,6 +92,8 @@ class EngineLoop:
                 command.request_id, command.index, command.reason))
         elif isinstance(command, ChangeAdapter):
             rep.adapter_replies.append(self._change_adapter(command))
+        elif isinstance(command, TakeSnapshot):
+            self._snapshot_asked = True
         elif isinstance(command, Shutdown):
             self.stopped = True
         else:

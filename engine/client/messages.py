@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from engine.outputs import RequestOutput
 from engine.spec_decode.speculator import SpecDecodeStats
 from scheduler.sampling_params import SamplingParams
+from scheduler.snapshot import SchedulerSnapshot
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +52,20 @@ class Shutdown:
     pass
 
 
-EngineCommand = AddRequest | AbortRequest | ChangeAdapter | Shutdown
+@dataclass(frozen=True, slots=True)
+class TakeSnapshot:
+    """Asks for an EngineSnapshot in the next report: sent a few times a second while
+    someone watches the engine page, never otherwise."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    scheduler: SchedulerSnapshot
+    speculative: bool  # drafts are proposed and verified: acceptance is worth showing
+    taken_at: float  # time.monotonic(), comparable across processes
+
+
+EngineCommand = AddRequest | AbortRequest | ChangeAdapter | Shutdown | TakeSnapshot
 
 
 @dataclass(slots=True)
@@ -82,3 +96,4 @@ class StepReport:
     # With LoRA on: the adapters of running and of waiting requests (names, sorted).
     lora_running: tuple[str, ...] = ()
     lora_waiting: tuple[str, ...] = ()
+    snapshot: EngineSnapshot | None = None  # when a TakeSnapshot came in

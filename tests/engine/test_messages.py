@@ -9,7 +9,8 @@ import pytest
 
 from engine.client.engine_client import EngineClient
 from engine.client.engine_loop import EngineLoop
-from engine.client.messages import AbortRequest, AddRequest, Shutdown, StepReport
+from engine.client.messages import (AbortRequest, AddRequest, Shutdown, StepReport,
+                                    TakeSnapshot)
 from engine.outputs import RequestOutput
 from scheduler.sampling_params import SamplingParams
 
@@ -80,3 +81,34 @@ def test_the_loop_refuses_what_is_not_a_command(tiny_engine_factory):
     loop = EngineLoop(tiny_engine_factory(), commands=None, report=None)
     with pytest.raises(TypeError, match="not an engine command"):
         loop._handle(("abort", ("r", "abort")), StepReport())  # the old tuple form
+
+
+class _Commands:
+    """Hands the loop each batch of commands in turn, then Shutdown."""
+
+    def __init__(self, *batches):
+        self.batches = list(batches)
+
+    def take(self, block: bool):
+        return self.batches.pop(0) if self.batches else [Shutdown()]
+
+
+def test_a_snapshot_is_built_only_when_asked_and_crosses_a_pipe(tiny_engine_factory,
+                                                                 monkeypatch):
+    engine = tiny_engine_factory()
+    built = []
+    real = type(engine.scheduler).snapshot
+    monkeypatch.setattr(type(engine.scheduler), "snapshot",
+                        lambda self: built.append(1) or real(self))
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    reports = []
+    loop = EngineLoop(engine, _Commands([AddRequest("r", [1, 2, 3], params)], [], [],
+                                        [TakeSnapshot()], []), reports.append)
+    loop.run()
+    assert [r.snapshot is not None for r in reports] == [False, False, False, True, False,
+                                                          False]
+    assert built == [1]  # never per step: only the step that was asked
+    snap = reports[3].snapshot
+    assert [(v.request_id, v.phase) for v in snap.scheduler.requests] == [("r", "decode")]
+    assert not snap.speculative
+    assert pickle.loads(pickle.dumps(reports[3])) == reports[3]

@@ -1,0 +1,139 @@
+"""Who watches the engine, and what they are sent.
+
+While at least one watcher is connected, the hub asks the engine for a snapshot
+every `interval` seconds (never a second one before the first has come back, so a
+long step delays snapshots instead of queueing them), turns each into JSON once and
+offers it to every watcher; the history's points go out as they are sampled. With
+nobody connected the engine is asked nothing and no snapshot is built: the cost of
+the engine page is zero until it is opened.
+
+A watcher that reads slowly never holds anyone up: it keeps only the newest
+snapshot (older ones are dropped unread) and the points it has not read yet."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+
+from engine.client.engine_client import EngineClient, EngineDeadError
+from engine.client.messages import EngineSnapshot
+from server.engine_view.history import EngineHistory
+from server.engine_view.snapshot_json import snapshot_json
+
+log = logging.getLogger("kvserve.engine_view")
+
+# At most two snapshots a second (htop redraws every 1.5 s): live to the eye, and
+# cheap for a browser that shares the server's machine (bench/engine_page_overhead.py).
+SNAPSHOT_SECONDS = 0.5
+# A snapshot asked for and not back after this long (the request was lost with an
+# engine that died, say) is asked for again.
+SNAPSHOT_PATIENCE = 5.0
+
+
+class Watcher:
+    """One open stream: events waiting to be sent, as (event name, JSON text)."""
+
+    def __init__(self):
+        self._snapshot: str | None = None
+        self._others: list[tuple[str, str]] = []
+        self._ready = asyncio.Event()
+
+    def offer(self, event: str, data: str) -> None:
+        if event == "snapshot":
+            self._snapshot = data  # the newest replaces one not sent yet
+        else:
+            self._others.append((event, data))
+        self._ready.set()
+
+    async def next_events(self) -> list[tuple[str, str]]:
+        await self._ready.wait()
+        self._ready.clear()
+        events, self._others = self._others, []
+        if self._snapshot is not None:
+            events.append(("snapshot", self._snapshot))
+            self._snapshot = None
+        return events
+
+
+class EngineViewHub:
+    def __init__(self, engine: EngineClient, history: EngineHistory,
+                 interval: float = SNAPSHOT_SECONDS):
+        self.engine, self.history, self.interval = engine, history, interval
+        self.watchers: set[Watcher] = set()
+        self.snapshots_taken = 0  # asked for and received (tests count them)
+        self._poller: asyncio.Task | None = None
+        self._sampler: asyncio.Task | None = None
+        self._asked_at: float | None = None  # a snapshot asked for, not yet back
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # -- the app's lifetime ----------------------------------------------------
+    def start(self) -> None:
+        """On the server's event loop: the history's sampling starts."""
+        self._loop = asyncio.get_running_loop()
+        self._sampler = asyncio.ensure_future(self._sample_history())
+
+    async def stop(self) -> None:
+        for task in (self._sampler, self._poller):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    # -- watchers --------------------------------------------------------------
+    def watch(self) -> Watcher:
+        watcher = Watcher()
+        self.watchers.add(watcher)
+        if self._poller is None:
+            self.engine.snapshot_listener = self._on_snapshot
+            self._poller = asyncio.ensure_future(self._ask_for_snapshots())
+        return watcher
+
+    def leave(self, watcher: Watcher) -> None:
+        self.watchers.discard(watcher)
+        if not self.watchers and self._poller is not None:
+            self._poller.cancel()
+            self._poller = None
+            self.engine.snapshot_listener = None
+            self._asked_at = None
+
+    def _offer(self, event: str, payload: dict) -> None:
+        data = json.dumps(payload, separators=(",", ":"))  # once, for every watcher
+        for watcher in self.watchers:
+            watcher.offer(event, data)
+
+    # -- snapshots ---------------------------------------------------------------
+    async def _ask_for_snapshots(self) -> None:
+        while True:
+            if not self.engine.is_alive:
+                self._offer("engine_dead", {"error": "the engine is not running"})
+                return
+            now = time.monotonic()
+            if self._asked_at is None or now - self._asked_at > SNAPSHOT_PATIENCE:
+                self._asked_at = now
+                try:
+                    self.engine.take_snapshot()
+                except EngineDeadError:
+                    pass  # seen as not alive on the next round
+            await asyncio.sleep(self.interval)
+
+    def _on_snapshot(self, snapshot: EngineSnapshot) -> None:
+        """On the thread that receives the engine's reports."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._publish, snapshot)
+
+    def _publish(self, snapshot: EngineSnapshot) -> None:
+        self._asked_at = None
+        if not self.watchers:
+            return
+        self.snapshots_taken += 1
+        self._offer("snapshot", snapshot_json(snapshot, self.engine.recent_finished()))
+
+    # -- history -----------------------------------------------------------------
+    async def _sample_history(self) -> None:
+        while True:
+            await asyncio.sleep(self.history.interval)
+            point = self.history.sample()
+            if self.watchers:
+                self._offer("point", point)

@@ -1,0 +1,47 @@
+"""GET /v1/engine/stream: the engine page's one live feed, as Server-Sent Events.
+
+First a `hello` event (the served models, the snapshot and point intervals, and the
+history so far), then `snapshot` events a few times a second and a `point` event
+every few seconds, until the client goes away; `engine_dead` ends it. It is under
+/v1, so with --api-key it needs the key (as /metrics does with --protect-metrics)."""
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter
+from fastapi.responses import StreamingResponse
+
+from server.engine_view.hub import EngineViewHub
+
+
+def _event(name: str, data: str) -> str:
+    return f"event: {name}\ndata: {data}\n\n"
+
+
+def engine_view_router(hub: EngineViewHub, model_names: list[str]) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/v1/engine/stream", include_in_schema=False)
+    async def engine_stream():
+        async def events() -> AsyncIterator[str]:
+            watcher = hub.watch()  # the first snapshot is asked for now
+            try:
+                yield _event("hello", json.dumps({
+                    "models": model_names, "snapshot_seconds": hub.interval,
+                    "point_seconds": hub.history.interval,
+                    "window_points": hub.history.points.maxlen,
+                    "history": list(hub.history.points)}))
+                while True:
+                    for name, data in await watcher.next_events():
+                        yield _event(name, data)
+                        if name == "engine_dead":
+                            return
+            finally:
+                hub.leave(watcher)
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache",
+                                          "X-Accel-Buffering": "no"})
+
+    return router

@@ -1,0 +1,65 @@
+"""An EngineSnapshot as the page reads it (JSON), built once per snapshot for every
+watcher. The block map travels as a string of state digits; a cache with more
+blocks than MAX_CELLS is drawn coarser, each cell the most telling state of the
+blocks it covers (the digits are ordered so: free < cached < used < shared <
+copy-on-write). Block tables travel as runs, [first, count], which are few: blocks
+are handed out in order from the free queue."""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from engine.client.engine_client import FinishedSequence
+from engine.client.messages import EngineSnapshot
+from scheduler.snapshot import STATE_NAMES, RequestView
+
+MAX_CELLS = 32768
+
+
+def coarsen(states: bytes, max_cells: int = MAX_CELLS) -> tuple[str, int]:
+    """(cells, blocks per cell): the map itself when it fits, else groups of blocks."""
+    per_cell = max(1, -(-len(states) // max_cells))
+    if per_cell == 1:
+        return states.decode("ascii"), 1
+    return bytes(max(states[i:i + per_cell]) for i in range(0, len(states), per_cell)
+                 ).decode("ascii"), per_cell
+
+
+def runs(block_ids: Iterable[int]) -> list[list[int]]:
+    out: list[list[int]] = []
+    for block_id in block_ids:
+        if out and out[-1][0] + out[-1][1] == block_id:
+            out[-1][1] += 1
+        else:
+            out.append([block_id, 1])
+    return out
+
+
+def _request(view: RequestView) -> dict:
+    return {"id": view.request_id, "index": view.index, "phase": view.phase,
+            "prompt_tokens": view.num_prompt_tokens, "tokens": view.num_tokens,
+            "computed_tokens": view.num_computed_tokens,
+            "cached_tokens": view.num_cached_tokens, "preemptions": view.num_preemptions,
+            "blocks": runs(view.block_ids), "lora": view.lora}
+
+
+def snapshot_json(snapshot: EngineSnapshot, finished: Iterable[FinishedSequence]) -> dict:
+    sched, now, wall = snapshot.scheduler, time.monotonic(), time.time()
+    states = sched.block_states
+    cells, per_cell = coarsen(states)
+    return {
+        "t": (wall - (now - snapshot.taken_at)) * 1000,  # when it was taken (ms)
+        "speculative": snapshot.speculative,
+        "block_size": sched.block_size,
+        "num_blocks": len(states),
+        "blocks_per_cell": per_cell,
+        "cells": cells,
+        "block_counts": {name: states.count(ord("0") + i)
+                         for i, name in enumerate(STATE_NAMES)},
+        "num_running": sum(r.phase in ("prefill", "decode") for r in sched.requests),
+        "num_waiting": sched.num_waiting,
+        "requests": [_request(r) for r in sched.requests],
+        "finished": [{"id": f.request_id, "index": f.index, "reason": f.reason,
+                      "generated_tokens": f.num_generated,
+                      "t": (wall - (now - f.at)) * 1000} for f in finished],
+    }
