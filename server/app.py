@@ -55,7 +55,14 @@ def build_app(engine: EngineClient, model_names: list[str], model_root: str = ""
     app = FastAPI(title="kvserve", version=VERSION, lifespan=lifespan)
     install_error_handlers(app)
     metrics = install_ops(app, engine, model_names, VERSION, config, tokenization)
-    engine_view = EngineViewHub(engine, EngineHistory(engine, metrics.frontend))
+    admission = app.state.admission
+
+    def closing() -> str | None:  # the drain is over: nothing left to watch
+        return ("the server is shutting down"
+                if admission.draining and not admission.in_flight else None)
+
+    engine_view = EngineViewHub(engine, EngineHistory(engine, metrics.frontend),
+                                closing=closing)
     app.include_router(engine_view_router(engine_view, model_names))
     install_ui(app)
     completions = CompletionService(engine, model_names, tokenization, config)

@@ -12,15 +12,23 @@ serve a CUDA device (expanded per call there too; a fused kernel waits for a GPU
 session, bench/gpu_session.sh)."""
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 from engine.quantization.kernel_rows import few_rows
 from engine.quantization.layer import QuantizedLinear, nonzero
 
-# torch's CPU kernel packs rows in blocks of 64: byte (k, j) of block b holds
-# row 64b + j in its low nibble and row 64b + 32 + j in its high one.
+# Rows are packed in blocks whose size and order depend on the CPU capability torch
+# dispatches to (kernel_layout): 64 with AVX-512, 32 with AVX2. Layers keep their
+# rows in whole blocks of the largest.
 PACK_ROWS = 64
+# The layouts torch's CPU packing is known to use, as (rows per block, halves):
+# byte (k, j) of block b holds row B*b + j in its low nibble and, with `halves`, row
+# B*b + B/2 + j in its high one (AVX-512: B = 64; AVX2: B = 32), or else row
+# B*b + 2j and B*b + 2j + 1 (adjacent pairs, the unvectorised build).
+KNOWN_LAYOUTS = ((64, True), (32, True), (32, False), (64, False), (16, True), (16, False))
 # Rows up to which the CPU kernel beats expanding the weights (bf16, SmolLM2's
 # shapes: 2.5x at 1 row, 1.3-1.8x at 16, even at 32).
 INT4PACK_MAX_ROWS = 32
@@ -55,12 +63,36 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.cpu().to(torch.int32), 1)
 
 
-def unpack_int4_t(packed: torch.Tensor) -> torch.Tensor:
-    """The kernel layout back to q transposed, [K, N]: the rows of a block of 64 lie
-    contiguous in it, so the expansion reads and writes in long runs."""
+def unpack_int4_t(packed: torch.Tensor, layout: tuple[int, bool] | None = None
+                  ) -> torch.Tensor:
+    """The kernel layout back to q transposed, [K, N]: the rows of a block lie
+    contiguous in it, so the expansion reads and writes in long runs. Compiled code
+    passes the layout (a layer's constant): the probe is not for tracing."""
+    return _unpack_t(packed, *(layout or kernel_layout()))
+
+
+def _unpack_t(packed: torch.Tensor, block: int, halves: bool) -> torch.Tensor:
     n, k = packed.shape[0], packed.shape[1] * 2
-    p = packed.view(n // PACK_ROWS, k, PACK_ROWS // 2).permute(1, 0, 2)  # [K, N/64, 32]
-    return torch.stack([p & 15, p >> 4], dim=2).reshape(k, n)
+    p = packed.view(n // block, k, block // 2).permute(1, 0, 2)  # [K, N/block, block/2]
+    return torch.stack([p & 15, p >> 4], dim=2 if halves else 3).reshape(k, n)
+
+
+@functools.cache
+def kernel_layout() -> tuple[int, bool]:
+    """The layout this process's torch packs in, read off the packing op itself: it
+    follows the CPU capability torch dispatches to (the machine's, or
+    ATEN_CPU_CAPABILITY), which a model checked on one machine may not share with
+    the next."""
+    probe = torch.randint(0, 16, (PACK_ROWS, 8), generator=torch.Generator().manual_seed(0),
+                          dtype=torch.uint8)
+    packed = pack_int4(probe)
+    for block, halves in KNOWN_LAYOUTS:
+        if torch.equal(_unpack_t(packed, block, halves), probe.T):
+            return block, halves
+    raise RuntimeError(
+        "this torch build packs int4 weights for its CPU kernel in a layout kvserve does "
+        f"not know (CPU capability {torch.backends.cpu.get_cpu_capability()}); "
+        "use --quantization int8, or a float checkpoint")
 
 
 class Int4Linear(QuantizedLinear):
@@ -74,6 +106,7 @@ class Int4Linear(QuantizedLinear):
         self.group_size = self.in_features // scales.shape[0]
         device = scales.device
         self.register_buffer("packed", pack_int4(q).to(device))
+        self.layout = kernel_layout()  # how pack_int4 laid it out in this process
         self.register_buffer("scales", scales)
         self.register_buffer("mins", mins)
         # The CPU kernel's own (scale, zero) pairs, w = (q - 8) * scale + zero, in the
@@ -99,7 +132,8 @@ class Int4Linear(QuantizedLinear):
     def dequantized_t(self, dtype: torch.dtype) -> torch.Tensor:
         """The weights as [K, N] in `dtype`, computed in float32 (exactly GGUF's
         own de-quantization for a repacked block)."""
-        q = unpack_int4_t(self.packed).view(-1, self.group_size, self.out_features)
+        q = unpack_int4_t(self.packed, self.layout).view(-1, self.group_size,
+                                                          self.out_features)
         w = q.float() * self.scales.float()[:, None, :] + self.mins.float()[:, None, :]
         return w.view(self.in_features, self.out_features).to(dtype)
 

@@ -5,7 +5,8 @@ every `interval` seconds (never a second one before the first has come back, so 
 long step delays snapshots instead of queueing them), turns each into JSON once and
 offers it to every watcher; the history's points go out as they are sampled. With
 nobody connected the engine is asked nothing and no snapshot is built: the cost of
-the engine page is zero until it is opened.
+the engine page is zero until it is opened. Streams end with `engine_dead` when the
+engine is gone and with `closing` once the server has drained for shutdown.
 
 A watcher that reads slowly never holds anyone up: it keeps only the newest
 snapshot (older ones are dropped unread) and the points it has not read yet."""
@@ -16,6 +17,7 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Callable
 
 from engine.client.engine_client import EngineClient, EngineDeadError
 from engine.client.messages import EngineSnapshot
@@ -59,8 +61,13 @@ class Watcher:
 
 class EngineViewHub:
     def __init__(self, engine: EngineClient, history: EngineHistory,
-                 interval: float = SNAPSHOT_SECONDS):
+                 interval: float = SNAPSHOT_SECONDS,
+                 closing: Callable[[], str | None] = lambda: None):
         self.engine, self.history, self.interval = engine, history, interval
+        # Why the streams should end now (the server has drained for shutdown), or
+        # None. Checked with each history point: an open page must not hold up the
+        # server's exit, which waits for every open response.
+        self.closing = closing
         self.watchers: set[Watcher] = set()
         self.snapshots_taken = 0  # asked for and received (tests count them)
         self._poller: asyncio.Task | None = None
@@ -137,3 +144,6 @@ class EngineViewHub:
             point = self.history.sample()
             if self.watchers:
                 self._offer("point", point)
+                reason = self.closing()
+                if reason is not None:
+                    self._offer("closing", {"reason": reason})

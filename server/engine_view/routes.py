@@ -2,7 +2,8 @@
 
 First a `hello` event (the served models, the snapshot and point intervals, and the
 history so far), then `snapshot` events a few times a second and a `point` event
-every few seconds, until the client goes away; `engine_dead` ends it. It is under
+every second, until the client goes away; `engine_dead` (the engine is gone) and
+`closing` (the server has drained for shutdown) end it. It is under
 /v1, so with --api-key it needs the key (as /metrics does with --protect-metrics)."""
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
 
 from server.engine_view.hub import EngineViewHub
+
+
+ENDING_EVENTS = ("engine_dead", "closing")
 
 
 def _event(name: str, data: str) -> str:
@@ -35,7 +39,7 @@ def engine_view_router(hub: EngineViewHub, model_names: list[str]) -> APIRouter:
                 while True:
                     for name, data in await watcher.next_events():
                         yield _event(name, data)
-                        if name == "engine_dead":
+                        if name in ENDING_EVENTS:
                             return
             finally:
                 hub.leave(watcher)

@@ -10,8 +10,9 @@ import torch
 from bench.quality import perplexity, text_tokens
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.quantization.int4 import (INT4PACK_MAX_ROWS, Int4Linear, pack_int4,
-                                      quantize_int4, unpack_int4_t)
+from engine.quantization.int4 import (INT4PACK_MAX_ROWS, KNOWN_LAYOUTS, Int4Linear,
+                                      kernel_layout, pack_int4, quantize_int4,
+                                      unpack_int4_t)
 from engine.quantization.int8 import Int8Linear, quantize_int8
 
 
@@ -47,6 +48,33 @@ def test_int4_unpacks_torchs_cpu_kernel_layout():
     q = torch.randint(0, 16, (192, 96), generator=torch.Generator().manual_seed(1),
                       dtype=torch.uint8)
     assert torch.equal(unpack_int4_t(pack_int4(q)), q.T)
+
+
+def reference_pack(q: torch.Tensor, block: int, halves: bool) -> torch.Tensor:
+    """One of torch's CPU packings written out (KNOWN_LAYOUTS): per block of rows and
+    per column, block/2 bytes, each of two rows of the block."""
+    n, k = q.shape
+    rows = q.view(n // block, block, k)
+    low, high = ((rows[:, :block // 2], rows[:, block // 2:]) if halves
+                 else (rows[:, 0::2], rows[:, 1::2]))
+    return (low | high << 4).permute(0, 2, 1).reshape(n, k // 2)
+
+
+@pytest.mark.parametrize("layout", KNOWN_LAYOUTS)
+def test_int4_unpacks_every_known_layout(layout):
+    """This machine's torch packs in one layout (AVX-512 and AVX2 differ); the others
+    are checked against their written-out packing, so a model expanded right here is
+    expanded right on the next machine too."""
+    q = torch.randint(0, 16, (192, 96), generator=torch.Generator().manual_seed(2),
+                      dtype=torch.uint8)
+    assert torch.equal(unpack_int4_t(reference_pack(q, *layout), layout), q.T)
+
+
+def test_the_detected_layout_is_the_one_torch_packs_in():
+    q = torch.randint(0, 16, (128, 64), generator=torch.Generator().manual_seed(3),
+                      dtype=torch.uint8)
+    assert kernel_layout() in KNOWN_LAYOUTS
+    assert torch.equal(pack_int4(q), reference_pack(q, *kernel_layout()))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

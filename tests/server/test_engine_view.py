@@ -36,7 +36,7 @@ class CountingEngine(AsyncEngine):
 
 @pytest.fixture(scope="module")
 def served(tiny_engine_factory):
-    engine = CountingEngine(tiny_engine_factory("llama", block_size=4, num_kv_blocks=256))
+    engine = CountingEngine(tiny_engine_factory("llama", block_size=4, num_kv_blocks=1024))
     app = build_app(engine, [MODEL])
     with running_server(app) as url, httpx.Client(base_url=url, timeout=60) as http:
         http.engine = engine
@@ -59,27 +59,43 @@ def first(events, want, timeout: float = 30.0):
         assert time.monotonic() < deadline, "the stream never showed it"
 
 
-def in_background(http: httpx.Client, body: dict) -> threading.Thread:
-    thread = threading.Thread(target=lambda: http.post("/v1/completions", json=body))
+@contextlib.contextmanager
+def streaming(http: httpx.Client, body: dict):
+    """A streamed completion read in the background until the block ends, when the
+    client leaves and the server aborts it: it runs as long as the test watches."""
+    leave = threading.Event()
+
+    def read():
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            for _ in r.iter_lines():
+                if leave.is_set():
+                    return
+
+    thread = threading.Thread(target=read)
     thread.start()
-    return thread
+    try:
+        yield
+    finally:
+        leave.set()
+        thread.join()
 
 
 def test_the_stream_shows_running_requests_their_blocks_and_a_fork_sharing_them(served):
-    body = {"model": MODEL, "prompt": PREFIX, "max_tokens": 120, "ignore_eos": True,
+    # As long as the KV cache allows, so that a snapshot finds both decoding however
+    # fast the model runs.
+    body = {"model": MODEL, "prompt": PREFIX, "max_tokens": 400, "ignore_eos": True,
             "n": 2, "temperature": 1.0}
     with engine_events(served) as events:
         name, hello = next(events)
         assert name == "hello" and hello["models"] == [MODEL]
         assert hello["snapshot_seconds"] == 0.5 and isinstance(hello["history"], list)
-        thread = in_background(served, body)
-        snap = first(events, lambda n, d: n == "snapshot" and len(d["requests"]) == 2
-                     and all(r["phase"] == "decode" for r in d["requests"]))
-    thread.join()
+        with streaming(served, body):
+            snap = first(events, lambda n, d: n == "snapshot" and len(d["requests"]) == 2
+                         and all(r["phase"] == "decode" for r in d["requests"]))
     seqs = sorted(snap["requests"], key=lambda r: r["index"])
     assert [r["index"] for r in seqs] == [0, 1] and seqs[0]["id"] == seqs[1]["id"]
     counts = snap["block_counts"]
-    assert sum(counts.values()) == snap["num_blocks"] == len(snap["cells"]) == 256
+    assert sum(counts.values()) == snap["num_blocks"] == len(snap["cells"]) == 1024
     # The prompt's full blocks are shared by the two sequences, and each holds blocks
     # of its own past the fork.
     prompt_blocks = seqs[0]["prompt_tokens"] // 4

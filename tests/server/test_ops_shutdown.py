@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from httpx_sse import connect_sse
 
 from tests.support.http import assert_error, parse_sse
 from tests.support.server import free_port
@@ -151,3 +152,20 @@ def test_past_the_shutdown_timeout_the_rest_is_aborted(tiny_model_dir, tmp_path)
         assert _exit_code(proc, 20, log) == 0, log.read_text()
         assert time.monotonic() - start < 20
     assert "aborting 4 request(s)" in log.read_text()
+
+
+def test_an_open_engine_page_does_not_hold_up_the_exit(tiny_model_dir, tmp_path):
+    """The engine page's stream never ends by itself; once the drain is over the server
+    ends it (`closing`) instead of waiting out uvicorn's grace period for it."""
+    log = tmp_path / "server.log"
+    with serving(tiny_model_dir("llama"), log) as (proc, url):
+        with httpx.Client(timeout=30) as http, \
+                connect_sse(http, "GET", url + "/v1/engine/stream") as source:
+            events = (event.event for event in source.iter_sse())
+            assert next(events) == "hello"
+            proc.send_signal(signal.SIGTERM)
+            names = list(events)  # to the end of the stream
+        assert names[-1] == "closing"
+        assert _exit_code(proc, 20, log) == 0, log.read_text()
+    assert "timeout graceful shutdown exceeded" not in log.read_text()
+

@@ -91,6 +91,7 @@ export class EngineView {
     this.mine = new Set(); // response ids of this page's requests
     this.hovered = null; // the request row under the pointer: its blocks are outlined
     this.controller = null;
+    this.endedBecause = null; // why the server ended the stream, when it said
     this.blockMap = new BlockMap($("#block-map"));
     this.rows = new Map(); // sequence -> its RequestRow in the table
     this.idleRow = el("tr", {}, el("td", { colspan: "5", className: "muted", text: "idle: no requests" }));
@@ -136,10 +137,13 @@ export class EngineView {
     const controller = new AbortController();
     this.controller = controller;
     this.setStatus("connecting to the engine…");
+    this.endedBecause = null;
     try {
       await readEventStream("/v1/engine/stream", (event, data) => this.onEvent(event, data),
         controller.signal);
-      if (this.controller === controller) this.setStatus("the engine stream ended", "error");
+      if (this.controller === controller) {
+        this.setStatus(this.endedBecause || "the engine stream ended", "error");
+      }
     } catch (error) {
       if (controller.signal.aborted) return;
       const needKey = error instanceof ApiError && error.status === 401;
@@ -187,8 +191,10 @@ export class EngineView {
       this.speculative = data.speculative;
       this.render();
       this.drawPoints();
-    } else if (event === "engine_dead") {
-      this.setStatus(`engine: ${data.error}`, "error");
+    } else if (event === "engine_dead") { // the stream ends after these two
+      this.endedBecause = `engine: ${data.error}`;
+    } else if (event === "closing") {
+      this.endedBecause = `server: ${data.reason}`;
     }
   }
 
