@@ -88,8 +88,17 @@ async def _burst_behind_a_running_head(url: str):
             return sum(t.done() for t in burst) >= BURST - LIMIT
 
         await _until(overflow_answered)
+        # The refusals come back at once; the admitted two are tokenized and reach
+        # the engine's queue a moment later (its next report tells /metrics).
+        metrics = ""
+
+        async def admitted_are_waiting():
+            nonlocal metrics
+            metrics = (await c.get("/metrics")).text
+            return _gauge(metrics, "num_requests_waiting") == LIMIT or head.done()
+
+        await _until(admitted_are_waiting)
         head_was_running = not head.done()
-        metrics = (await c.get("/metrics")).text
         return head_was_running, metrics, await head, await asyncio.gather(*burst)
 
 
