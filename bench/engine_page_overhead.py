@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -93,13 +91,12 @@ def open_page(url: str):
     visible, so its stream stays open and it draws every snapshot)."""
     from playwright.sync_api import expect, sync_playwright
 
-    path = os.environ.get("KVSERVE_CHROMIUM") or shutil.which("chromium")
-    if path is None:
-        raise SystemExit("no chromium on PATH (apt-get install chromium)")
+    from tests.support.browser import launch
+
     me = psutil.Process()
     with sync_playwright() as p:
-        before = {child.pid for child in me.children(recursive=True)}
-        browser = p.chromium.launch(executable_path=path, args=["--no-sandbox"])
+        before = {child.pid for child in me.children(recursive=True)}  # the driver's
+        browser = launch(p)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.goto(url)
         expect(page.locator("#engine-status")).to_have_attribute("data-kind", "live")

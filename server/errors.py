@@ -60,6 +60,11 @@ def sse_data(body: dict) -> str:
     return f"data: {text}\n\n"
 
 
+def sse_event(name: str, body: dict) -> str:
+    """A named server-sent event: an `event:` line, then sse_data(body)."""
+    return f"event: {name}\n" + sse_data(body)
+
+
 _LINE_BREAKS_IN_JSON = [(c, f"\\u{ord(c):04x}") for c in "\u2028\u2029\x85"]
 
 

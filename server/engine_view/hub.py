@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from engine.client.engine_client import EngineClient, EngineDeadError
 from engine.client.messages import EngineSnapshot
 from server.engine_view.history import EngineHistory
 from server.engine_view.snapshot_json import snapshot_json
+from server.errors import sse_event
 
 log = logging.getLogger("kvserve.engine_view")
 
@@ -35,18 +35,18 @@ SNAPSHOT_PATIENCE = 5.0
 
 
 class Watcher:
-    """One open stream: events waiting to be sent, as (event name, JSON text)."""
+    """One open stream: events waiting to be sent, as (event name, SSE text)."""
 
     def __init__(self):
         self._snapshot: str | None = None
         self._others: list[tuple[str, str]] = []
         self._ready = asyncio.Event()
 
-    def offer(self, event: str, data: str) -> None:
+    def offer(self, event: str, text: str) -> None:
         if event == "snapshot":
-            self._snapshot = data  # the newest replaces one not sent yet
+            self._snapshot = text  # the newest replaces one not sent yet
         else:
-            self._others.append((event, data))
+            self._others.append((event, text))
         self._ready.set()
 
     async def next_events(self) -> list[tuple[str, str]]:
@@ -106,7 +106,7 @@ class EngineViewHub:
             self._asked_at = None
 
     def _offer(self, event: str, payload: dict) -> None:
-        data = json.dumps(payload, separators=(",", ":"))  # once, for every watcher
+        data = sse_event(event, payload)  # encoded once, for every watcher
         for watcher in self.watchers:
             watcher.offer(event, data)
 

@@ -7,20 +7,16 @@ every second, until the client goes away; `engine_dead` (the engine is gone) and
 /v1, so with --api-key it needs the key (as /metrics does with --protect-metrics)."""
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
 
 from server.engine_view.hub import EngineViewHub
+from server.errors import sse_event
 
 
 ENDING_EVENTS = ("engine_dead", "closing")
-
-
-def _event(name: str, data: str) -> str:
-    return f"event: {name}\ndata: {data}\n\n"
 
 
 def engine_view_router(hub: EngineViewHub, model_names: list[str]) -> APIRouter:
@@ -31,14 +27,14 @@ def engine_view_router(hub: EngineViewHub, model_names: list[str]) -> APIRouter:
         async def events() -> AsyncIterator[str]:
             watcher = hub.watch()  # the first snapshot is asked for now
             try:
-                yield _event("hello", json.dumps({
+                yield sse_event("hello", {
                     "models": model_names, "snapshot_seconds": hub.interval,
                     "point_seconds": hub.history.interval,
                     "window_points": hub.history.points.maxlen,
-                    "history": list(hub.history.points)}))
+                    "history": list(hub.history.points)})
                 while True:
-                    for name, data in await watcher.next_events():
-                        yield _event(name, data)
+                    for name, text in await watcher.next_events():
+                        yield text
                         if name in ENDING_EVENTS:
                             return
             finally:

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from server import generation
 from server.chat import ChatService, ChatView
-from server.errors import APIError, sse_data
+from server.errors import APIError, sse_event
 from server.protocol import ChatCompletionRequest, SamplingFields
 from server.responses.inputs import (chat_response_format, chat_tool_choice, chat_tools,
                                      input_messages)
@@ -194,4 +194,4 @@ def _not_found(rid: str, param: str) -> APIError:
 
 def _sse(events: list[dict]) -> str:
     """Responses events as OpenAI sends them: an `event:` line with each one's type."""
-    return "".join(f"event: {e['type']}\n" + sse_data(e) for e in events)
+    return "".join(sse_event(e["type"], e) for e in events)

@@ -45,14 +45,18 @@ def expect(locator, **kwargs):
     return _sync_api().expect(locator, **kwargs)
 
 
+def launch(playwright):
+    """The system's Chromium, headless, under a running Playwright."""
+    # --no-sandbox: CI runs as root, where Chromium's sandbox refuses to start.
+    return playwright.chromium.launch(executable_path=chromium_path(), args=["--no-sandbox"])
+
+
 @contextlib.contextmanager
 def chromium():
     """Yields a Playwright Browser on the system's Chromium."""
     sync_playwright = _sync_api().sync_playwright
-    path = chromium_path()
     with sync_playwright() as playwright:
-        # --no-sandbox: CI runs as root, where Chromium's sandbox refuses to start.
-        browser = playwright.chromium.launch(executable_path=path, args=["--no-sandbox"])
+        browser = launch(playwright)
         try:
             yield browser
         finally:
