@@ -39,13 +39,17 @@ $(TEST_STAMP): pyproject.toml $(TORCH_STAMP)
 serve: $(SERVE_STAMP)
 	$(BIN)/kvserve serve $(ARGS)
 
-# The whole suite (CI runs exactly this).
+# The whole suite (CI runs exactly this), on one pytest-xdist worker per core; each
+# test file stays on one worker, so its module-scoped servers start once.
+# TEST_WORKERS=0 runs it in this process alone.
+TEST_WORKERS ?= auto
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 test: $(TEST_STAMP)
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(PYTEST) $(ARGS)
 
 # Without the tests that load the default model.
 test-fast: $(TEST_STAMP)
-	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
+	$(PYTEST) -m "not slow" $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -10,6 +10,14 @@ import pytest
 # before the first kernel is launched, so here, at import time.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# `make test` runs the suite on one pytest-xdist worker per core: much of it waits
+# (servers starting, requests streaming, subprocesses), so two workers keep two cores
+# busy where one left one idle. Each worker, and every server it starts, then gets
+# one compute thread: two workers each spinning two OpenMP threads on two cores would
+# fight over them. Set before torch is imported (it reads the variable then).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") != "1":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import torch._dynamo
 
 from tests.support.tiny_models import make_tiny_model
