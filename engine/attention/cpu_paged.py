@@ -2,7 +2,7 @@
 
 The torch reference gathers each request's whole context out of the cache into a
 new tensor in every layer, then calls SDPA on it. Here the same maths is written
-with the gather inside the reductions (scores = q . K[slot], out = sum p * V[slot]),
+with the gather inside the reductions (scores = q . K[block], out = sum p * V[block]),
 and Inductor compiles it into loops that load each key and value straight from its
 block: the only tensors written are the scores (Hq floats per context token, not
 2 x Hkv x D). Built from the torch wheel's own compiler: no C++ build step at
@@ -20,9 +20,10 @@ It runs two ways:
 Scores and softmax are float32 whatever the cache's dtype, as in SDPA. An fp8
 cache's scales are applied once per score and once per output row, not per value
 read (q.(s K) = s (q.K)). Its values are converted to float32 as they are loaded,
-which costs more than the bytes it saves here: at batch 1 an fp8 layer's attention
-takes 1.5x (128 keys) to 2.7x (1024 keys) a bf16 one's
-(bench/results/kv_fp8_cpu_2026-11-24.md). On CPU an fp8 cache buys capacity."""
+one at a time, which costs more than the bytes it saves here: at batch 1 an fp8
+layer's attention took 1.5x (128 keys) to 2.7x (1024 keys) a bf16 one's
+(bench/results/kv_fp8_cpu_2026-11-24.md), and the bf16 one has been 3-12x faster
+since it reads whole blocks. On CPU an fp8 cache buys capacity."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -54,35 +55,60 @@ def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """q [B, Hq, D], one query per request at its last position; caches [N, bs, Hkv, D];
     block_tables [B, W] (int); seq_lens [B] (keys 0..len-1 are visible); k_scale,
     v_scale: an fp8 cache's. -> [B, Hq, D]."""
+    if k_scale is not None:
+        return _fp8_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale,
+                           v_scale)
+    b, hq, d = q.shape
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    width = block_tables.shape[1]
+    # Whole blocks are indexed by the table ([B, W, bs, Hkv, D], fused into the loops
+    # below, never stored), and both sums run over (W, bs): Inductor then keeps
+    # head_dim innermost and vectorises along it, each vector a contiguous load from
+    # one block. Indexing single keys by their slots ([B, W*bs] gathers) made it
+    # vectorise the output's sum along the context instead, each lane a gathered load
+    # of one value: 4x slower at 16 requests of 160 tokens in float32 (1.66 against
+    # 0.41 ms a layer on an AVX2 CPU), 12x in bfloat16.
+    bt = block_tables.long()
+    k, v = k_cache[bt].float(), v_cache[bt].float()
+    qg = q.float().reshape(b, 1, 1, hkv, hq // hkv, d)  # query heads grouped by KV head
+    scores = (qg * k.unsqueeze(4)).sum(-1) * scale  # [B, W, bs, Hkv, G]
+    pos = torch.arange(width * bs, device=q.device).reshape(width, bs)
+    visible = (pos[None] < seq_lens[:, None, None].long())[..., None, None]
+    scores = scores.masked_fill(~visible, float("-inf")).reshape(b, width * bs, hkv, -1)
+    p = scores.softmax(dim=1).reshape(b, width, bs, hkv, -1, 1)
+    out = (p * v.unsqueeze(4)).sum((1, 2))  # [B, Hkv, G, D]
+    return out.reshape(b, hq, d).to(q.dtype)
+
+
+def _fp8_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float,
+                k_scale: torch.Tensor, v_scale: torch.Tensor) -> torch.Tensor:
+    """paged_decode_reference over an fp8 cache. Its keys are indexed one by one in
+    any order (softmax and sum do not care), each with its own position for the mask,
+    column by column of the block table, so that neighbouring reads are in different
+    blocks: Inductor then vectorises the output's sum along head_dim; in block order,
+    one-byte values lead its tiling heuristic to vectorise along the context instead,
+    each lane a gathered load (3.2x slower). The whole-block form of the other dtypes
+    is slower still here (6.7 against 4.4 ms a layer at 16 requests of 160 tokens on
+    an AVX2 CPU): e4m3 is widened one value at a time on CPU."""
     b, hq, d = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     width = block_tables.shape[1]
     i = torch.arange(width * bs, device=q.device)
-    # The keys are read in any order (softmax and sum do not care), each with its
-    # own position for the mask. An fp8 cache reads them column by column of the
-    # block table, so that neighbouring reads are in different blocks: Inductor then
-    # vectorises the output's sum along head_dim; in block order, one-byte values
-    # lead its tiling heuristic to vectorise along the context instead, each lane a
-    # gathered load (3.2x slower).
-    column, offset = (i // bs, i % bs) if k_scale is None else (i % width, i // width)
+    column, offset = i % width, i // width
     pos = column * bs + offset
     slots = block_tables.long()[:, column] * bs + offset  # [B, L]
     # [B, Hkv, L, D], fused into the loops below, never stored
     k = k_cache.reshape(-1, hkv, d)[slots].float().permute(0, 2, 1, 3)
     v = v_cache.reshape(-1, hkv, d)[slots].float().permute(0, 2, 1, 3)
-    qg = q.float().reshape(b, hkv, hq // hkv, 1, d)  # query heads grouped by KV head
+    qg = q.float().reshape(b, hkv, hq // hkv, 1, d)
     # Context positions last: the softmax reduces along the innermost dimension, so
     # Inductor runs every loop nest in parallel over the requests and heads. With
     # the positions second (scores [B, L, Hkv, G]) it parallelised each softmax
     # reduction on its own, one OpenMP region per request, 1.4-1.5x slower.
-    scores = (qg * k.unsqueeze(2)).sum(-1) * scale  # [B, Hkv, G, L]
-    if k_scale is not None:
-        scores = scores * k_scale
+    scores = (qg * k.unsqueeze(2)).sum(-1) * scale * k_scale  # [B, Hkv, G, L]
     visible = (pos[None, :] < seq_lens[:, None].long())[:, None, None, :]
     p = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
-    out = (p.unsqueeze(-1) * v.unsqueeze(2)).sum(3)  # [B, Hkv, G, D]
-    if v_scale is not None:
-        out = out * v_scale
+    out = (p.unsqueeze(-1) * v.unsqueeze(2)).sum(3) * v_scale  # [B, Hkv, G, D]
     return out.reshape(b, hq, d).to(q.dtype)
 
 
