@@ -29,6 +29,7 @@ every start; without the packing a decode step is 1.2-2x slower (measured: batch
 a thread of their own while steps run eagerly."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -42,6 +43,7 @@ import torch._inductor.config
 
 from engine.attention.cpu_paged import PagedDecode
 from engine.lora.step import LoRAStep
+from engine.models.bf16_copies import conversions_kept, has_bf16_copies
 from engine.models.llama import LlamaForCausalLM
 
 log = logging.getLogger("kvserve.compile")
@@ -223,7 +225,13 @@ class CompiledModel:
 
     def _warm_up(self, run_step, fn, tokens: int, decode: bool, lora: bool) -> None:
         """run_step, and for the batch-1 graph once more with oneDNN allowed if the
-        GEMV template alone left a GEMM without a kernel."""
+        GEMV template alone left a GEMM without a kernel. The batch-1 graph keeps
+        the weights' bf16 copies as they are (engine/models/bf16_copies.py)."""
+        keep = tokens == 1 and has_bf16_copies(self.model)
+        with conversions_kept() if keep else contextlib.nullcontext():
+            self._run_warm_up(run_step, fn, tokens, decode, lora)
+
+    def _run_warm_up(self, run_step, fn, tokens: int, decode: bool, lora: bool) -> None:
         try:
             run_step(fn, tokens, decode, lora)
         except Exception as exc:  # noqa: BLE001 - one kind is retried, the rest raised

@@ -292,6 +292,11 @@ class EngineConfig:
         "CPU): background = serve eagerly while it compiles, wait = compile before "
         "serving; auto = background on CPU, off on CUDA",
         choices=["auto", "background", "wait", "off"])
+    # engine/models/bf16_copies.py: only the compiled batch-1 decode reads the copies.
+    cpu_bf16_copies: bool = setting(
+        True, "on CPU, float32 weights holding exact bf16 values (a bf16 checkpoint "
+        "served in float32) get a bf16 copy that the compiled batch-1 decode reads: "
+        "half the bytes a token, 1.5x the weights' memory", parse=parse_bool)
     # engine/quantization/: weights quantized at load (online quantization), or a
     # GGUF's quantized blocks kept as they are (engine/gguf_loader.py).
     quantization: str = setting(

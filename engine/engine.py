@@ -154,7 +154,8 @@ class Engine:
                         "install g++) or pass --enforce-eager to silence this")
             return
         use_cache_dir(str(cache_root()))
-        self.runner.compile_forward(background=mode == "background")
+        self.runner.compile_forward(background=mode == "background",
+                                    bf16_copies=self.config.cpu_bf16_copies)
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.model_config.eos_token_ids)

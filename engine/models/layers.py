@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from engine.config import RopeConfig
+from engine.models.bf16_copies import Linear
 
 
 class RMSNorm(nn.Module):
@@ -79,7 +80,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-class PackedLinear(nn.Linear):
+class PackedLinear(Linear):
     """A linear layer whose weight stacks several checkpoint tensors along the output
     dim (q/k/v, or gate/up), so one matmul replaces several."""
 

@@ -14,6 +14,7 @@ from engine.attention.cpu_paged import PagedDecode, decode_in_place
 from engine.attention.fp8_cache import rotate
 from engine.config import ModelConfig
 from engine.lora.step import LoRAStep
+from engine.models.bf16_copies import Linear
 from engine.models.layers import PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary
 from engine.parallel import comm
 from engine.parallel.layers import RowParallelLinear, VocabParallelEmbedding
@@ -119,7 +120,7 @@ class LlamaForCausalLM(nn.Module):
                                                    shard.vocab_start(cfg))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, shard) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, shard.vocab(cfg), bias=False)
+        self.lm_head = Linear(cfg.hidden_size, shard.vocab(cfg), bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 

@@ -1,15 +1,17 @@
 """The model's layers that talk to the other tensor-parallel ranks. At one rank they
-are plain nn.Linear / nn.Embedding (quantization may replace them as such)."""
+are plain linear layers (engine/models/bf16_copies.py's) and nn.Embedding
+(quantization may replace them as such)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models.bf16_copies import Linear
 from engine.parallel import comm
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """Holds the rank's input columns: the ranks' partial products are summed by one
     all-reduce, and the bias (every rank holds it) added once, after it."""
 

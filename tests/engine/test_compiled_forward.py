@@ -19,30 +19,15 @@ import torch
 from engine.compiled_model import graphs_compiled
 from engine.config import SpeculativeConfig
 from scheduler.sampling_params import SamplingParams
-from tests.support.reference import (load_reference, reference_greedy, reference_logits,
+from tests.support.reference import (assert_same_tokens, load_reference, reference_greedy,
                                      varied_prompts)
 
 GREEDY_64 = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-TIE = 1e-5  # of the largest logit: closer than this is a tie in float32
 
 
 @pytest.fixture(scope="module")
 def ref(tiny_model_dir):
     return load_reference(tiny_model_dir("llama"))
-
-
-def assert_same_tokens(ref, prompts, got, want) -> None:
-    """got == want, sequence by sequence, or parted at a tie (module docstring)."""
-    for prompt, a, b in zip(prompts, got, want, strict=True):
-        assert len(a) == len(b)
-        if a == b:
-            continue
-        i = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
-        logits = reference_logits(ref, prompt + a[:i])
-        gap = (logits[a[i]] - logits[b[i]]).abs().item()
-        assert gap <= TIE * logits.abs().max().item(), (
-            f"parted at token {i} of a {len(prompt)}-token prompt: {a[i]} vs {b[i]}, "
-            f"logit gap {gap:.3g} is no tie")
 
 
 def greedy(n: int) -> SamplingParams:

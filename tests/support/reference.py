@@ -35,3 +35,22 @@ def varied_prompts(vocab_size: int, count: int = 16, seed: int = 0,
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab_size) for _ in range(lengths[i % len(lengths)])]
             for i in range(count)]
+
+
+TIE = 1e-5  # of the largest logit: closer than this is a tie in float32
+
+
+def assert_same_tokens(ref, prompts, got, want) -> None:
+    """got == want, sequence by sequence, or parted at a tie: where the two tokens'
+    logits (`ref`'s, float32, the arbiter) are closer than float32 rounding can tell
+    apart, as vLLM's tests allow (compiled GEMMs sum in another order than eager's)."""
+    for prompt, a, b in zip(prompts, got, want, strict=True):
+        assert len(a) == len(b)
+        if a == b:
+            continue
+        i = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
+        logits = reference_logits(ref, prompt + a[:i])
+        gap = (logits[a[i]] - logits[b[i]]).abs().item()
+        assert gap <= TIE * logits.abs().max().item(), (
+            f"parted at token {i} of a {len(prompt)}-token prompt: {a[i]} vs {b[i]}, "
+            f"logit gap {gap:.3g} is no tie")

@@ -56,9 +56,11 @@ def make_tokenizer(path: Path, extra_tokens: tuple[str, ...] = ()):
 
 
 def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0,
-                    extra_tokens: tuple[str, ...] = (), **overrides) -> Path:
-    """Writes config.json, model.safetensors and tokenizer files into `path`;
-    `extra_tokens` become tokens of their own, after the trained vocabulary."""
+                    extra_tokens: tuple[str, ...] = (), dtype: torch.dtype = torch.float32,
+                    **overrides) -> Path:
+    """Writes config.json, model.safetensors (weights in `dtype`) and tokenizer files
+    into `path`; `extra_tokens` become tokens of their own, after the trained
+    vocabulary."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
@@ -75,6 +77,6 @@ def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0,
     fields.update(overrides)
     cfg = AutoConfig.for_model(model_type, **fields)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).to(dtype)
     model.save_pretrained(str(path))
     return path
