@@ -5,7 +5,9 @@ Why: eager PyTorch pays Python and dispatch for every one of ~30 layers x ~20 op
 and on CPU its matmuls read the weights at a third of the memory bandwidth at batch 1
 (bench/in_process/profile.py measures both). Inductor fuses the elementwise ops,
 freezes the weights (prepacked for oneDNN), and at batch 1 generates its own GEMV
-kernels (the CPP GEMM template) that read them near the bandwidth.
+kernels (the CPP GEMM template) that read them near the bandwidth; where a float32
+weight has a bf16 copy (engine/models/bf16_copies.py), a reduction over the copy
+instead, which reads half the bytes.
 
 Three graphs, so no workload recompiles once they exist:
 - decode, one request: logits of one token (static shape but for the context's
