@@ -85,6 +85,8 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", type=lambda t: [int(x) for x in names(t)],
                    default=[1, 32])
     p.add_argument("--steps", type=int, default=20, help="decode steps timed per case")
+    p.add_argument("--kernels", type=int, default=0,
+                   help="also list each case's N costliest ops and compiled kernels")
 
 
 def build_parser() -> argparse.ArgumentParser:

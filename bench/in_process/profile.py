@@ -16,7 +16,11 @@ and every op's own time (self CPU time) is put in one bucket:
   host           the rest of the step: scheduling, batch preparation, outputs
 
 floor = bytes one step must read (every weight once, plus the KV of the contexts) /
-the copy bandwidth measured in the same run."""
+the copy bandwidth measured in the same run.
+
+--kernels N also lists each case's N costliest ops and compiled kernels by their own
+time per step (Inductor's kernels named in the profile: its kernel profiling is
+switched on for the run, which makes its builds cold)."""
 from __future__ import annotations
 
 import contextlib
@@ -24,6 +28,7 @@ import statistics
 import time
 
 import torch
+import torch._inductor.config
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from bench.in_process.measure import make_prompt
@@ -44,6 +49,13 @@ BUCKETS = ("matmuls", "compiled graph", "attn gather", "attn compute", "elementw
 
 
 def run(args, command: str | None = None) -> dict:
+    # Inductor's kernels show in the profile by name only when built so (and only
+    # this run's: the setting is part of every cache key).
+    with torch._inductor.config.patch({"cpp.enable_kernel_profile": bool(args.kernels)}):
+        return _run(args, command)
+
+
+def _run(args, command: str | None) -> dict:
     device = torch.device("cpu")
     copy = copy_bandwidth(device, 256, 3)
     result = {**provenance(None, command), "torch": torch.__version__,
@@ -54,7 +66,7 @@ def run(args, command: str | None = None) -> dict:
         for mode in args.modes:
             engine = _engine(args, dtype_name, mode, max(args.batch_sizes))
             for batch in args.batch_sizes:
-                case = profile_case(engine, batch, args.steps)
+                case = profile_case(engine, batch, args.steps, args.kernels)
                 dtype = resolve_dtype(dtype_name, device)
                 need = bytes_per_decode_step(engine.model_config, dtype, PROMPT + args.steps,
                                              model_bytes(engine.runner.model),
@@ -76,7 +88,7 @@ def _engine(args, dtype: str, mode: str, max_batch: int) -> Engine:
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype))
 
 
-def profile_case(engine: Engine, batch: int, steps: int) -> dict:
+def profile_case(engine: Engine, batch: int, steps: int, kernels: int = 0) -> dict:
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=3 * steps + 4, temperature=0.0, ignore_eos=True)
     for i in range(batch):
@@ -91,7 +103,8 @@ def profile_case(engine: Engine, batch: int, steps: int) -> dict:
         t0 = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t0)
-    with _labelled(engine), profile(activities=[ProfilerActivity.CPU]) as prof:
+    with _labelled(engine), profile(activities=[ProfilerActivity.CPU],
+                                    record_shapes=kernels > 0) as prof:
         for _ in range(steps):
             engine.step()
     for i in range(batch):
@@ -100,7 +113,16 @@ def profile_case(engine: Engine, batch: int, steps: int) -> dict:
         engine.step()
     step_ms = statistics.median(times) * 1e3
     split = {k: v / steps for k, v in _buckets(prof.events()).items()}
-    return {"step_ms": step_ms, "tok_s": batch / step_ms * 1e3, "split_ms": split}
+    case = {"step_ms": step_ms, "tok_s": batch / step_ms * 1e3, "split_ms": split}
+    if kernels:
+        # By input shape too: each GEMM's weight shape tells which projection it is.
+        top = sorted((e for e in prof.key_averages(group_by_input_shape=True)
+                      if not e.key.startswith("kv::")),
+                     key=lambda e: e.self_cpu_time_total, reverse=True)[:kernels]
+        case["kernels"] = [{"name": e.key, "input_shapes": str(e.input_shapes or ""),
+                            "calls_per_step": e.count / steps,
+                            "ms_per_step": e.self_cpu_time_total / 1e3 / steps} for e in top]
+    return case
 
 
 @contextlib.contextmanager
@@ -172,4 +194,12 @@ def table(result: dict) -> str:
                *(f"{c['split_ms'][b]:.1f}" for b in BUCKETS)]
         lines.append("| " + " | ".join(row) + " |")
     gbps = result["copy_bandwidth"]["gbps"]
-    return "\n".join(lines) + f"\n\ncopy bandwidth {gbps:.1f} GB/s (read + written)\n"
+    lines.append(f"\ncopy bandwidth {gbps:.1f} GB/s (read + written)")
+    for c in result["cases"]:
+        if c.get("kernels"):
+            lines.append(f"\n{c['dtype']} {c['forward']} batch {c['batch']}, costliest "
+                         "ops and kernels (own time):")
+            lines += [f"- {k['ms_per_step']:.2f} ms/step, {k['calls_per_step']:g} calls: "
+                      f"{k['name'][:90]} {k['input_shapes'][:80]}".rstrip()
+                      for k in c["kernels"]]
+    return "\n".join(lines) + "\n"

@@ -198,7 +198,8 @@ def test_bench_profile_end_to_end(tmp_path, capsys, frozen_heap):
     own): every bucket of a step's time is there and accounts for the step."""
     out = tmp_path / "profile.json"
     assert cli.main(["bench", "profile", *TINY, "--dtypes", "float32", "--modes", "eager",
-                     "--batch-sizes", "1,3", "--steps", "3", "--json", str(out)]) == 0
+                     "--batch-sizes", "1,3", "--steps", "3", "--kernels", "2",
+                     "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["command"].startswith("kvserve bench profile")
     positive(r["copy_bandwidth"], "gbps")
@@ -213,4 +214,7 @@ def test_bench_profile_end_to_end(tmp_path, capsys, frozen_heap):
         assert split["attn gather"] > 0  # the reference backend copies each context
         # The profiled steps run slower than the timed ones, never several times over.
         assert sum(split.values()) < 5 * case["step_ms"]
-    assert "attn gather" in capsys.readouterr().out
+        assert len(case["kernels"]) == 2
+        assert all(k["ms_per_step"] > 0 and k["name"] for k in case["kernels"])
+    printed = capsys.readouterr().out
+    assert "attn gather" in printed and "costliest ops and kernels" in printed
