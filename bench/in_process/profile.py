@@ -15,7 +15,8 @@ and every op's own time (self CPU time) is put in one bucket:
   sampler        sampling the step's tokens
   host           the rest of the step: scheduling, batch preparation, outputs
 
-floor = bytes one step must read (every weight once, plus the KV of the contexts) /
+floor = bytes one step must read (every weight once, at batch 1 its bf16 copy where
+engine/models/bf16_copies.py made one, plus the KV of the contexts) /
 the copy bandwidth measured in the same run.
 
 --kernels N also lists each case's N costliest ops and compiled kernels by their own
@@ -38,6 +39,7 @@ from bench.provenance import provenance
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.loader import resolve_dtype
+from engine.models.bf16_copies import bytes_saved_at_batch_one
 from scheduler.sampling_params import SamplingParams
 
 PROMPT = 128
@@ -68,9 +70,11 @@ def _run(args, command: str | None) -> dict:
             for batch in args.batch_sizes:
                 case = profile_case(engine, batch, args.steps, args.kernels)
                 dtype = resolve_dtype(dtype_name, device)
+                # A compiled batch-1 step reads the weights' bf16 copies, if any.
+                weights = model_bytes(engine.runner.model) - (
+                    bytes_saved_at_batch_one(engine.runner.model) if batch == 1 else 0)
                 need = bytes_per_decode_step(engine.model_config, dtype, PROMPT + args.steps,
-                                             model_bytes(engine.runner.model),
-                                             engine.kv_format.dtype)
+                                             weights, engine.kv_format.dtype)
                 floor_ms = (need["weights"] + batch * need["kv"]) / (copy["gbps"] * 1e9) * 1e3
                 result["cases"].append({"dtype": dtype_name, "forward": mode, "batch": batch,
                                         "floor_ms": floor_ms, **case})
@@ -167,7 +171,8 @@ def _buckets(events) -> dict[str, float]:
             out["attn gather" if ev.name in GATHERS else "attn compute"] += ms
         elif ev.name in MATMULS:
             out["matmuls"] += ms
-        elif "CompiledFxGraph" in ev.name or "Compiled Region" in ev.name:
+        elif ("CompiledFxGraph" in ev.name or "Compiled Region" in ev.name
+              or any("CompiledFxGraph" in name for name in chain)):  # --kernels' kernels
             out["compiled graph"] += ms
         else:
             out["elementwise"] += ms

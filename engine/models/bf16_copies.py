@@ -62,6 +62,12 @@ def has_bf16_copies(model: nn.Module) -> bool:
     return any(getattr(m, "bf16_weight", None) is not None for m in model.modules())
 
 
+def bytes_saved_at_batch_one(model: nn.Module) -> int:
+    """How many fewer weight bytes a batch-1 decode step reads through the copies."""
+    return sum(m.weight.nbytes - m.bf16_weight.nbytes for m in model.modules()
+               if getattr(m, "bf16_weight", None) is not None)
+
+
 @contextlib.contextmanager
 def conversions_kept():
     """While a graph is compiled in this block, freezing folds no dtype conversion

@@ -10,8 +10,8 @@ import torch._inductor.config
 from torch._inductor.constant_folding import _dont_constant_fold
 from torch._inductor.utils import run_and_get_code
 
-from engine.models.bf16_copies import (Linear, add_bf16_copies, conversions_kept,
-                                       has_bf16_copies)
+from engine.models.bf16_copies import (Linear, add_bf16_copies, bytes_saved_at_batch_one,
+                                       conversions_kept, has_bf16_copies)
 from scheduler.sampling_params import SamplingParams
 from tests.support.reference import (assert_same_tokens, load_reference, reference_greedy,
                                      varied_prompts)
@@ -31,6 +31,7 @@ def test_copies_are_made_only_of_exact_bf16_weights():
     assert torch.equal(exact.bf16_weight.float(), exact.weight)
     assert inexact.bf16_weight is None
     assert has_bf16_copies(model)
+    assert bytes_saved_at_batch_one(model) == 64 * 32 * (4 - 2)
 
 
 def test_the_compiled_row_reads_the_copy_in_bf16():
