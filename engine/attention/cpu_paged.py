@@ -22,7 +22,7 @@ cache's scales are applied once per score and once per output row, not per value
 read (q.(s K) = s (q.K)). Its values are converted to float32 as they are loaded,
 one at a time, which costs more than the bytes it saves here: at batch 1 an fp8
 layer's attention took 1.5x (128 keys) to 2.7x (1024 keys) a bf16 one's
-(bench/results/kv_fp8_cpu_2026-11-24.md), and the bf16 one has been 3-12x faster
+(bench/results/kv_fp8_cpu_2026-11-24.md), and the bf16 one has been 4-12x faster
 since it reads whole blocks. On CPU an fp8 cache buys capacity."""
 from __future__ import annotations
 

@@ -42,15 +42,11 @@ def test_the_compiled_row_reads_the_copy_in_bf16():
         layer.weight.copy_(layer.weight.bfloat16().float())
     add_bf16_copies(layer)
     x = torch.randn(1, 256)
-    old = torch._inductor.config.freezing
-    torch._inductor.config.freezing = True
-    try:
-        with torch.inference_mode(), conversions_kept():
-            # (A function of its own: Dynamo keeps graphs per code object, and
-            # Linear.forward's is every model's.)
-            out, code = run_and_get_code(torch.compile(lambda x: layer(x), dynamic=False), x)
-    finally:
-        torch._inductor.config.freezing = old
+    with (torch._inductor.config.patch(freezing=True), torch.inference_mode(),
+          conversions_kept()):
+        # (A function of its own: Dynamo keeps graphs per code object, and
+        # Linear.forward's is every model's.)
+        out, code = run_and_get_code(torch.compile(lambda x: layer(x), dynamic=False), x)
     assert "BFloat16" in "\n".join(code)
     assert torch.allclose(out, torch.nn.functional.linear(x, layer.weight, layer.bias),
                           rtol=1e-5, atol=1e-5)
