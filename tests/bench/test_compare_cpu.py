@@ -79,3 +79,25 @@ def test_markdown_table_order_and_spread_column():
 def test_every_workload_is_a_kvbench_flag_list():
     for desc, flags in cc.WORKLOADS.values():
         assert desc and "--output-len" in flags and "--max-concurrency" in flags
+
+
+def test_bf16_checkpoint_rounds_every_float_weight(tmp_path):
+    """bench/peers/bf16_checkpoint.py: the same tensors in bf16, the rest copied."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    from bench.peers.bf16_checkpoint import convert
+    from tests.support.tiny_models import make_tiny_model
+
+    src = make_tiny_model(tmp_path / "fp32")
+    convert(src, tmp_path / "bf16")
+    before = load_file(src / "model.safetensors")
+    after = load_file(tmp_path / "bf16" / "model.safetensors")
+    assert after.keys() == before.keys()
+    for name, t in before.items():
+        assert after[name].dtype == torch.bfloat16
+        assert torch.equal(after[name], t.to(torch.bfloat16)), name
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert (tmp_path / "bf16" / "tokenizer.json").exists()
