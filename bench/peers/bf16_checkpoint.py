@@ -22,8 +22,7 @@ def convert(src: Path, dst: Path) -> None:
         if f.suffix == ".safetensors":
             tensors = {k: v.to(torch.bfloat16) if v.is_floating_point() else v
                        for k, v in load_file(f).items()}
-            save_file({k: v.contiguous() for k, v in tensors.items()}, dst / f.name,
-                      metadata={"format": "pt"})
+            save_file(tensors, dst / f.name, metadata={"format": "pt"})
         elif f.is_file() and f.suffix != ".gguf" and not f.name.startswith("."):
             shutil.copy(f, dst / f.name)
     config = json.loads((dst / "config.json").read_text())
