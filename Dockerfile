@@ -58,8 +58,9 @@ RUN python -m modelstore.default_model && rm -rf "$KVSERVE_CACHE/downloads"
 # -- runtime ---------------------------------------------------------------------
 FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu${UBUNTU_VERSION}
 # A C/C++ compiler and Python's headers stay in the runtime image: Triton compiles
-# its small launcher with them the first time a kernel runs, and Inductor
-# (torch.compile, the compiled forward pass) compiles its C++ kernels on CPU.
+# its small launcher with them the first time a kernel runs, Inductor
+# (torch.compile, the compiled forward pass) compiles its C++ kernels on CPU, and
+# kvserve builds its own CPU kernels (engine/cpu_kernels) once, into KVSERVE_CACHE.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-dev gcc g++ libc6-dev \
     && rm -rf /var/lib/apt/lists/* \

@@ -5,9 +5,8 @@ Why: eager PyTorch pays Python and dispatch for every one of ~30 layers x ~20 op
 and on CPU its matmuls read the weights at a third of the memory bandwidth at batch 1
 (bench/in_process/profile.py measures both). Inductor fuses the elementwise ops,
 freezes the weights (prepacked for oneDNN), and at batch 1 generates its own GEMV
-kernels (the CPP GEMM template) that read them near the bandwidth; where a float32
-weight has a bf16 copy (engine/models/bf16_copies.py), a reduction over the copy
-instead, which reads half the bytes.
+kernels (the CPP GEMM template) that read them near the bandwidth. Linear layers
+packed for kvserve's CPU GEMM (engine/cpu_kernels) stay calls of its op in every graph.
 
 Three graphs, so no workload recompiles once they exist:
 - decode, one request: logits of one token (static shape but for the context's
@@ -31,10 +30,8 @@ every start; without the packing a decode step is 1.2-2x slower (measured: batch
 a thread of their own while steps run eagerly."""
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import shutil
 import threading
 import time
 import types
@@ -45,7 +42,6 @@ import torch._inductor.config
 
 from engine.attention.cpu_paged import PagedDecode
 from engine.lora.step import LoRAStep
-from engine.models.bf16_copies import conversions_kept, has_bf16_copies
 from engine.models.llama import LlamaForCausalLM
 
 log = logging.getLogger("kvserve.compile")
@@ -80,11 +76,6 @@ def _own_code(fn, instance):
     own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
                              fn.__defaults__, fn.__closure__)
     return types.MethodType(own, instance)
-
-
-def c_compiler() -> str | None:
-    """The C++ compiler Inductor would use on CPU, if one is installed."""
-    return shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
 
 
 def use_cache_dir(root: str) -> None:
@@ -227,13 +218,7 @@ class CompiledModel:
 
     def _warm_up(self, run_step, fn, tokens: int, decode: bool, lora: bool) -> None:
         """run_step, and for the batch-1 graph once more with oneDNN allowed if the
-        GEMV template alone left a GEMM without a kernel. The batch-1 graph keeps
-        the weights' bf16 copies as they are (engine/models/bf16_copies.py)."""
-        keep = tokens == 1 and has_bf16_copies(self.model)
-        with conversions_kept() if keep else contextlib.nullcontext():
-            self._run_warm_up(run_step, fn, tokens, decode, lora)
-
-    def _run_warm_up(self, run_step, fn, tokens: int, decode: bool, lora: bool) -> None:
+        GEMV template alone left a GEMM without a kernel."""
         try:
             run_step(fn, tokens, decode, lora)
         except Exception as exc:  # noqa: BLE001 - one kind is retried, the rest raised

@@ -292,11 +292,14 @@ class EngineConfig:
         "CPU): background = serve eagerly while it compiles, wait = compile before "
         "serving; auto = background on CPU, off on CUDA",
         choices=["auto", "background", "wait", "off"])
-    # engine/models/bf16_copies.py: only the compiled batch-1 decode reads the copies.
-    cpu_bf16_copies: bool = setting(
-        True, "on CPU, float32 weights holding exact bf16 values (a bf16 checkpoint "
-        "served in float32) get a bf16 copy that the compiled batch-1 decode reads: "
-        "half the bytes a token, 1.5x the weights' memory", parse=parse_bool)
+    # engine/cpu_kernels/: weights packed at load, eager and compiled steps alike.
+    cpu_kernels: str = setting(
+        "auto", "float32 on CPU: kvserve = kvserve's AVX2 kernels for the linear layers, "
+        "over weights packed at load (in bf16 where every value is exact in bf16, as a "
+        "bf16 checkpoint's are: half the bytes a token), built once with the C++ "
+        "compiler; torch = torch's GEMMs (oneDNN in compiled graphs); auto = kvserve on "
+        "x86 CPUs with AVX2 and FMA but no AVX-512, torch elsewhere",
+        choices=["auto", "kvserve", "torch"])
     # engine/quantization/: weights quantized at load (online quantization), or a
     # GGUF's quantized blocks kept as they are (engine/gguf_loader.py).
     quantization: str = setting(

@@ -8,7 +8,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine.attention import make_backend
-from engine.compiled_model import c_compiler, use_cache_dir
+from engine.compiled_model import use_cache_dir
+from engine.cpu_kernels.build import c_compiler
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphPlan
 from engine.lora.manager import LoRAManager, lora_key, lora_manager
@@ -154,8 +155,7 @@ class Engine:
                         "install g++) or pass --enforce-eager to silence this")
             return
         use_cache_dir(str(cache_root()))
-        self.runner.compile_forward(background=mode == "background",
-                                    bf16_copies=self.config.cpu_bf16_copies)
+        self.runner.compile_forward(background=mode == "background")
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.model_config.eos_token_ids)

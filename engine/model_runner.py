@@ -19,7 +19,6 @@ from engine.cuda_graphs import DecodeGraphPlan, DecodeGraphs
 from engine.host_copy import to_device
 from engine.kv_caches import KVCacheFormat, attach_kv_caches, copy_blocks
 from engine.lora.manager import LoRAManager
-from engine.models.bf16_copies import add_bf16_copies
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel.step_channel import StepChannel
 from engine.pooling import Pooler, PoolRows
@@ -67,16 +66,9 @@ class ModelRunner:
         self.compiling: CompiledModel | None = None
         self.compiled: CompiledModel | None = None
 
-    def compile_forward(self, background: bool, bf16_copies: bool = False) -> CompiledModel:
+    def compile_forward(self, background: bool) -> CompiledModel:
         """Steps go through Inductor-compiled graphs once they are built (on a thread
-        of their own with `background`, steps staying eager meanwhile). bf16_copies:
-        the batch-1 decode graph reads bf16 copies of the float32 weights that hold
-        exact bf16 values, on CPU (engine/models/bf16_copies.py)."""
-        if bf16_copies and self.device.type == "cpu":
-            added = add_bf16_copies(self.model)
-            if added:
-                log.info("batch-1 decode reads bf16 copies of the weights that hold exact "
-                         "bf16 values: %.1f MiB more", added / 2**20)
+        of their own with `background`, steps staying eager meanwhile)."""
         # Decode attention compiled too, where the backend has such a path: the
         # graphs are warmed up through a copy that takes it, and steps take it
         # from when the graphs are ready (a step keeps the path it was prepared on).

@@ -1,6 +1,7 @@
 """The model as the engine serves it: its weights loaded, quantized as --quantization
-and the checkpoint say, and its KV cache's format chosen (--kv-cache-dtype, whose
-fp8 scales are measured on the loaded model)."""
+and the checkpoint say, packed for kvserve's CPU GEMM as --cpu-kernels says, and its
+KV cache's format chosen (--kv-cache-dtype, whose fp8 scales are measured on the
+loaded model)."""
 from __future__ import annotations
 
 import logging
@@ -9,6 +10,7 @@ import torch
 from torch import nn
 
 from engine.config import EngineConfig, ModelConfig
+from engine.cpu_kernels.setup import pack_model
 from engine.kv_caches import KVCacheFormat
 from engine.loader import load_model, resolve_load_format
 from engine.parallel.shard import SINGLE, TPShard
@@ -30,6 +32,7 @@ def load_served_model(config: EngineConfig, cfg: ModelConfig, tokenizer,
     if load_format != "gguf":
         quantize_model(model, config.quantization, config.quantization_group_size,
                        lambda: calibration_inputs(model, tokenizer, device, dtype))
+    pack_model(model, config.cpu_kernels, device, dtype)
     log.info("weights: %.1f MiB (%s, quantization %s)", model_bytes(model) / 2**20,
              str(dtype).replace("torch.", ""), config.quantization)
     return model, kv_cache_format(config.kv_cache_dtype, model, tokenizer, device, dtype)

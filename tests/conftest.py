@@ -35,26 +35,35 @@ torch._dynamo.config.recompile_limit = 64
 # has tests of its own (tests/engine/test_compiled_forward.py) either way.
 # Likewise float32 where the dtype is left at auto (which picks bf16 on CPUs with
 # native bf16): the tests compare against float32 references, the same on any CPU.
-# Servers started as subprocesses keep kvserve's own defaults.
+# And float32 runs on kvserve's CPU kernels (engine/cpu_kernels) wherever the CPU
+# has AVX2 and FMA, not only where --cpu-kernels auto picks it (no AVX-512), so every
+# CI machine tests the same path. Servers started as subprocesses keep kvserve's own
+# defaults.
 TEST_COMPILE = os.environ.get("KVSERVE_TEST_COMPILE", "off")
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _compile_mode():
-    """Engines built in this process with compile or dtype "auto" get TEST_COMPILE
-    and float32. Session-wide, so module- and session-scoped engines get it too."""
+    """Engines built in this process with compile, dtype or cpu_kernels "auto" get
+    TEST_COMPILE, float32 and kvserve (CPUs with AVX2 and FMA). Session-wide, so
+    module- and session-scoped engines get it too."""
     import dataclasses
 
     from engine.engine import Engine
-    from engine.loader import resolve_device
+    from engine.loader import cpu_flags, resolve_device
 
     init = Engine.__init__
+    packable = {"avx2", "fma"} <= cpu_flags()
 
     def patched(self, config, *args, **kwargs):
         if config.compile == "auto":
             config = dataclasses.replace(config, compile=TEST_COMPILE)
-        if config.dtype == "auto" and resolve_device(config.device).type == "cpu":
+        on_cpu = resolve_device(config.device).type == "cpu"
+        if config.dtype == "auto" and on_cpu:
             config = dataclasses.replace(config, dtype="float32")
+        if (config.cpu_kernels == "auto" and on_cpu and config.dtype == "float32"
+                and packable):
+            config = dataclasses.replace(config, cpu_kernels="kvserve")
         init(self, config, *args, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:

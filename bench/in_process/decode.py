@@ -29,12 +29,11 @@ from bench.in_process.measure import (DECODE_PROMPT_LEN, bench_compile, decode_r
                                       free_device_memory, make_prompt, peak_memory,
                                       reset_peak_memory, split_row)
 from bench.in_process.utilisation import (Clock, copy_bandwidth, mbu, mfu, peak_tflops,
-                                           prefill_flops)
+                                           prefill_flops, weights_read_per_step)
 from bench.provenance import provenance
 from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.loader import resolve_device, resolve_dtype, resolve_load_format
-from engine.quantization import model_bytes
 from modelstore.weight_bytes import weight_bytes
 from modelstore.presets import PREFIX, is_preset
 from scheduler.sampling_params import SamplingParams
@@ -89,7 +88,7 @@ def ours_decode(engine: Engine, clock: Clock, args, dtype: torch.dtype) -> dict:
                         args.decode_tokens) for i in range(args.repeats)]
     step_s = statistics.median(r["decode_s"] for r in runs) / (args.decode_tokens - 1)
     return decode_row(engine.model_config, dtype, step_s, args.decode_tokens,
-                      model_bytes(engine.runner.model), engine.kv_format.dtype)
+                      weights_read_per_step(engine.runner.model), engine.kv_format.dtype)
 
 
 def ours_ttft(engine: Engine, clock: Clock, args) -> dict:

@@ -15,8 +15,8 @@ and every op's own time (self CPU time) is put in one bucket:
   sampler        sampling the step's tokens
   host           the rest of the step: scheduling, batch preparation, outputs
 
-floor = bytes one step must read (every weight once, at batch 1 its bf16 copy where
-engine/models/bf16_copies.py made one, plus the KV of the contexts) /
+floor = bytes one step must read (every weight once, as it is held: packed bf16
+panels for kvserve's CPU GEMM count 2 bytes a value; plus the KV of the contexts) /
 the copy bandwidth measured in the same run.
 
 --kernels N also lists each case's N costliest ops and compiled kernels by their own
@@ -33,18 +33,18 @@ import torch._inductor.config
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from bench.in_process.measure import make_prompt
-from bench.in_process.utilisation import bytes_per_decode_step, copy_bandwidth
-from engine.quantization import model_bytes
+from bench.in_process.utilisation import (bytes_per_decode_step, copy_bandwidth,
+                                          weights_read_per_step)
 from bench.provenance import provenance
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.loader import resolve_dtype
-from engine.models.bf16_copies import bytes_saved_at_batch_one
 from scheduler.sampling_params import SamplingParams
 
 PROMPT = 128
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise",
-           "mkl::_mkl_linear", "aten::_mkl_linear", "mkldnn::_linear_pointwise.binary")
+           "mkl::_mkl_linear", "aten::_mkl_linear", "mkldnn::_linear_pointwise.binary",
+           "kvserve::packed_linear")
 GATHERS = ("aten::index", "aten::index_select", "aten::gather")
 BUCKETS = ("matmuls", "compiled graph", "attn gather", "attn compute", "elementwise",
            "dispatch", "sampler", "host")
@@ -70,9 +70,7 @@ def _run(args, command: str | None) -> dict:
             for batch in args.batch_sizes:
                 case = profile_case(engine, batch, args.steps, args.kernels)
                 dtype = resolve_dtype(dtype_name, device)
-                # A compiled batch-1 step reads the weights' bf16 copies, if any.
-                weights = model_bytes(engine.runner.model) - (
-                    bytes_saved_at_batch_one(engine.runner.model) if batch == 1 else 0)
+                weights = weights_read_per_step(engine.runner.model)
                 need = bytes_per_decode_step(engine.model_config, dtype, PROMPT + args.steps,
                                              weights, engine.kv_format.dtype)
                 floor_ms = (need["weights"] + batch * need["kv"]) / (copy["gbps"] * 1e9) * 1e3

@@ -60,17 +60,31 @@ def prefill_flops(cfg: ModelConfig, tokens: int) -> float:
 def bytes_per_decode_step(cfg: ModelConfig, dtype: torch.dtype, context: float,
                           weights: int | None = None,
                           kv_dtype: torch.dtype | None = None) -> dict:
-    """Least bytes one batch-1 decode step reads: every weight once, except an untied
-    embedding table (one row of it), plus the KV of the whole context. `weights`:
-    the loaded model's bytes (quantized ones), else its size in `dtype`; the KV in
-    `kv_dtype` (default `dtype`), counted as the engine allocates it."""
+    """Least bytes one batch-1 decode step reads: every weight once, except an
+    embedding table the LM head does not read (one row of it), plus the KV of the
+    whole context. `weights`: what the loaded model reads a step
+    (weights_read_per_step: quantized or packed weights), else the model's size in
+    `dtype`; the KV in `kv_dtype` (default `dtype`), counted as the engine
+    allocates it."""
     if weights is None:
         weights = weight_bytes(cfg, dtype.itemsize)
-    if not cfg.tie_word_embeddings:
-        weights -= (cfg.vocab_size - 1) * cfg.hidden_size * dtype.itemsize
+        if not cfg.tie_word_embeddings:
+            weights -= (cfg.vocab_size - 1) * cfg.hidden_size * dtype.itemsize
     kv_per_token = KVCacheFormat(kv_dtype or dtype).bytes_per_block(cfg, 1)
     return {"weights": weights, "kv": int(kv_per_token * context),
             "total": int(weights + kv_per_token * context)}
+
+
+def weights_read_per_step(model) -> int:
+    """The loaded model's weight bytes a decode step reads: all of them, but only a
+    row of the embedding table unless the LM head multiplies by that very table
+    (tied; or packed, the embedding reading the head's panels)."""
+    from engine.quantization import model_bytes
+
+    table = model.embed_tokens.weight
+    if table is None or model.lm_head.weight is table:
+        return model_bytes(model)
+    return model_bytes(model) - table.nbytes + table[0].nbytes
 
 
 def mbu(bytes_per_step: float, step_s: float, copy_gbps: float) -> float:

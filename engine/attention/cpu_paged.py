@@ -8,6 +8,12 @@ block: the only tensors written are the scores (Hq floats per context token, not
 2 x Hkv x D). Built from the torch wheel's own compiler: no C++ build step at
 install time.
 
+For float32 caches, where this process has kvserve's CPU kernels (engine/cpu_kernels,
+--cpu-kernels), the attention itself is the op kvserve::paged_decode instead
+(`attend`): the same maths in one pass over a request's keys and one over its
+values, 1.8-3x faster at 16-28 requests of 150-550 positions on a 2-core AVX2 CPU.
+The ops below stay its reference, and serve bf16 and fp8 caches.
+
 It runs two ways:
 - inside the compiled decode graphs (`decode_in_place`, called by the model when a
   step hands it a `PagedDecode`): the store of the new K/V and the attention are
@@ -31,6 +37,7 @@ from typing import NamedTuple
 import torch
 
 from engine.attention.fp8_cache import store_rows
+from engine.cpu_kernels import build as cpu_kernels
 
 
 class PagedDecode(NamedTuple):
@@ -121,16 +128,36 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     store_rows(v, v_cache, slots, v_scale)
 
 
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+           k_scale: torch.Tensor | None = None,
+           v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """paged_decode_reference's result: through kvserve's CPU kernel (the op
+    kvserve::paged_decode, engine/cpu_kernels/paged_decode.cpp) for float32 caches
+    where this process has the kernels, 1.8-3x faster at 16-28 requests; else the
+    reference's ops, compiled by the caller."""
+    if _kernel_reads(q, k_cache, k_scale):
+        return torch.ops.kvserve.paged_decode(q, k_cache, v_cache, block_tables.int(),
+                                              seq_lens.int(), scale)
+    return paged_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                  k_scale, v_scale)
+
+
+def _kernel_reads(q: torch.Tensor, k_cache: torch.Tensor, k_scale) -> bool:
+    return (cpu_kernels.loaded() and k_scale is None and q.dtype == torch.float32
+            and k_cache.dtype == torch.float32 and q.shape[-1] % 8 == 0)
+
+
 def decode_in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, step: PagedDecode,
                     scale: float, k_scale: torch.Tensor | None = None,
                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Stores the step's K/V [B, Hkv, D] at step.slots, then attends: what the attention
-    custom op does for decodes, as plain ops a compiled graph can take in (Inductor
-    writes the store into the cache in place)."""
+    custom op does for decodes, as ops a compiled graph can take in (Inductor writes
+    the store into the cache in place)."""
     store_kv(k, v, k_cache, v_cache, step.slots, k_scale, v_scale)
-    return paged_decode_reference(q, k_cache, v_cache, step.block_tables, step.seq_lens,
-                                  scale, k_scale, v_scale)
+    return attend(q, k_cache, v_cache, step.block_tables, step.seq_lens, scale, k_scale,
+                  v_scale)
 
 
 _compiled = None
@@ -139,8 +166,11 @@ _compiled = None
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float,
                  k_scale: torch.Tensor | None = None,
                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """paged_decode_reference compiled (once, for every batch size and length)."""
+    """attend: the kernel, else the reference compiled (once, for every batch size
+    and length)."""
     global _compiled
+    if _kernel_reads(q, k_cache, k_scale):
+        return attend(q, k_cache, v_cache, block_tables, seq_lens, scale)
     if _compiled is None:
         _compiled = torch.compile(paged_decode_reference, fullgraph=True)
     block_tables = widened(block_tables)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from engine.config import RopeConfig
-from engine.models.bf16_copies import Linear
+from engine.models.linear import Linear
 
 
 class RMSNorm(nn.Module):

@@ -14,7 +14,7 @@ from engine.attention.cpu_paged import PagedDecode, decode_in_place
 from engine.attention.fp8_cache import rotate
 from engine.config import ModelConfig
 from engine.lora.step import LoRAStep
-from engine.models.bf16_copies import Linear
+from engine.models.linear import Linear
 from engine.models.layers import PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary
 from engine.parallel import comm
 from engine.parallel.layers import RowParallelLinear, VocabParallelEmbedding

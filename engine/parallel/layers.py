@@ -1,5 +1,5 @@
 """The model's layers that talk to the other tensor-parallel ranks. At one rank they
-are plain linear layers (engine/models/bf16_copies.py's) and nn.Embedding
+are plain linear layers (engine/models/linear.py's) and nn.Embedding
 (quantization may replace them as such)."""
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.bf16_copies import Linear
+from engine.cpu_kernels.packing import packed_rows
+from engine.models.linear import Linear
 from engine.parallel import comm
 
 
@@ -18,7 +19,7 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if comm.shard().size == 1:
             return super().forward(x)
-        y = comm.all_reduce(F.linear(x, self.weight))
+        y = comm.all_reduce(self.product(x, None))
         return y if self.bias is None else y + self.bias
 
 
@@ -30,11 +31,23 @@ class VocabParallelEmbedding(nn.Embedding):
     def __init__(self, num_embeddings: int, embedding_dim: int, start: int = 0):
         super().__init__(num_embeddings, embedding_dim)
         self.start = start
+        self.register_buffer("packed", None, persistent=False)
+
+    def read_packed(self, packed: torch.Tensor) -> None:
+        """Rows from now on looked up in a tied LM head's packed weight
+        (engine/cpu_kernels/packing.py), and the table of its own let go."""
+        self.packed = packed
+        self.weight = None
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.embedding(ids, self.weight)
+        return packed_rows(self.packed, ids)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if comm.shard().size == 1:
-            return super().forward(input_ids)
+            return self.lookup(input_ids)
         local = input_ids - self.start
         outside = (local < 0) | (local >= self.num_embeddings)
-        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        x = self.lookup(local.masked_fill(outside, 0))
         return comm.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0))

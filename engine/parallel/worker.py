@@ -43,6 +43,7 @@ def serve(spec: WorkerSpec) -> None:
     import torch.distributed as dist
 
     from engine.attention import clear_attention_context, make_backend, set_attention_context
+    from engine.cpu_kernels.setup import pack_model
     from engine.kv_caches import KVCacheFormat, attach_kv_caches, copy_blocks
     from engine.loader import load_model
     from engine.parallel import comm
@@ -57,6 +58,7 @@ def serve(spec: WorkerSpec) -> None:
     model = load_model(config.model, ModelConfig.from_pretrained(config.model), spec.dtype,
                        device, spec.max_model_len, config.load_format, config.seed,
                        config.quantization, comm.shard())
+    pack_model(model, config.cpu_kernels, device, spec.dtype)
     num_blocks = torch.zeros(1, dtype=torch.int64)
     dist.broadcast(num_blocks, src=0, group=cpu_group)  # rank 0 sized the cache
     caches = attach_kv_caches(model, int(num_blocks) + 1, config.block_size,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 
 from engine.config import EngineConfig, ModelConfig
+from engine.cpu_kernels.setup import pack_model
 from engine.kv_caches import KVCacheFormat
 from engine.loader import ModelLoadError, load_model
 from engine.spec_decode.drafters import DraftModelDrafter, EarlyExitDrafter
@@ -39,6 +40,7 @@ def make_drafter(engine, model, backend, num_blocks: int):
                              f"is not the model's ({engine.model_config.vocab_size})")
     draft = load_model(spec.model, cfg, engine.dtype, engine.device, engine.max_model_len,
                        config.load_format, config.seed + 1)
+    pack_model(draft, config.cpu_kernels, engine.device, engine.dtype)
     # The draft's own cache stays in the model dtype: it has no calibrated scales.
     return DraftModelDrafter(draft, num_blocks, backend, config.block_size, engine.device,
                              KVCacheFormat(engine.dtype))

@@ -99,10 +99,21 @@ def test_half_precision_runs_and_mostly_agrees(tiny_engine_factory, dtype):
     assert sum(o[0] == e[0] for o, e in zip(ours, exact)) >= 3
 
 
-def test_tied_embeddings_share_storage(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("cpu_kernels", ["torch", "kvserve"])
+def test_tied_embeddings_share_storage(tmp_path, cpu_kernels):
+    """One copy of a tied table: shared by the head and the embedding, or (kvserve's
+    CPU kernels) the head's packed panels, which the embedding reads too."""
+    from engine.loader import cpu_flags
     from tests.support.tiny_models import make_tiny_model
 
+    if cpu_kernels == "kvserve" and not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("kvserve's CPU kernels need AVX2 and FMA")
     model_dir = make_tiny_model(tmp_path / "tied", "llama", tie_word_embeddings=True)
-    engine = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=8))
+    engine = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=8, dtype="float32",
+                                 cpu_kernels=cpu_kernels))
     m = engine.runner.model
-    assert m.lm_head.weight.data_ptr() == m.embed_tokens.weight.data_ptr()
+    if cpu_kernels == "torch":
+        assert m.lm_head.weight.data_ptr() == m.embed_tokens.weight.data_ptr()
+    else:
+        assert m.lm_head.weight is None and m.embed_tokens.weight is None
+        assert m.embed_tokens.packed is m.lm_head.packed

@@ -1,0 +1,155 @@
+"""kvserve's packed CPU GEMM (engine/cpu_kernels) against torch's, per decode step.
+
+For every row count asked (decode batch sizes, prompt chunks), one "step" multiplies
+that many float32 rows by every linear weight of a model shape once, each layer's
+weights distinct so they come from memory as in a real step (--layers of them, the
+time scaled to the model's layer count). The ways:
+- oneDNN: torch's packed float32 linear, what Inductor's compiled graphs call;
+- torch linear: F.linear (MKL), the eager path;
+- kvserve fp32 / kvserve bf16: kvserve::packed_linear over float32 panels, and over
+  bf16 panels (the weights rounded to bf16 first, as a bf16 checkpoint's are).
+Every way's product is checked against a float64 one inside the benchmark, so a fast
+wrong answer cannot pass. The ways are timed round-robin, --rounds times, and each
+keeps its best round: the machines are shared and noisy.
+
+usage: python bench/cpu_gemm.py [--rows 1,4,16,32,64,256] [--rounds 7] [--json OUT]
+       [--shape hidden,intermediate,q_heads*head_dim,kv_heads*head_dim,vocab,layers]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.in_process.utilisation import copy_bandwidth  # noqa: E402
+from bench.provenance import provenance  # noqa: E402
+from engine.cpu_kernels.packing import pack_weight, packed_linear  # noqa: E402
+from engine.cpu_kernels.setup import load_once  # noqa: E402
+from engine.loader import cpu_flags  # noqa: E402
+
+# SmolLM2-135M: hidden, intermediate, q width, kv width, vocabulary, layers
+DEFAULT_SHAPE = (576, 1536, 576, 192, 49152, 30)
+WAYS = ("oneDNN", "torch linear", "kvserve fp32", "kvserve bf16")
+
+
+def projections(shape) -> dict[str, tuple[int, int, int]]:
+    """name -> (out, in, count a step): the fused q/k/v and gate/up as served."""
+    hidden, inter, q, kv, vocab, layers = shape
+    return {"qkv": (q + 2 * kv, hidden, layers), "o": (hidden, q, layers),
+            "gate_up": (2 * inter, hidden, layers), "down": (hidden, inter, layers),
+            "lm_head": (vocab, hidden, 1)}
+
+
+def _onednn(rows: int):
+    def prepare(w):
+        return torch.ops.mkldnn._reorder_linear_weight(w, rows)
+
+    def run(x, w, n):
+        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [None], "")
+    return prepare, run
+
+
+def _way(name: str, rows: int):
+    if name == "oneDNN":
+        return _onednn(rows)
+    if name == "torch linear":
+        return (lambda w: w), (lambda x, w, n: F.linear(x, w))
+    if name == "kvserve fp32":
+        return pack_weight, packed_linear_none
+    return (lambda w: pack_weight(w.bfloat16().float())), packed_linear_none
+
+
+def packed_linear_none(x, w, n):
+    return packed_linear(x, w, n, None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default="1,4,16,32,64,256")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--layers", type=int, default=30,
+                    help="distinct weights per projection timed (scaled to the model's)")
+    ap.add_argument("--shape", default=",".join(map(str, DEFAULT_SHAPE)))
+    ap.add_argument("--copy-mib", type=int, default=256)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    load_once()
+    shape = tuple(int(v) for v in args.shape.split(","))
+    rows_list = [int(r) for r in args.rows.split(",")]
+    gen = torch.Generator().manual_seed(0)
+    weights = {name: [torch.randn(n, k, generator=gen) * k ** -0.5
+                      for _ in range(min(count, args.layers))]
+               for name, (n, k, count) in projections(shape).items()}
+    copy_gbps = copy_bandwidth(torch.device("cpu"), args.copy_mib, 3)["gbps"]
+    cases = []
+    with torch.inference_mode():
+        for rows in rows_list:
+            xs = {name: torch.randn(rows, ws[0].shape[1], generator=gen)
+                  for name, ws in weights.items()}
+            prepared = {}
+            for way in WAYS:
+                prepare, run = _way(way, rows)
+                prepared[way] = ({name: [prepare(w) for w in ws]
+                                  for name, ws in weights.items()}, run)
+                _check(way, run, prepared[way][0], xs, weights)
+            best = {way: float("inf") for way in WAYS}
+            for _ in range(args.rounds):
+                for way in WAYS:
+                    best[way] = min(best[way], _step_ms(*prepared[way], xs, shape))
+            flops = 2 * rows * sum(n * k * c for n, k, c in projections(shape).values())
+            params = sum(n * k * c for n, k, c in projections(shape).values())
+            for way in WAYS:
+                nbytes = params * (2 if way.endswith("bf16") else 4)
+                cases.append({"rows": rows, "way": way, "step_ms": round(best[way], 4),
+                              "gflops": round(flops / best[way] / 1e6, 2),
+                              "weight_gbps": round(nbytes / best[way] / 1e6, 2)})
+    all_flags = cpu_flags()
+    flags = sorted(f for f in all_flags if f.startswith(("avx", "amx", "fma", "f16c")))
+    result = {**provenance(), "cpu_flags": flags, "torch": torch.__version__,
+              "capability": torch.backends.cpu.get_cpu_capability(),
+              "threads": torch.get_num_threads(), "copy_gbps": round(copy_gbps, 2),
+              "shape": shape, "layers_timed": args.layers, "rounds": args.rounds,
+              "cases": cases}
+    print(f"{result['device']}, {result['capability']}, {result['threads']} threads, flags "
+          f"{' '.join(flags)}; copy {copy_gbps:.1f} GB/s (read + written); shape {shape}")
+    print("| rows | " + " | ".join(f"{w} ms" for w in WAYS) + " | kvserve bf16 / oneDNN |")
+    print("|---|" + "---|" * (len(WAYS) + 1))
+    for rows in rows_list:
+        ms = {c["way"]: c["step_ms"] for c in cases if c["rows"] == rows}
+        print(f"| {rows} | " + " | ".join(f"{ms[w]:.2f}" for w in WAYS)
+              + f" | {ms['oneDNN'] / ms['kvserve bf16']:.2f}x faster |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+def _step_ms(prepared, run, xs, shape) -> float:
+    """One step's linear layers: each projection's timed weights, scaled to its count."""
+    total = 0.0
+    for name, (n, _, count) in projections(shape).items():
+        ws = prepared[name]
+        t0 = time.perf_counter()
+        for w in ws:
+            run(xs[name], w, n)
+        total += (time.perf_counter() - t0) * count / len(ws)
+    return total * 1e3
+
+
+def _check(way, run, prepared, xs, weights) -> None:
+    for name, ws in weights.items():
+        w = ws[0].bfloat16().float() if way.endswith("bf16") else ws[0]
+        want = F.linear(xs[name].double(), w.double())
+        got = run(xs[name], prepared[name][0], w.shape[0]).double()
+        scale = want.abs().max().item() or 1.0
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * scale,
+                                   msg=lambda m: f"{way}, {name}: {m}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,192 @@
+// kvserve::paged_decode: decode attention over the paged float32 KV cache, reading
+// every key and value where it lies (engine/attention/cpu_paged.py's maths, whose
+// torch form stays the reference and serves the other cache dtypes).
+//
+// A task is one request (or one of its KV heads, when requests are few), spread
+// over torch's threads. It makes one pass over its keys, scoring every query head
+// against each key as it is loaded; a float32 softmax per head; then one pass over
+// the values, the heads' sums kept in L1. So each key and value is read from memory
+// once a step, which is what a decode step's attention costs: the KV cache is the
+// largest thing it reads after the weights.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// exp(x) for x <= 0 (a score minus its row's maximum): 2^n * e^r with
+// n = round(x / ln 2), |r| <= ln(2) / 2, e^r by its Taylor series to r^6 (relative
+// error ~1e-7, float32's own); below -87 (where e^x leaves float32's normal range,
+// -inf included) it is 0.
+inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 too_small = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // r = x - n ln2, with ln2 in two parts so the product is exact enough
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i scale = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(too_small, _mm256_mul_ps(p, _mm256_castsi256_ps(scale)));
+}
+
+struct Decode {
+  const float *q, *k_cache, *v_cache;
+  const int32_t *tables, *lens;
+  float* out;
+  int64_t q_heads, kv_heads, head_dim, block_size, table_width;
+  float scale;
+
+  // Where key/value `t` of request b's KV head h starts.
+  int64_t at(int64_t b, int64_t h, int64_t t) const {
+    const int64_t block = tables[b * table_width + t / block_size];
+    return ((block * block_size + t % block_size) * kv_heads + h) * head_dim;
+  }
+};
+
+// Keys and values this many positions ahead are prefetched: the table sends each
+// block of positions somewhere else in the cache, and the hardware prefetcher does
+// not follow (1.3-1.5x faster at 16-28 requests of 150-550 positions, 2-core Zen 3).
+constexpr int64_t kPrefetchAhead = 4;
+
+inline void prefetch(const float* p, int64_t floats) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t o = 0; o < floats * 4; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
+}
+
+// Request b's KV heads [h0, h1) and the query heads that share them: `scratch`
+// holds their scores (then probabilities) and the sums of their outputs.
+void attend(const Decode& a, int64_t b, int64_t h0, int64_t h1, std::vector<float>& scratch) {
+  const int64_t groups = a.q_heads / a.kv_heads, dim = a.head_dim, len = a.lens[b];
+  const int64_t heads = (h1 - h0) * groups, span = (h1 - h0) * dim;
+  float* out = a.out + (b * a.q_heads + h0 * groups) * dim;
+  if (len <= 0) {  // nothing visible (never scheduled): zeros, not NaNs
+    std::fill(out, out + heads * dim, 0.0f);
+    return;
+  }
+  scratch.assign(heads * len + heads + heads * dim, 0.0f);
+  float* scores = scratch.data();
+  float* inv = scores + heads * len;
+  float* acc = inv + heads;
+  const float* q = a.q + (b * a.q_heads + h0 * groups) * dim;
+  for (int64_t t = 0; t < len; ++t) {  // one pass over the keys, every head at once
+    if (t + kPrefetchAhead < len) prefetch(a.k_cache + a.at(b, h0, t + kPrefetchAhead), span);
+    const float* k = a.k_cache + a.at(b, h0, t);
+    for (int64_t head = 0; head < heads; ++head) {
+      const float* kh = k + head / groups * dim;
+      const float* qh = q + head * dim;
+      __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+      int64_t d = 0;
+      for (; d + 16 <= dim; d += 16) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), _mm256_loadu_ps(kh + d), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d + 8), _mm256_loadu_ps(kh + d + 8), s1);
+      }
+      if (d < dim) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), _mm256_loadu_ps(kh + d), s0);
+      scores[head * len + t] = hsum(_mm256_add_ps(s0, s1)) * a.scale;
+    }
+  }
+  for (int64_t head = 0; head < heads; ++head) {  // softmax's exponentials, their sum
+    float* s = scores + head * len;
+    const float top = *std::max_element(s, s + len);
+    const __m256 shift = _mm256_set1_ps(top);
+    __m256 total = _mm256_setzero_ps();
+    int64_t t = 0;
+    for (; t + 8 <= len; t += 8) {
+      const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + t), shift));
+      _mm256_storeu_ps(s + t, e);
+      total = _mm256_add_ps(total, e);
+    }
+    float sum = hsum(total);
+    for (; t < len; ++t) sum += (s[t] = std::exp(s[t] - top));
+    inv[head] = 1.0f / sum;
+  }
+  for (int64_t t = 0; t < len; ++t) {  // one pass over the values, sums in L1
+    if (t + kPrefetchAhead < len) prefetch(a.v_cache + a.at(b, h0, t + kPrefetchAhead), span);
+    const float* v = a.v_cache + a.at(b, h0, t);
+    for (int64_t head = 0; head < heads; ++head) {
+      const __m256 p = _mm256_set1_ps(scores[head * len + t]);
+      const float* vh = v + head / groups * dim;
+      float* o = acc + head * dim;
+      for (int64_t d = 0; d < dim; d += 8)
+        _mm256_storeu_ps(o + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(vh + d),
+                                                _mm256_loadu_ps(o + d)));
+    }
+  }
+  for (int64_t head = 0; head < heads; ++head) {
+    const __m256 s = _mm256_set1_ps(inv[head]);
+    for (int64_t d = 0; d < dim; d += 8)
+      _mm256_storeu_ps(out + head * dim + d, _mm256_mul_ps(_mm256_loadu_ps(acc + head * dim + d), s));
+  }
+}
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache, const at::Tensor& block_tables,
+                        const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "paged_decode: q [B, Hq, D] and caches [N, block, Hkv, D], got ", q.sizes(),
+              " and ", k_cache.sizes());
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == at::kFloat,
+              "paged_decode: float32 queries and caches");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged_decode: the caches must be contiguous");
+  const int64_t batch = q.size(0), q_heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == dim && dim % 8 == 0 && q_heads % kv_heads == 0,
+              "paged_decode: head_dim ", dim, " (a multiple of 8, the caches' too) and ",
+              q_heads, " query heads over ", kv_heads, " KV heads");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == batch &&
+                  block_tables.scalar_type() == at::kInt && seq_lens.numel() == batch &&
+                  seq_lens.scalar_type() == at::kInt,
+              "paged_decode: int32 block_tables [B, W] and seq_lens [B]");
+  const at::Tensor queries = q.contiguous(), tables = block_tables.contiguous(),
+                   lens = seq_lens.contiguous();
+  at::Tensor out = at::empty({batch, q_heads, dim}, q.options());
+  const Decode a{queries.data_ptr<float>(), k_cache.data_ptr<float>(),
+                 v_cache.data_ptr<float>(), tables.data_ptr<int32_t>(),
+                 lens.data_ptr<int32_t>(), out.data_ptr<float>(), q_heads, kv_heads, dim,
+                 k_cache.size(1), tables.size(1), static_cast<float>(scale)};
+  // A task is a whole request, its keys and values read in block order, when there
+  // are requests enough to keep every thread busy (2.3x faster than a task per KV
+  // head at 16-28 requests); else one KV head of one request.
+  const int64_t per_task = batch >= 2 * at::get_num_threads() ? kv_heads : 1;
+  const int64_t tasks = batch * (kv_heads / per_task);
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task * per_task / kv_heads, h0 = task * per_task % kv_heads;
+      attend(a, b, h0, h0 + per_task, scratch);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvserve, m) {
+  m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("paged_decode", paged_decode); }

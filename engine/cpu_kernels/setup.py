@@ -1,0 +1,88 @@
+"""Whether a loaded model runs on kvserve's CPU kernels (--cpu-kernels), and packing
+its linear layers' weights when it does."""
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+from torch import nn
+
+from engine.cpu_kernels.build import BuildError, load_kernels
+from engine.cpu_kernels.packing import register_fake
+from engine.loader import cpu_flags
+from engine.models.linear import Linear
+from modelstore.default_model import cache_root
+from modelstore.errors import ModelLoadError
+
+log = logging.getLogger("kvserve.cpu_kernels")
+
+MODES = ("auto", "kvserve", "torch")
+NEEDED_FLAGS = ("avx2", "fma")
+
+
+def packing_wanted(mode: str, device: torch.device, dtype: torch.dtype,
+                   flags: set[str] | None = None) -> bool:
+    """auto: on x86 CPUs with AVX2 and FMA but no AVX-512, where they were measured
+    (bench/results/cpu_kernels_avx2_*.md); torch's oneDNN GEMMs have AVX-512 kernels
+    of their own elsewhere. kvserve: wherever the kernels run, else a start-up
+    error."""
+    if mode not in MODES:
+        raise ModelLoadError(f"unknown --cpu-kernels {mode!r}; choose {', '.join(MODES)}")
+    if mode == "torch":
+        return False
+    flags = cpu_flags() if flags is None else flags
+    missing = [f for f in NEEDED_FLAGS if f not in flags]
+    if mode == "kvserve":
+        if device.type != "cpu" or dtype != torch.float32:
+            raise ModelLoadError("--cpu-kernels kvserve runs float32 on CPU (--device cpu "
+                                 f"--dtype float32), not {dtype} on {device.type}; use "
+                                 "--cpu-kernels auto or torch")
+        if missing:
+            raise ModelLoadError(f"--cpu-kernels kvserve needs a CPU with "
+                                 f"{', '.join(missing)}; use --cpu-kernels torch")
+        return True
+    return (device.type == "cpu" and dtype == torch.float32 and not missing
+            and "avx512f" not in flags)
+
+
+def pack_model(model: nn.Module, mode: str, device: torch.device, dtype: torch.dtype,
+               flags: set[str] | None = None) -> int:
+    """Packs every float32 Linear of `model` if --cpu-kernels says so and the kernels
+    build here; returns how many. Under auto a failed build leaves torch's GEMMs,
+    after one warning; under kvserve it stops start-up."""
+    if not packing_wanted(mode, device, dtype, flags):
+        return 0
+    try:
+        load_once()
+    except BuildError as exc:
+        if mode == "kvserve":
+            raise ModelLoadError(f"--cpu-kernels kvserve: {exc}") from exc
+        log.warning("kvserve's CPU kernels are not available (%s): torch's GEMMs "
+                    "instead, slower on this CPU", exc)
+        return 0
+    linears = [m for m in model.modules()
+               if isinstance(m, Linear) and m.weight is not None
+               and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
+    before = sum(m.weight.nbytes for m in linears)
+    head, table = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
+    tied = head in linears and table is not None and head.weight is table.weight
+    for linear in linears:
+        linear.pack()
+    if tied:  # one copy of the table: the embedding reads the head's panels
+        table.read_packed(head.packed)
+    after = sum(m.packed.nbytes for m in linears)
+    bf16 = sum(m.packed.dtype == torch.bfloat16 for m in linears)
+    log.info("CPU kernels: %d linear layers packed for kvserve's AVX2 GEMM (%d in bf16, "
+             "their values exact in bf16; %d in float32): %.1f MiB, from %.1f MiB",
+             len(linears), bf16, len(linears) - bf16, after / 2**20, before / 2**20)
+    return len(linears)
+
+
+@functools.cache
+def load_once() -> None:
+    """The kernels built if need be and loaded, once a process whatever the cache
+    root (a second copy of the library would define the op again). Raises
+    BuildError, and tries again at the next call, if they cannot be."""
+    load_kernels(cache_root())
+    register_fake()

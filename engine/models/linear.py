@@ -1,0 +1,33 @@
+"""The model's linear layer: torch's F.linear, or on CPU kvserve's packed GEMM
+(engine/cpu_kernels) once `pack` has replaced its float32 weight with packed panels."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.cpu_kernels.packing import pack_weight, packed_linear
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose product goes through kvserve::packed_linear once packed."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True):
+        super().__init__(in_features, out_features, bias=bias)
+        self.register_buffer("packed", None, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x, self.bias)
+
+    def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x times the weight, plus `bias` unless None."""
+        if self.packed is None:
+            return F.linear(x, self.weight, bias)
+        return packed_linear(x, self.packed, self.out_features, bias)
+
+    def pack(self) -> None:
+        """The weight packed (bf16 panels where its values are exact in bf16), and
+        the float32 weight let go: this layer holds one copy. A tied weight (the
+        LM head's, the embedding's) stays with the embedding."""
+        self.packed = pack_weight(self.weight.detach())
+        self.weight = None

@@ -1,0 +1,379 @@
+"""kvserve's CPU GEMM (engine/cpu_kernels): the packed layout, the kernel against a
+float64 product on every kind of shape, the op inside compiled graphs, which models
+and CPUs get it (--cpu-kernels), and greedy output through it against transformers."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.cpu_kernels import build
+from engine.cpu_kernels.packing import exact_in_bf16, pack_weight, packed_linear, unpack_weight
+from engine.cpu_kernels.setup import load_once, pack_model, packing_wanted
+from engine.loader import cpu_flags, load_model
+from engine.models.linear import Linear
+from modelstore.errors import ModelLoadError
+from scheduler.sampling_params import SamplingParams
+from tests.support.reference import (assert_same_tokens, load_reference, reference_greedy,
+                                     varied_prompts)
+from tests.support.tiny_models import make_tiny_model
+
+AVX2 = {"avx2", "fma"}
+needs_avx2 = pytest.mark.skipif(not AVX2 <= cpu_flags(), reason="the kernels need AVX2 and FMA")
+GREEDY_48 = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    load_once()  # built once per machine (~15 s cold), then loaded from the cache
+
+
+def weight(n: int, k: int, bf16_exact: bool, seed: int = 0) -> torch.Tensor:
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    return w.bfloat16().float() if bf16_exact else w
+
+
+# -- the packed layout -------------------------------------------------------------
+@pytest.mark.parametrize("n,k", [(16, 8), (33, 5), (1, 1), (100, 64)])
+@pytest.mark.parametrize("bf16_exact", [True, False])
+def test_packing_keeps_every_value(n, k, bf16_exact):
+    w = weight(n, k, bf16_exact)
+    packed = pack_weight(w)
+    assert packed.shape == (-(-n // 16), k, 16)
+    assert packed.dtype == (torch.bfloat16 if bf16_exact else torch.float32)
+    assert torch.equal(unpack_weight(packed, n), w)
+
+
+def test_bf16_panels_only_where_every_value_is_exact():
+    w = weight(32, 16, bf16_exact=True)
+    assert exact_in_bf16(w)
+    w[3, 5] += 2 ** -20  # one value with bits below bf16's
+    assert not exact_in_bf16(w)
+    assert pack_weight(w).dtype == torch.float32
+
+
+def test_a_bf16_panel_row_holds_columns_j_and_j_plus_8_in_word_j():
+    w = torch.arange(16, dtype=torch.float32).reshape(16, 1)  # column c holds c
+    row = pack_weight(w)[0, 0]  # the one row's 16 bf16 values, in memory order
+    pairs = row.float().reshape(8, 2)  # (low half, high half) of each 32-bit word
+    assert pairs[:, 0].tolist() == list(range(8))
+    assert pairs[:, 1].tolist() == list(range(8, 16))
+
+
+# -- the kernel ----------------------------------------------------------------------
+def check_product(rows: int, n: int, k: int, bf16_exact: bool, bias: bool, seed: int = 0):
+    w = weight(n, k, bf16_exact, seed)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed + 1))
+    b = torch.randn(n, generator=torch.Generator().manual_seed(seed + 2)) if bias else None
+    got = packed_linear(x, pack_weight(w), n, b)
+    want = torch.nn.functional.linear(x.double(), w.double(),
+                                      None if b is None else b.double())
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    # float32 sums of k products: a few units in the last place of the largest terms
+    tol = 1e-6 * max(k, 1) ** 0.5 * 8
+    assert torch.allclose(got.double(), want, rtol=tol, atol=tol), (
+        rows, n, k, bf16_exact, bias, (got.double() - want).abs().max().item())
+
+
+@needs_avx2
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 12, 13, 16, 17, 40])
+@pytest.mark.parametrize("bf16_exact", [True, False])
+def test_every_row_block_and_panel_count(kernels, rows, bf16_exact):
+    """Each row count a micro-kernel takes (6, and the tails of 1-5 with their own
+    panel counts), over 1, 2, 3, 4, 5 and a partial panel, with and without bias."""
+    for n in (16, 32, 48, 64, 80, 73):
+        check_product(rows, n, 96, bf16_exact, bias=n % 2 == 1)
+
+
+@needs_avx2
+@pytest.mark.parametrize("rows,n,k", [(1, 1, 1), (3, 15, 7), (0, 16, 8), (5, 17, 0),
+                                       (16, 3072, 576), (2, 576, 1536), (33, 49152 // 64, 64)])
+def test_shapes_of_every_kind(kernels, rows, n, k):
+    for bf16_exact in (True, False):
+        check_product(rows, n, k, bf16_exact, bias=True)
+
+
+@needs_avx2
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 70), n=st.integers(1, 300), k=st.integers(1, 700),
+       bf16_exact=st.booleans(), bias=st.booleans(), seed=st.integers(0, 1000))
+def test_random_shapes(kernels, rows, n, k, bf16_exact, bias, seed):
+    check_product(rows, n, k, bf16_exact, bias, seed)
+
+
+@needs_avx2
+def test_a_weight_several_caches_long_is_read_right(kernels):
+    """The LM head's shape: thousands of panels, in several L2-sized chunks a thread."""
+    check_product(9, 8192, 576, True, bias=False)
+
+
+@needs_avx2
+def test_rows_that_are_not_contiguous(kernels):
+    w = weight(40, 24, True)
+    x = torch.randn(24, 7).t()  # [7, 24], strided
+    got = packed_linear(x, pack_weight(w), 40, None)
+    assert torch.allclose(got, x @ w.t(), rtol=1e-5, atol=1e-5)
+
+
+@needs_avx2
+def test_the_op_refuses_what_it_cannot_read(kernels):
+    packed = pack_weight(weight(32, 16, True))
+    op = torch.ops.kvserve.packed_linear
+    with pytest.raises(RuntimeError, match="2-D float32"):
+        op(torch.randn(2, 16, dtype=torch.bfloat16), packed, 32, None)
+    with pytest.raises(RuntimeError, match="not packed for 8 inputs"):
+        op(torch.randn(2, 8), packed, 32, None)
+    with pytest.raises(RuntimeError, match="not packed for 16 inputs and 40 outputs"):
+        op(torch.randn(2, 16), packed, 40, None)
+    with pytest.raises(RuntimeError, match="bias must be 32"):
+        op(torch.randn(2, 16), packed, 32, torch.zeros(31))
+
+
+# -- the paged decode attention ------------------------------------------------------
+def paged_case(batch, length, q_heads, kv_heads, dim, block_size, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    width = -(-length // block_size) + 1
+    blocks = batch * width + 3
+    k_cache = torch.randn(blocks, block_size, kv_heads, dim, generator=gen)
+    v_cache = torch.randn(blocks, block_size, kv_heads, dim, generator=gen)
+    tables = torch.randperm(blocks, generator=gen)[:batch * width].reshape(batch, width)
+    lens = torch.tensor([max(1, length - 3 * i) for i in range(batch)], dtype=torch.int32)
+    q = torch.randn(batch, q_heads, dim, generator=gen)
+    return q, k_cache, v_cache, tables.int(), lens
+
+
+@needs_avx2
+@pytest.mark.parametrize("batch,length,q_heads,kv_heads,dim,block_size", [
+    (1, 1, 9, 3, 64, 16),  # one key
+    (1, 300, 9, 3, 64, 16),  # a task per KV head
+    (3, 17, 9, 3, 64, 16),  # across a block boundary
+    (8, 150, 9, 3, 64, 16),  # a task per request
+    (5, 40, 32, 8, 128, 16),  # Llama-3's grouping
+    (4, 33, 14, 2, 64, 32),  # 7 query heads a KV head
+    (6, 20, 4, 4, 8, 4),  # no grouping, the smallest head_dim
+])
+def test_paged_decode_matches_the_reference(kernels, batch, length, q_heads, kv_heads, dim,
+                                            block_size):
+    from engine.attention.cpu_paged import paged_decode_reference
+
+    q, k_cache, v_cache, tables, lens = paged_case(batch, length, q_heads, kv_heads, dim,
+                                                   block_size)
+    want = paged_decode_reference(q, k_cache, v_cache, tables, lens, dim ** -0.5)
+    got = torch.ops.kvserve.paged_decode(q, k_cache, v_cache, tables, lens, dim ** -0.5)
+    assert torch.allclose(got, want, rtol=1e-5, atol=2e-6)
+
+
+@needs_avx2
+def test_paged_decode_ignores_what_lies_past_each_length(kernels):
+    """Keys past a request's length (the rest of its last block, a table's padding)
+    change nothing, however large; a length of 0 gives zeros, not NaNs."""
+    q, k_cache, v_cache, tables, lens = paged_case(4, 40, 9, 3, 64, 16)
+    op = torch.ops.kvserve.paged_decode
+    before = op(q, k_cache, v_cache, tables, lens, 0.125)
+    for b, n in enumerate(lens.tolist()):
+        for t in range(n, tables.shape[1] * 16):
+            k_cache[tables[b, t // 16], t % 16] = 1e30
+    assert torch.equal(op(q, k_cache, v_cache, tables, lens, 0.125), before)
+    lens[2] = 0
+    out = op(q, k_cache, v_cache, tables, lens, 0.125)
+    assert torch.equal(out[2], torch.zeros_like(out[2])) and torch.equal(out[:2], before[:2])
+
+
+@needs_avx2
+def test_paged_decode_refuses_what_it_cannot_read(kernels):
+    q, k_cache, v_cache, tables, lens = paged_case(2, 10, 9, 3, 64, 16)
+    op = torch.ops.kvserve.paged_decode
+    with pytest.raises(RuntimeError, match="float32 queries and caches"):
+        op(q, k_cache.bfloat16(), v_cache.bfloat16(), tables, lens, 0.125)
+    with pytest.raises(RuntimeError, match="int32 block_tables"):
+        op(q, k_cache, v_cache, tables.long(), lens, 0.125)
+    with pytest.raises(RuntimeError, match="a multiple of 8"):
+        op(q[..., :60], k_cache[..., :60].contiguous(), v_cache[..., :60].contiguous(),
+           tables, lens, 0.125)
+
+
+@needs_avx2
+def test_attention_takes_the_kernel_for_float32_caches_only(kernels, monkeypatch):
+    """engine/attention/cpu_paged.py's attend: the op for float32 caches, the
+    reference's ops for the others (bf16 here), the same result either way."""
+    from engine.attention import cpu_paged
+
+    q, k_cache, v_cache, tables, lens = paged_case(3, 50, 9, 3, 64, 16)
+    calls = []
+    real = cpu_paged.paged_decode_reference
+    monkeypatch.setattr(cpu_paged, "paged_decode_reference",
+                        lambda *a, **k: calls.append(a[1].dtype) or real(*a, **k))
+    got = cpu_paged.attend(q, k_cache, v_cache, tables, lens, 0.125)
+    assert calls == []
+    assert torch.allclose(got, real(q, k_cache, v_cache, tables, lens, 0.125), atol=2e-6)
+    cpu_paged.attend(q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), tables, lens, 0.125)
+    assert calls == [torch.bfloat16]
+
+
+# -- in compiled graphs ---------------------------------------------------------------
+@needs_avx2
+def test_compiled_graphs_call_the_op_for_any_row_count_without_recompiling(kernels):
+    from engine.compiled_model import graphs_compiled
+
+    layer = Linear(64, 80, bias=True)
+    with torch.no_grad():
+        layer.weight.copy_(layer.weight.bfloat16().float())
+    eager = Linear(64, 80, bias=True)
+    eager.load_state_dict(layer.state_dict())
+    layer.pack()
+
+    def fn(x):
+        return torch.nn.functional.silu(layer(x)) * 2
+
+    compiled = torch.compile(fn)
+    before = graphs_compiled()
+    with torch.inference_mode():
+        for rows in (2, 5, 9, 33):
+            x = torch.randn(rows, 64)
+            torch._dynamo.mark_dynamic(x, 0)
+            want = torch.nn.functional.silu(eager(x)) * 2
+            assert torch.allclose(compiled(x), want, rtol=1e-5, atol=1e-5)
+    assert graphs_compiled() - before == 1
+
+
+# -- which models and CPUs ------------------------------------------------------------
+CPU, F32 = torch.device("cpu"), torch.float32
+
+
+def test_auto_packs_float32_on_avx2_cpus_without_avx512():
+    assert packing_wanted("auto", CPU, F32, {"avx2", "fma"})
+    assert not packing_wanted("auto", CPU, F32, {"avx2", "fma", "avx512f"})
+    assert not packing_wanted("auto", CPU, F32, {"avx2"})  # no FMA
+    assert not packing_wanted("auto", CPU, torch.bfloat16, {"avx2", "fma"})
+    assert not packing_wanted("auto", torch.device("cuda"), F32, {"avx2", "fma"})
+    assert not packing_wanted("torch", CPU, F32, {"avx2", "fma"})
+    assert packing_wanted("kvserve", CPU, F32, {"avx2", "fma", "avx512f"})
+
+
+@pytest.mark.parametrize("device,dtype,flags,match", [
+    (CPU, torch.bfloat16, {"avx2", "fma"}, "runs float32 on CPU"),
+    (torch.device("cuda"), F32, {"avx2", "fma"}, "runs float32 on CPU"),
+    (CPU, F32, {"avx2"}, "needs a CPU with fma"),
+    (CPU, F32, set(), "needs a CPU with avx2, fma"),
+])
+def test_kvserve_where_it_cannot_run_stops_start_up(device, dtype, flags, match):
+    with pytest.raises(ModelLoadError, match=match):
+        packing_wanted("kvserve", device, dtype, flags)
+
+
+def test_an_unknown_mode_is_refused():
+    with pytest.raises(ModelLoadError, match="unknown --cpu-kernels 'fast'"):
+        packing_wanted("fast", CPU, F32, {"avx2", "fma"})
+
+
+def test_a_failed_build_leaves_torch_under_auto_and_stops_kvserve(monkeypatch, caplog):
+    from engine.cpu_kernels import setup
+
+    def fail():
+        raise build.BuildError("no C++ compiler found (g++ or $CXX)")
+
+    monkeypatch.setattr(setup, "load_once", fail)
+    model = torch.nn.Sequential(Linear(8, 8))
+    with caplog.at_level(logging.WARNING, logger="kvserve.cpu_kernels"):
+        assert pack_model(model, "auto", CPU, F32, {"avx2", "fma"}) == 0
+    assert "no C++ compiler found" in caplog.text and model[0].weight is not None
+    with pytest.raises(ModelLoadError, match="--cpu-kernels kvserve: no C\\+\\+ compiler"):
+        pack_model(model, "kvserve", CPU, F32, {"avx2", "fma"})
+
+
+def test_a_failed_compile_says_why_and_leaves_no_file(tmp_path):
+    target = tmp_path / "cpu_kernels" / "kernels-test.so"
+    with pytest.raises(build.BuildError, match="failed to build packed_gemm.cpp"):
+        build._build("false", target)  # `false`: a compiler that always fails
+    assert list(target.parent.iterdir()) == []
+
+
+def test_package_data_ships_the_kernel_source():
+    """A non-editable install keeps the .cpp that build.py compiles on the target."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    data = tomllib.loads((root / "pyproject.toml").read_text())
+    globs = data["tool"]["setuptools"]["package-data"]["engine.cpu_kernels"]
+    folder = build.SOURCES[0].parent
+    assert set(build.SOURCES) <= {p for g in globs for p in folder.glob(g)}
+    assert {s.name for s in build.SOURCES} == {"packed_gemm.cpp", "paged_decode.cpp"}
+
+
+def test_the_library_name_follows_the_source_and_the_compiler(tmp_path, monkeypatch):
+    first = build.library_path(tmp_path, "g++")
+    assert build.library_path(tmp_path, "clang++") != first
+    changed = tmp_path / "packed_gemm.cpp"
+    changed.write_text(build.SOURCES[0].read_text() + "// changed\n")
+    monkeypatch.setattr(build, "SOURCES", (changed, *build.SOURCES[1:]))
+    assert build.library_path(tmp_path, "g++") != first
+
+
+@pytest.fixture(scope="module")
+def tied_bf16_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-tied-bf16"), dtype=torch.bfloat16,
+                           tie_word_embeddings=True)
+
+
+@needs_avx2
+def test_pack_model_packs_every_float32_linear_and_keeps_the_embedding(kernels,
+                                                                        tied_bf16_dir):
+    from engine.config import ModelConfig
+
+    cfg = ModelConfig.from_pretrained(str(tied_bf16_dir))
+    plain = load_model(tied_bf16_dir, cfg, F32, CPU, 256)
+    model = load_model(tied_bf16_dir, cfg, F32, CPU, 256)
+    table = model.embed_tokens.weight.detach().clone()
+    assert pack_model(model, "kvserve", CPU, F32) == 4 * cfg.num_layers + 1
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert all(m.weight is None and m.packed.dtype == torch.bfloat16 for m in linears)
+    assert torch.equal(unpack_weight(model.lm_head.packed, cfg.vocab_size), table)
+    # One copy of the tied table: the embedding looks its rows up in the head's panels.
+    assert model.embed_tokens.weight is None and model.embed_tokens.packed is model.lm_head.packed
+    ids = torch.tensor([0, 7, 8, 15, 16, cfg.vocab_size - 1, 3, 3])
+    x = torch.randn(5, cfg.hidden_size)
+    with torch.inference_mode():
+        assert torch.equal(model.embed_tokens(ids), table[ids])
+        for part in (lambda m: m.layers[1].mlp(x), lambda m: m.compute_logits(x)):
+            assert torch.allclose(part(model), part(plain), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bf16_exact", [True, False])
+def test_rows_looked_up_in_packed_panels_are_the_weights_rows(bf16_exact):
+    from engine.cpu_kernels.packing import packed_rows
+
+    w = weight(37, 24, bf16_exact)
+    ids = torch.tensor([0, 1, 7, 8, 9, 15, 16, 31, 32, 36, 5, 5])
+    assert torch.equal(packed_rows(pack_weight(w), ids), w[ids])
+
+
+# -- end to end -----------------------------------------------------------------------
+@needs_avx2
+@pytest.mark.parametrize("arch,dtype,compile_mode", [
+    ("llama", torch.bfloat16, "wait"),  # bf16 panels, compiled graphs
+    ("qwen2", torch.float32, "off"),  # float32 panels, q/k/v biases, eager
+])
+def test_greedy_output_matches_torch_and_transformers(tmp_path, arch, dtype, compile_mode):
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+
+    model_dir = make_tiny_model(tmp_path / arch, arch=arch, dtype=dtype)
+
+    def engine(cpu_kernels, compile):
+        return Engine(EngineConfig(model=str(model_dir), dtype="float32", cpu_kernels=cpu_kernels,
+                                   compile=compile, num_kv_blocks=256,
+                                   max_num_batched_tokens=37))
+
+    packed = engine("kvserve", compile_mode)
+    prompts = varied_prompts(packed.model_config.vocab_size, count=6, seed=3)
+    got = []
+    for batch in (1, 2, 3):  # decode steps of one request and of several
+        got += packed.generate(prompts[len(got):len(got) + batch], GREEDY_48)
+    ref = load_reference(model_dir)
+    assert_same_tokens(ref, prompts, got, engine("torch", "off").generate(prompts, GREEDY_48))
+    assert_same_tokens(ref, prompts, got, [reference_greedy(ref, p, 48) for p in prompts])
+    assert packed.scheduler.kv.num_free_blocks == packed.scheduler.kv.num_blocks
