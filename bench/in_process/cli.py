@@ -27,7 +27,8 @@ TOOLS = {"offline": "engine throughput without HTTP: N requests at once to "
 # The engine settings every tool takes (the rest of EngineConfig's are offline's, or
 # fixed by the tool: one request at a time).
 MODEL_SETTINGS = {"model", "load_format", "dtype", "device", "attention_backend",
-                  "enforce_eager", "compile", "seed", "quantization", "kv_cache_dtype"}
+                  "enforce_eager", "compile", "seed", "quantization", "kv_cache_dtype",
+                  "cpu_kernels"}
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -148,7 +149,8 @@ def spec_engine_config(args) -> EngineConfig:
                         max_num_batched_tokens=2048, enable_prefix_caching=False,
                         attention_backend=args.attention_backend,
                         enforce_eager=args.enforce_eager, compile=_bench_compile(args),
-                        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+                        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                        cpu_kernels=args.cpu_kernels)
 
 
 def run_tool(args, command: str) -> dict:

@@ -62,7 +62,8 @@ def build_engine(args, device: torch.device) -> Engine:
         enforce_eager=bool(getattr(args, "enforce_eager", False)),
         compile=bench_compile(args) if hasattr(args, "compile") else "off",
         quantization=getattr(args, "quantization", "none"),
-        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto")))
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+        cpu_kernels=getattr(args, "cpu_kernels", "auto")))
 
 
 def run_request(engine: Engine, clock: Clock, prompt: list[int], new_tokens: int) -> dict:

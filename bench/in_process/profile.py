@@ -87,7 +87,8 @@ def _engine(args, dtype: str, mode: str, max_batch: int) -> Engine:
         max_num_batched_tokens=max(512, PROMPT * max_batch), kv_cache_memory=1 << 30,
         enable_prefix_caching=False, compile="wait" if mode == "compiled" else "off",
         attention_backend=args.attention_backend or "auto",
-        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype))
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+        cpu_kernels=args.cpu_kernels))
 
 
 def profile_case(engine: Engine, batch: int, steps: int, kernels: int = 0) -> dict:
