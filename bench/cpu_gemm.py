@@ -7,7 +7,10 @@ time scaled to the model's layer count). The ways:
 - oneDNN: torch's packed float32 linear, what Inductor's compiled graphs call;
 - torch linear: F.linear (MKL), the eager path;
 - kvserve fp32 / kvserve bf16: kvserve::packed_linear over float32 panels, and over
-  bf16 panels (the weights rounded to bf16 first, as a bf16 checkpoint's are).
+  bf16 panels (the weights rounded to bf16 first, as a bf16 checkpoint's are);
+- kvserve int8 / kvserve int4: over int8 panels with a float16 scale per 32 inputs
+  (the weights rounded to GGUF's Q8_0 grid first) and int4 ones with a float16 scale
+  and minimum per 32 (Q4_1's grid), the way a GGUF's blocks are served.
 Every way's product is checked against a float64 one inside the benchmark, so a fast
 wrong answer cannot pass. The ways are timed round-robin, --rounds times, and each
 keeps its best round: the machines are shared and noisy.
@@ -35,7 +38,9 @@ from engine.loader import cpu_flags  # noqa: E402
 
 # SmolLM2-135M: hidden, intermediate, q width, kv width, vocabulary, layers
 DEFAULT_SHAPE = (576, 1536, 576, 192, 49152, 30)
-WAYS = ("oneDNN", "torch linear", "kvserve fp32", "kvserve bf16")
+WAYS = ("oneDNN", "torch linear", "kvserve fp32", "kvserve bf16", "kvserve int8",
+        "kvserve int4")
+BYTES_PER_WEIGHT = {"kvserve bf16": 2, "kvserve int8": 34 / 32, "kvserve int4": 20 / 32}
 
 
 def projections(shape) -> dict[str, tuple[int, int, int]]:
@@ -60,9 +65,39 @@ def _way(name: str, rows: int):
         return _onednn(rows)
     if name == "torch linear":
         return (lambda w: w), (lambda x, w, n: F.linear(x, w))
-    if name == "kvserve fp32":
-        return pack_weight, packed_linear_none
-    return (lambda w: pack_weight(w.bfloat16().float())), packed_linear_none
+    return (lambda w: pack_weight(values(name, w))), packed_linear_none
+
+
+def values(way: str, w: torch.Tensor) -> torch.Tensor:
+    """The float weight a way computes with: w, or w on its format's grid."""
+    if way.endswith("bf16"):
+        return w.bfloat16().float()
+    if way.endswith("int8"):
+        return _on_grid(w, levels=127, symmetric=True)
+    if way.endswith("int4"):
+        return _on_grid(w, levels=15, symmetric=False)
+    return w
+
+
+def _on_grid(w: torch.Tensor, levels: int, symmetric: bool) -> torch.Tensor:
+    """Each group of 32 inputs rounded as GGUF's Q8_0 (symmetric, 127 steps of a
+    float16 scale) or Q4_1 (15 steps of a float16 scale up from a float16 minimum)
+    rounds it, the group's extremes on the ends of the grid as theirs are."""
+    n, k = w.shape
+    g = w.reshape(n, k // 32, 32)
+    if symmetric:
+        low = torch.zeros(n, k // 32, 1)
+        scale = (g.abs().amax(dim=2, keepdim=True) / levels).half().float()
+        q = torch.round(g / scale).clamp(-levels, levels)
+        top = g.abs().argmax(dim=2, keepdim=True)
+        q.scatter_(2, top, torch.sign(g.gather(2, top)) * levels)
+    else:
+        low = g.amin(dim=2, keepdim=True).half().float()
+        scale = ((g.amax(dim=2, keepdim=True) - low) / levels).half().float()
+        q = torch.round((g - low) / scale).clamp(0, levels)
+        q.scatter_(2, g.argmin(dim=2, keepdim=True), 0)
+        q.scatter_(2, g.argmax(dim=2, keepdim=True), levels)
+    return (q * scale + low).reshape(n, k)
 
 
 def packed_linear_none(x, w, n):
@@ -105,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             flops = 2 * rows * sum(n * k * c for n, k, c in projections(shape).values())
             params = sum(n * k * c for n, k, c in projections(shape).values())
             for way in WAYS:
-                nbytes = params * (2 if way.endswith("bf16") else 4)
+                nbytes = params * BYTES_PER_WEIGHT.get(way, 4)
                 cases.append({"rows": rows, "way": way, "step_ms": round(best[way], 4),
                               "gflops": round(flops / best[way] / 1e6, 2),
                               "weight_gbps": round(nbytes / best[way] / 1e6, 2)})
@@ -118,12 +153,11 @@ def main(argv: list[str] | None = None) -> int:
               "cases": cases}
     print(f"{result['device']}, {result['capability']}, {result['threads']} threads, flags "
           f"{' '.join(flags)}; copy {copy_gbps:.1f} GB/s (read + written); shape {shape}")
-    print("| rows | " + " | ".join(f"{w} ms" for w in WAYS) + " | kvserve bf16 / oneDNN |")
-    print("|---|" + "---|" * (len(WAYS) + 1))
+    print("| rows | " + " | ".join(f"{w} ms" for w in WAYS) + " |")
+    print("|---|" + "---|" * len(WAYS))
     for rows in rows_list:
         ms = {c["way"]: c["step_ms"] for c in cases if c["rows"] == rows}
-        print(f"| {rows} | " + " | ".join(f"{ms[w]:.2f}" for w in WAYS)
-              + f" | {ms['oneDNN'] / ms['kvserve bf16']:.2f}x faster |")
+        print(f"| {rows} | " + " | ".join(f"{ms[w]:.2f}" for w in WAYS) + " |")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return 0
@@ -143,7 +177,7 @@ def _step_ms(prepared, run, xs, shape) -> float:
 
 def _check(way, run, prepared, xs, weights) -> None:
     for name, ws in weights.items():
-        w = ws[0].bfloat16().float() if way.endswith("bf16") else ws[0]
+        w = values(way, ws[0])
         want = F.linear(xs[name].double(), w.double())
         got = run(xs[name], prepared[name][0], w.shape[0]).double()
         scale = want.abs().max().item() or 1.0

@@ -45,15 +45,16 @@ TEST_COMPILE = os.environ.get("KVSERVE_TEST_COMPILE", "off")
 @pytest.fixture(scope="session", autouse=True)
 def _compile_mode():
     """Engines built in this process with compile, dtype or cpu_kernels "auto" get
-    TEST_COMPILE, float32 and kvserve (CPUs with AVX2 and FMA). Session-wide, so
+    TEST_COMPILE, float32 and kvserve (CPUs with AVX2, FMA and F16C). Session-wide, so
     module- and session-scoped engines get it too."""
     import dataclasses
 
+    from engine.cpu_kernels.setup import NEEDED_FLAGS
     from engine.engine import Engine
     from engine.loader import cpu_flags, resolve_device
 
     init = Engine.__init__
-    packable = {"avx2", "fma"} <= cpu_flags()
+    packable = set(NEEDED_FLAGS) <= cpu_flags()
 
     def patched(self, config, *args, **kwargs):
         if config.compile == "auto":

@@ -7,7 +7,10 @@ where two cores reach 188), and torch has no kernel that reads bf16 weights into
 float32 sums there. packed_gemm.cpp does both: a 6 x 16 register tile over panels
 that stay in cache across all the rows, and bf16 panels (where the weights' values
 are exact in bf16, as a bf16 checkpoint's are) widened as they are loaded, so a
-batch-1 step reads half the bytes. They are built with the C++ compiler Inductor
+batch-1 step reads half the bytes. Quantized weights (GGUF's Q8_0 / Q4_0 / Q4_1
+blocks, --quantization int8 / int4, and float weights that are such blocks'
+values) keep their int8 or int4 bytes in the panels, widened in registers as they
+are loaded: a quarter to a fifth of float32's bytes a step. They are built with the C++ compiler Inductor
 needs anyway, once a machine (build.py), and called as ops (kvserve::packed_linear)
 in eager steps and compiled graphs alike.
 

@@ -24,9 +24,10 @@ import torch
 log = logging.getLogger("kvserve.cpu_kernels")
 
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.cpp")))
-# AVX2 and FMA only: the library runs on any x86-64 CPU that has them, whichever
-# machine built it (a container image built on one host runs on others).
-FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-fopenmp", "-fPIC",
+# AVX2, FMA and F16C only (every AVX2 CPU has F16C): the library runs on any x86-64
+# CPU that has them, whichever machine built it (a container image built on one host
+# runs on others).
+FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC",
          "-Wno-unused-parameter")
 
 

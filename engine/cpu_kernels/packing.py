@@ -2,68 +2,233 @@
 as the model and torch.compile call it.
 
 A weight [N, K] becomes panels of 16 output columns, [ceil(N / 16), K, 16] (the last
-panel padded with zeros). Where every value of the weight is exact in bfloat16 the
-panels are bfloat16, their 16 columns ordered 0, 8, 1, 9, ... 7, 15 so that 32-bit
-word j of a row holds column j in its low half and column j + 8 in its high half;
-otherwise they are float32 in column order."""
+panel padded with zeros), of one of these kinds:
+- float32, in column order;
+- bfloat16, where every value of a float weight is exact in bf16, the 16 columns
+  ordered 0, 8, 1, 9, ... 7, 15 so that 32-bit word j of a row holds column j in its
+  low half and column j + 8 in its high half;
+- int8, in column order, with one float32 scale per output column (--quantization
+  int8) or a float16 scale per group of inputs (GGUF's Q8_0);
+- int4 pairs, [P, K, 8] uint8 whose byte j holds column j in its low nibble and
+  column j + 8 in its high one, with a float16 scale and minimum per group of inputs
+  (GGUF's Q4_0 / Q4_1, --quantization int4: w = q * scale + min).
+A float weight whose every group of 32 inputs is exactly a Q4_1 or Q8_0 block's
+values (a GGUF's quantized blocks expanded to floats, as the default model's
+safetensors are) is packed as int4 or int8: the same values in fewer bytes.
+Group scales and minimums are [P, K / group, 16] float16."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+from torch import nn
 
 PANEL = 16
+HALF = PANEL // 2
 # Column order within a bf16 panel row (see above); its inverse restores 0..15.
-BF16_ORDER = torch.tensor([j + half for j in range(PANEL // 2) for half in (0, PANEL // 2)])
+BF16_ORDER = torch.tensor([j + half for j in range(HALF) for half in (0, HALF)])
+# Inputs a group shares a scale (and minimum) over when a float weight turns out to
+# be quantized blocks' values (GGUF's Q8_0 and Q4_1 blocks).
+EXACT_GROUP = 32
+# Rows checked first: a weight that is not on a grid is told in a few rows, not all.
+PROBE_ROWS = 16
+
+
+class Packed(NamedTuple):
+    """A packed weight: panels, and the scales (and minimums) quantized ones need."""
+    panels: torch.Tensor
+    scales: torch.Tensor | None = None
+    mins: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self if t is not None)
 
 
 def exact_in_bf16(weight: torch.Tensor) -> bool:
     return bool(torch.equal(weight.to(torch.bfloat16).float(), weight))
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] float32 -> packed panels, bfloat16 where every value is exact in bf16."""
-    if weight.dim() != 2 or weight.dtype != torch.float32:
-        raise ValueError(f"packs 2-D float32 weights, not {tuple(weight.shape)} {weight.dtype}")
+def _blocks(weight: torch.Tensor, group: int, exact) -> torch.Tensor | None:
+    """weight [N, K] as [N, K / group, group], or None where K has no whole groups or
+    `exact` already fails on the first rows."""
+    n, k = weight.shape
+    if k == 0 or k % group:
+        return None
+    if n > PROBE_ROWS and exact(weight[:PROBE_ROWS], group) is None:
+        return None
+    return weight.reshape(n, k // group, group)
+
+
+def exact_int8_groups(weight: torch.Tensor, group: int = EXACT_GROUP
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(q [N, K] int8, scales [K / group, N] float16) with weight == q * scale
+    exactly, where every group of `group` inputs of the float weight is int8 values
+    of one float16 scale whose largest magnitude is 127 (a Q8_0 table expanded);
+    else None."""
+    groups = _blocks(weight, group, exact_int8_groups)
+    if groups is None:
+        return None
+    scales = (groups.abs().amax(dim=2) / 127).half()
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales)).float()[..., None]
+    q = torch.round(groups / safe)
+    if not torch.isfinite(q).all() or q.abs().max() > 127 or not torch.equal(q * safe, groups):
+        return None
+    return q.to(torch.int8).reshape(weight.shape), scales.t().contiguous()
+
+
+def exact_int4_groups(weight: torch.Tensor, group: int = EXACT_GROUP
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(q [N, K] in 0..15, scales, mins [K / group, N] float16) with weight == q *
+    scale + min exactly in float32 (as GGUF's own de-quantization computes it),
+    where every group of `group` inputs is 4-bit steps of a float16 scale up from a
+    float16 minimum that is its smallest value, its largest 15 steps up (a Q4_1
+    block expanded, as the default model's weights are); else None."""
+    groups = _blocks(weight, group, exact_int4_groups)
+    if groups is None:
+        return None
+    lo, hi = groups.amin(dim=2), groups.amax(dim=2)
+    mins, scales = lo.half(), ((hi - lo) / 15).half()
+    if not torch.equal(mins.float(), lo):
+        return None
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales)).float()[..., None]
+    q = torch.round((groups - lo[..., None]) / safe)
+    if not torch.isfinite(q).all() or q.min() < 0 or q.max() > 15 \
+            or not torch.equal(q * safe + lo[..., None], groups):
+        return None
+    return (q.to(torch.uint8).reshape(weight.shape), scales.t().contiguous(),
+            mins.t().contiguous())
+
+
+def _panels(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [ceil(N / 16), K, 16] in column order, the last panel zero-padded."""
     n, k = weight.shape
     panels = -(-n // PANEL)
-    padded = torch.zeros(panels * PANEL, k, dtype=weight.dtype)
+    padded = weight.new_zeros(panels * PANEL, k)
     padded[:n] = weight
-    packed = padded.view(panels, PANEL, k).transpose(1, 2)  # [P, K, 16]
+    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+
+
+def _group_panels(per_group: torch.Tensor) -> torch.Tensor:
+    """[K / group, N] float16 -> [P, K / group, 16], padded columns 0."""
+    return _panels(per_group.t().half())
+
+
+def pack_weight(weight: torch.Tensor) -> Packed:
+    """[N, K] float32 -> packed panels, the fewest bytes that hold every value
+    exactly: int4 where every group of 32 is a Q4_1 block's values (a fifth of the
+    bytes), int8 where it is a Q8_0 block's (close to a quarter), else bfloat16 where
+    every value is exact in bf16, else float32."""
+    if weight.dim() != 2 or weight.dtype != torch.float32:
+        raise ValueError(f"packs 2-D float32 weights, not {tuple(weight.shape)} {weight.dtype}")
+    int4 = exact_int4_groups(weight)
+    if int4 is not None:
+        return pack_int4(*int4)
+    int8 = exact_int8_groups(weight)
+    if int8 is not None:
+        return pack_int8(*int8)
     if exact_in_bf16(weight):
-        return packed[:, :, BF16_ORDER].to(torch.bfloat16).contiguous()
-    return packed.contiguous()
+        return Packed(_panels(weight)[:, :, BF16_ORDER].to(torch.bfloat16).contiguous())
+    return Packed(_panels(weight))
 
 
-def unpack_weight(packed: torch.Tensor, n: int) -> torch.Tensor:
+def pack_int8(q: torch.Tensor, scales: torch.Tensor) -> Packed:
+    """q [N, K] int8 with one scale per output column ([N] float) or a float16
+    scale per group of inputs ([K / group, N])."""
+    if scales.dim() == 1:
+        per_column = torch.zeros(-(-q.shape[0] // PANEL) * PANEL)
+        per_column[:q.shape[0]] = scales.float()
+        return Packed(_panels(q), per_column)
+    return Packed(_panels(q), _group_panels(scales))
+
+
+def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> Packed:
+    """q [N, K] in 0..15 with a float16 scale and minimum per group of inputs
+    ([K / group, N] each): w = q * scale + min."""
+    columns = _panels(q.to(torch.uint8))
+    pairs = columns[:, :, :HALF] | (columns[:, :, HALF:] << 4)
+    return Packed(pairs.contiguous(), _group_panels(scales), _group_panels(mins))
+
+
+def _columns(packed: Packed) -> torch.Tensor:
+    """The panels' values as float32 [P, K, 16] in column order, before scaling."""
+    panels = packed.panels
+    if panels.dtype == torch.uint8:
+        return torch.cat([panels & 15, panels >> 4], dim=2).float()
+    if panels.dtype == torch.bfloat16:
+        return panels[:, :, torch.argsort(BF16_ORDER)].float()
+    return panels.float()
+
+
+def _per_input(group_panels: torch.Tensor, k: int) -> torch.Tensor:
+    """[P, K / group, 16] -> [P, K, 16] float32, each group's value repeated."""
+    return group_panels.float().repeat_interleave(k // group_panels.shape[1], dim=1)
+
+
+def unpack_weight(packed: Packed, n: int) -> torch.Tensor:
     """The float32 [n, K] weight a packed one holds (tests check packing with it)."""
-    panels = packed.float()
-    if packed.dtype == torch.bfloat16:
-        panels = panels[:, :, torch.argsort(BF16_ORDER)]
-    return panels.transpose(1, 2).reshape(-1, packed.shape[1])[:n]
+    values = _columns(packed)
+    k = values.shape[1]
+    if packed.scales is not None and packed.scales.dim() == 1:
+        values = values * packed.scales.view(-1, 1, PANEL)
+    elif packed.scales is not None:
+        values = values * _per_input(packed.scales, k)
+    if packed.mins is not None:
+        values = values + _per_input(packed.mins, k)
+    return values.transpose(1, 2).reshape(-1, k)[:n]
 
 
-def packed_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def packed_rows(packed: Packed, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of the weight a packed one holds, [len(ids), K] float32: a tied
-    embedding table looked up in its LM head's panels, with no table of its own."""
+    embedding table looked up in its LM head's panels, with no table of its own.
+    (Float panels, or int8 ones with group scales: what pack_weight makes.)"""
+    panels, scales = packed.panels, packed.scales
+    if panels.dtype == torch.uint8 or packed.mins is not None or \
+            (scales is not None and scales.dim() == 1):
+        raise ValueError("rows are looked up in float or group-scaled int8 panels only")
     lane = ids % PANEL
-    if packed.dtype == torch.bfloat16:  # where BF16_ORDER put column `lane`
-        lane = lane % (PANEL // 2) * 2 + lane // (PANEL // 2)
-    return packed.permute(0, 2, 1)[ids // PANEL, lane].float()
+    if panels.dtype == torch.bfloat16:  # where BF16_ORDER put column `lane`
+        lane = lane % HALF * 2 + lane // HALF
+    rows = panels.permute(0, 2, 1)[ids // PANEL, lane].float()
+    if scales is None:
+        return rows
+    per_group = scales.permute(0, 2, 1)[ids // PANEL, ids % PANEL].float()
+    return rows * per_group.repeat_interleave(rows.shape[-1] // per_group.shape[-1], dim=-1)
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int,
+def packed_linear(x: torch.Tensor, packed: Packed, n: int,
                   bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] float32 times the packed weight, plus bias: [..., n]."""
-    if x.dim() == 2:  # the model's flat batch of tokens
-        return torch.ops.kvserve.packed_linear(x, packed, n, bias)
-    rows = x.reshape(-1, x.shape[-1])
-    return torch.ops.kvserve.packed_linear(rows, packed, n, bias).reshape(*x.shape[:-1], n)
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # the model's flat tokens
+    y = torch.ops.kvserve.packed_linear(rows, packed.panels, n, bias, packed.scales,
+                                        packed.mins)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
+
+
+class PackedWeight(nn.Module):
+    """A layer's packed weight as buffers (moved and traced with the model): the
+    product through the op, and rows for a tied embedding."""
+
+    def __init__(self, packed: Packed):
+        super().__init__()
+        for name, tensor in zip(Packed._fields, packed):
+            self.register_buffer(name, tensor, persistent=False)
+
+    def packed(self) -> Packed:
+        return Packed(self.panels, self.scales, self.mins)
+
+    def product(self, x: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+        return packed_linear(x, self.packed(), n, bias)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return packed_rows(self.packed(), ids)
 
 
 def register_fake() -> None:
     """The ops' output shapes for torch.compile's tracing (once the library that
     defines them is loaded)."""
     @torch.library.register_fake("kvserve::packed_linear")
-    def _(x, weight, n, bias):
+    def _(x, weight, n, bias, scales=None, mins=None):
         return x.new_empty((x.shape[0], n))
 
     @torch.library.register_fake("kvserve::paged_decode")

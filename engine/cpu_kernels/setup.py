@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections import Counter
 
 import torch
 from torch import nn
@@ -12,13 +13,18 @@ from engine.cpu_kernels.build import BuildError, load_kernels
 from engine.cpu_kernels.packing import register_fake
 from engine.loader import cpu_flags
 from engine.models.linear import Linear
+from engine.quantization import model_bytes
+from engine.quantization.layer import QuantizedLinear
 from modelstore.default_model import cache_root
 from modelstore.errors import ModelLoadError
 
 log = logging.getLogger("kvserve.cpu_kernels")
 
 MODES = ("auto", "kvserve", "torch")
-NEEDED_FLAGS = ("avx2", "fma")
+NEEDED_FLAGS = ("avx2", "fma", "f16c")
+# How the log names each kind of panel (engine/cpu_kernels/packing.py).
+KIND_NAMES = {torch.float32: "float32", torch.bfloat16: "bf16 (values exact in bf16)",
+              torch.int8: "int8", torch.uint8: "int4"}
 
 
 def packing_wanted(mode: str, device: torch.device, dtype: torch.dtype,
@@ -48,9 +54,10 @@ def packing_wanted(mode: str, device: torch.device, dtype: torch.dtype,
 
 def pack_model(model: nn.Module, mode: str, device: torch.device, dtype: torch.dtype,
                flags: set[str] | None = None) -> int:
-    """Packs every float32 Linear of `model` if --cpu-kernels says so and the kernels
-    build here; returns how many. Under auto a failed build leaves torch's GEMMs,
-    after one warning; under kvserve it stops start-up."""
+    """Packs every float32 Linear and every int8 / int4 layer of `model` if
+    --cpu-kernels says so and the kernels build here; returns how many. Under auto
+    a failed build leaves torch's GEMMs, after one warning; under kvserve it stops
+    start-up."""
     if not packing_wanted(mode, device, dtype, flags):
         return 0
     try:
@@ -64,19 +71,21 @@ def pack_model(model: nn.Module, mode: str, device: torch.device, dtype: torch.d
     linears = [m for m in model.modules()
                if isinstance(m, Linear) and m.weight is not None
                and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
-    before = sum(m.weight.nbytes for m in linears)
+    quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    before = model_bytes(model)
     head, table = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
     tied = head in linears and table is not None and head.weight is table.weight
     for linear in linears:
         linear.pack()
     if tied:  # one copy of the table: the embedding reads the head's panels
         table.read_packed(head.packed)
-    after = sum(m.packed.nbytes for m in linears)
-    bf16 = sum(m.packed.dtype == torch.bfloat16 for m in linears)
-    log.info("CPU kernels: %d linear layers packed for kvserve's AVX2 GEMM (%d in bf16, "
-             "their values exact in bf16; %d in float32): %.1f MiB, from %.1f MiB",
-             len(linears), bf16, len(linears) - bf16, after / 2**20, before / 2**20)
-    return len(linears)
+    quantized = [m for m in quantized if m.pack()]
+    kinds = Counter(KIND_NAMES[m.packed.panels.dtype] for m in [*linears, *quantized])
+    log.info("CPU kernels: %d linear layers packed for kvserve's AVX2 GEMM (%s): %.1f MiB "
+             "of weights, from %.1f MiB", len(linears) + len(quantized),
+             ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())),
+             model_bytes(model) / 2**20, before / 2**20)
+    return len(linears) + len(quantized)
 
 
 @functools.cache

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.cpu_kernels.packing import pack_weight, packed_linear
+from engine.cpu_kernels.packing import PackedWeight, pack_weight
 
 
 class Linear(nn.Linear):
@@ -14,7 +14,7 @@ class Linear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True):
         super().__init__(in_features, out_features, bias=bias)
-        self.register_buffer("packed", None, persistent=False)
+        self.packed: PackedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.product(x, self.bias)
@@ -23,11 +23,11 @@ class Linear(nn.Linear):
         """x times the weight, plus `bias` unless None."""
         if self.packed is None:
             return F.linear(x, self.weight, bias)
-        return packed_linear(x, self.packed, self.out_features, bias)
+        return self.packed.product(x, self.out_features, bias)
 
     def pack(self) -> None:
-        """The weight packed (bf16 panels where its values are exact in bf16), and
-        the float32 weight let go: this layer holds one copy. A tied weight (the
-        LM head's, the embedding's) stays with the embedding."""
-        self.packed = pack_weight(self.weight.detach())
+        """The weight packed (int8 or bf16 panels where they hold its values
+        exactly), and the float32 weight let go: this layer holds one copy. A tied
+        weight (the LM head's, the embedding's) stays with the embedding."""
+        self.packed = PackedWeight(pack_weight(self.weight.detach()))
         self.weight = None

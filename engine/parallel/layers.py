@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.cpu_kernels.packing import packed_rows
+from engine.cpu_kernels.packing import PackedWeight
 from engine.models.linear import Linear
 from engine.parallel import comm
 
@@ -31,9 +31,9 @@ class VocabParallelEmbedding(nn.Embedding):
     def __init__(self, num_embeddings: int, embedding_dim: int, start: int = 0):
         super().__init__(num_embeddings, embedding_dim)
         self.start = start
-        self.register_buffer("packed", None, persistent=False)
+        self.packed: PackedWeight | None = None
 
-    def read_packed(self, packed: torch.Tensor) -> None:
+    def read_packed(self, packed: PackedWeight) -> None:
         """Rows from now on looked up in a tied LM head's packed weight
         (engine/cpu_kernels/packing.py), and the table of its own let go."""
         self.packed = packed
@@ -42,7 +42,7 @@ class VocabParallelEmbedding(nn.Embedding):
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.embedding(ids, self.weight)
-        return packed_rows(self.packed, ids)
+        return self.packed.rows(ids)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if comm.shard().size == 1:

@@ -7,7 +7,9 @@ The nibbles are stored in the layout of torch's CPU int4 kernel
 (`_convert_weight_to_int4pack_for_cpu`), which reads them directly for a few rows in
 bf16 (decode: 2.4-2.6x faster than the bf16 matmul at one row). For more rows, and in
 float32 where that kernel is 10-100x slower than a float matmul, the weights are
-expanded per call (bench/results/cpu_int4_kernels_2026-11-24.md). The same bytes
+expanded per call (bench/results/cpu_int4_kernels_2026-11-24.md). Where kvserve's CPU
+kernels run (float32 on AVX2 CPUs without AVX-512) the layer is repacked into their
+int4 panels instead, read directly for any number of rows (`pack`). The same bytes
 serve a CUDA device (expanded per call there too; a fused kernel waits for a GPU
 session, bench/gpu_session.sh)."""
 from __future__ import annotations
@@ -17,6 +19,7 @@ import functools
 import torch
 from torch import nn
 
+from engine.cpu_kernels import packing
 from engine.quantization.kernel_rows import few_rows
 from engine.quantization.layer import QuantizedLinear, nonzero
 
@@ -105,7 +108,7 @@ class Int4Linear(QuantizedLinear):
                              f"groups, got {tuple(q.shape)}")
         self.group_size = self.in_features // scales.shape[0]
         device = scales.device
-        self.register_buffer("packed", pack_int4(q).to(device))
+        self.register_buffer("int4pack", pack_int4(q).to(device))
         self.layout = kernel_layout()  # how pack_int4 laid it out in this process
         self.register_buffer("scales", scales)
         self.register_buffer("mins", mins)
@@ -132,7 +135,7 @@ class Int4Linear(QuantizedLinear):
     def dequantized_t(self, dtype: torch.dtype) -> torch.Tensor:
         """The weights as [K, N] in `dtype`, computed in float32 (exactly GGUF's
         own de-quantization for a repacked block)."""
-        q = unpack_int4_t(self.packed, self.layout).view(-1, self.group_size,
+        q = unpack_int4_t(self.int4pack, self.layout).view(-1, self.group_size,
                                                           self.out_features)
         w = q.float() * self.scales.float()[:, None, :] + self.mins.float()[:, None, :]
         return w.view(self.in_features, self.out_features).to(dtype)
@@ -140,5 +143,12 @@ class Int4Linear(QuantizedLinear):
     def matmul(self, x2: torch.Tensor) -> torch.Tensor:
         if self.kernel_scales_zeros is not None and few_rows(x2, INT4PACK_MAX_ROWS):
             return torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x2, self.packed, self.group_size, self.kernel_scales_zeros)
+                x2, self.int4pack, self.group_size, self.kernel_scales_zeros)
         return x2 @ self.dequantized_t(x2.dtype)
+
+    def quantized_panels(self) -> packing.Packed:
+        q = unpack_int4_t(self.int4pack, self.layout).t()
+        return packing.pack_int4(q, self.scales, self.mins)
+
+    def drop_unpacked(self) -> None:
+        self.int4pack = self.kernel_scales_zeros = self.scales = self.mins = None

@@ -1,15 +1,18 @@
 """Weight-only int8 linear layers (--quantization int8): each output channel's
 weights rounded to the nearest of 255 levels of one scale (absmax / 127), stored as
 int8 (a quarter of float32's bytes, half of bf16's) and multiplied in the model
-dtype. On CPU torch's `_weight_int8pack_mm` reads the int8 weights directly for
-decode-sized batches in bf16; elsewhere the weights are converted per call (correct,
-not yet fast; a fused GPU kernel is still to be measured in bench/gpu_session.sh).
+dtype. On CPUs with kvserve's kernels (float32, AVX2) its GEMM reads the int8 panels
+directly for any number of rows; otherwise torch's `_weight_int8pack_mm` does for
+decode-sized batches in bf16, and elsewhere the weights are converted per call
+(correct, not yet fast; a fused GPU kernel is still to be measured in
+bench/gpu_session.sh).
 Also GGUF's Q8_0 (one scale per group of 32), kept as it is."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from engine.cpu_kernels import packing
 from engine.quantization.kernel_rows import few_rows
 from engine.quantization.layer import QuantizedLinear, nonzero
 
@@ -59,6 +62,12 @@ class Int8Linear(QuantizedLinear):
             return torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
         return torch.nn.functional.linear(x2, self.qweight.to(x2.dtype)) * self.scales
 
+    def quantized_panels(self) -> packing.Packed:
+        return packing.pack_int8(self.qweight, self.scales)
+
+    def drop_unpacked(self) -> None:
+        self.qweight = self.scales = None
+
 
 class GroupInt8Linear(QuantizedLinear):
     """GGUF's Q8_0 kept as it is: int8 weights, one float16 scale per group of 32
@@ -80,3 +89,9 @@ class GroupInt8Linear(QuantizedLinear):
 
     def matmul(self, x2: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x2, self.dequantized(x2.dtype))
+
+    def quantized_panels(self) -> packing.Packed:
+        return packing.pack_int8(self.qweight, self.scales)
+
+    def drop_unpacked(self) -> None:
+        self.qweight = self.scales = None

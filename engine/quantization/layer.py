@@ -1,10 +1,12 @@
 """What every quantized linear layer shares: rows in, the subclass's product of the
-quantized weights, then the bias; and the guard every per-row or per-group scale
-needs."""
+quantized weights (or kvserve's CPU GEMM over them, once packed), then the bias; and
+the guard every per-row or per-group scale needs."""
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from engine.cpu_kernels.packing import Packed, PackedWeight
 
 
 class QuantizedLinear(nn.Module):
@@ -18,19 +20,42 @@ class QuantizedLinear(nn.Module):
         self.out_features, self.in_features = out_features, in_features
         self.register_buffer("input_scales", input_scales)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.packed: PackedWeight | None = None
 
     def matmul(self, x2: torch.Tensor) -> torch.Tensor:
         """[M, K] rows times the layer's weights: [M, N], in x2's dtype."""
         raise NotImplementedError
+
+    def quantized_panels(self) -> Packed | None:
+        """The weights in kvserve's CPU GEMM layout (engine/cpu_kernels/packing.py),
+        or None where it has none for this kind."""
+        return None
+
+    def pack(self) -> bool:
+        """Products through kvserve's CPU GEMM from now on, reading the quantized
+        bytes as they are (its panels replace the layer's own copy); False where
+        this kind has no panels."""
+        packed = self.quantized_panels()
+        if packed is None:
+            return False
+        self.packed = PackedWeight(packed)
+        self.drop_unpacked()
+        return True
+
+    def drop_unpacked(self) -> None:
+        """Let go of the weights the panels replace."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if self.input_scales is not None:
             x2 = x2 / self.input_scales
-        y = self.matmul(x2)
-        if self.bias is not None:
-            y = y + self.bias
+        if self.packed is not None:
+            y = self.packed.product(x2, self.out_features, self.bias)
+        else:
+            y = self.matmul(x2)
+            if self.bias is not None:
+                y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
 
 

@@ -6,10 +6,11 @@ import json
 import pytest
 
 from bench.cpu_gemm import WAYS, main
+from engine.cpu_kernels.setup import NEEDED_FLAGS
 from engine.loader import cpu_flags
 
-pytestmark = pytest.mark.skipif(not {"avx2", "fma"} <= cpu_flags(),
-                                reason="kvserve's CPU kernels need AVX2 and FMA")
+pytestmark = pytest.mark.skipif(not set(NEEDED_FLAGS) <= cpu_flags(),
+                                reason="kvserve's CPU kernels need AVX2, FMA and F16C")
 
 
 def test_every_way_and_row_count_is_timed_and_the_machine_recorded(tmp_path, capsys):

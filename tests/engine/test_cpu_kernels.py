@@ -11,7 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.cpu_kernels import build
-from engine.cpu_kernels.packing import exact_in_bf16, pack_weight, packed_linear, unpack_weight
+from engine.cpu_kernels.packing import (Packed, PackedWeight, exact_in_bf16, exact_int8_groups, pack_int4,
+                                        pack_int8, pack_weight, packed_linear, packed_rows,
+                                        unpack_weight)
 from engine.cpu_kernels.setup import load_once, pack_model, packing_wanted
 from engine.loader import cpu_flags, load_model
 from engine.models.linear import Linear
@@ -21,8 +23,9 @@ from tests.support.reference import (assert_same_tokens, load_reference, referen
                                      varied_prompts)
 from tests.support.tiny_models import make_tiny_model
 
-AVX2 = {"avx2", "fma"}
-needs_avx2 = pytest.mark.skipif(not AVX2 <= cpu_flags(), reason="the kernels need AVX2 and FMA")
+AVX2 = {"avx2", "fma", "f16c"}
+needs_avx2 = pytest.mark.skipif(not AVX2 <= cpu_flags(),
+                                reason="the kernels need AVX2, FMA and F16C")
 GREEDY_48 = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
 
 
@@ -42,8 +45,8 @@ def weight(n: int, k: int, bf16_exact: bool, seed: int = 0) -> torch.Tensor:
 def test_packing_keeps_every_value(n, k, bf16_exact):
     w = weight(n, k, bf16_exact)
     packed = pack_weight(w)
-    assert packed.shape == (-(-n // 16), k, 16)
-    assert packed.dtype == (torch.bfloat16 if bf16_exact else torch.float32)
+    assert packed.panels.shape == (-(-n // 16), k, 16)
+    assert packed.panels.dtype == (torch.bfloat16 if bf16_exact else torch.float32)
     assert torch.equal(unpack_weight(packed, n), w)
 
 
@@ -52,62 +55,148 @@ def test_bf16_panels_only_where_every_value_is_exact():
     assert exact_in_bf16(w)
     w[3, 5] += 2 ** -20  # one value with bits below bf16's
     assert not exact_in_bf16(w)
-    assert pack_weight(w).dtype == torch.float32
+    assert pack_weight(w).panels.dtype == torch.float32
 
 
 def test_a_bf16_panel_row_holds_columns_j_and_j_plus_8_in_word_j():
     w = torch.arange(16, dtype=torch.float32).reshape(16, 1)  # column c holds c
-    row = pack_weight(w)[0, 0]  # the one row's 16 bf16 values, in memory order
+    row = pack_weight(w).panels[0, 0]  # the one row's 16 bf16 values, in memory order
     pairs = row.float().reshape(8, 2)  # (low half, high half) of each 32-bit word
     assert pairs[:, 0].tolist() == list(range(8))
     assert pairs[:, 1].tolist() == list(range(8, 16))
 
 
+def q8_0_weight(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor,
+                                                         torch.Tensor]:
+    """A float weight made of int8 blocks of 32, as a Q8_0 table expanded is: each
+    block's largest magnitude is 127 of its float16 scale. (w, q, scales)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    q[:, ::32] = 127  # the block's largest, as Q8_0's rounding makes it
+    scales = (torch.rand(k // 32, n, generator=g) * 0.02 + 1e-4).half()
+    w = q.float() * scales.t().float().repeat_interleave(32, dim=1)
+    return w, q, scales
+
+
+def test_a_float_weight_of_int8_blocks_packs_as_int8_exactly():
+    w, q, scales = q8_0_weight(40, 96)
+    found = exact_int8_groups(w)
+    assert found is not None and torch.equal(found[0], q) and torch.equal(found[1], scales)
+    packed = pack_weight(w)
+    assert packed.panels.dtype == torch.int8 and packed.scales.shape == (3, 3, 16)
+    assert packed.nbytes < w.nbytes / 3
+    assert torch.equal(unpack_weight(packed, 40), w)
+    ids = torch.tensor([0, 15, 16, 39, 7, 7])
+    assert torch.equal(packed_rows(packed, ids), w[ids])
+    w[5, 70] = w[5, 70] * (1 + 2 ** -12)  # one value off its block's grid
+    assert exact_int8_groups(w) is None and pack_weight(w).panels.dtype != torch.int8
+    assert exact_int8_groups(torch.zeros(4, 32)) is not None  # all-zero blocks: scale 0
+    assert exact_int8_groups(torch.ones(4, 33)) is None  # no whole blocks
+
+
+def test_a_float_weight_of_q4_1_blocks_packs_as_int4_exactly():
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(0, 16, (48, 64), generator=g, dtype=torch.uint8)
+    q[:, ::32], q[:, 1::32] = 0, 15  # a Q4_1 block's smallest and largest
+    scales = (torch.rand(2, 48, generator=g) * 0.02 + 1e-4).half()
+    mins = (torch.randn(2, 48, generator=g) * 0.1).half()
+    w = q.float() * scales.t().float().repeat_interleave(32, dim=1) \
+        + mins.t().float().repeat_interleave(32, dim=1)
+    packed = pack_weight(w)
+    assert packed.panels.dtype == torch.uint8 and packed.panels.shape == (3, 64, 8)
+    assert torch.equal(unpack_weight(packed, 48), w)
+    w[2, 40] = w[2, 40] + 2 ** -14  # off its block's grid
+    assert pack_weight(w).panels.dtype == torch.float32
+
+
+def test_int4_panels_hold_column_j_low_and_j_plus_8_high():
+    q = torch.arange(16, dtype=torch.uint8).reshape(16, 1).repeat(1, 32)  # column c holds c
+    ones = torch.ones(1, 16, dtype=torch.float16)
+    packed = pack_int4(q, ones, torch.zeros_like(ones))
+    row = packed.panels[0, 0]
+    assert packed.panels.shape == (1, 32, 8)
+    assert (row & 15).tolist() == list(range(8)) and (row >> 4).tolist() == list(range(8, 16))
+
+
 # -- the kernel ----------------------------------------------------------------------
-def check_product(rows: int, n: int, k: int, bf16_exact: bool, bias: bool, seed: int = 0):
-    w = weight(n, k, bf16_exact, seed)
+KINDS = ("float32", "bf16", "int8", "int8-groups", "int4")
+
+
+def packed_kind(kind: str, n: int, k: int, seed: int = 0) -> tuple[Packed, torch.Tensor]:
+    """A packed weight of `kind` and the float64 weight it stands for, computed
+    from its integers and scales (groups of 32 where K has them, else one)."""
+    if kind in ("float32", "bf16") or k == 0:
+        w = weight(n, k, kind == "bf16", seed)
+        return pack_weight(w), w.double()
+    g = torch.Generator().manual_seed(seed)
+    group = 32 if k % 32 == 0 else k
+    if kind == "int8":
+        q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        s = torch.rand(n, generator=g) * 0.02 + 1e-4
+        return pack_int8(q, s), q.double() * s.double()[:, None]
+    scales = (torch.rand(k // group, n, generator=g) * 0.02 + 1e-4).half()
+    per_input = scales.double().t().repeat_interleave(group, dim=1)
+    if kind == "int8-groups":
+        q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        return pack_int8(q, scales), q.double() * per_input
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    mins = (torch.randn(k // group, n, generator=g) * 0.1).half()
+    w = q.double() * per_input + mins.double().t().repeat_interleave(group, dim=1)
+    return pack_int4(q, scales, mins), w
+
+
+def check_product(rows: int, n: int, k: int, kind: str, bias: bool, seed: int = 0):
+    packed, w = packed_kind(kind, n, k, seed)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed + 1))
     b = torch.randn(n, generator=torch.Generator().manual_seed(seed + 2)) if bias else None
-    got = packed_linear(x, pack_weight(w), n, b)
-    want = torch.nn.functional.linear(x.double(), w.double(),
-                                      None if b is None else b.double())
+    got = packed_linear(x, packed, n, b)
+    want = torch.nn.functional.linear(x.double(), w, None if b is None else b.double())
     assert got.shape == (rows, n) and got.dtype == torch.float32
     # float32 sums of k products: a few units in the last place of the largest terms
-    tol = 1e-6 * max(k, 1) ** 0.5 * 8
+    scale = max(1.0, w.abs().max().item()) if w.numel() else 1.0
+    tol = 1e-6 * max(k, 1) ** 0.5 * 8 * scale
     assert torch.allclose(got.double(), want, rtol=tol, atol=tol), (
-        rows, n, k, bf16_exact, bias, (got.double() - want).abs().max().item())
+        rows, n, k, kind, bias, (got.double() - want).abs().max().item())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_packing_then_unpacking_gives_the_weight(kind):
+    packed, w = packed_kind(kind, 37, 64)
+    assert torch.equal(unpack_weight(packed, 37), w.float())
 
 
 @needs_avx2
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 12, 13, 16, 17, 40])
-@pytest.mark.parametrize("bf16_exact", [True, False])
-def test_every_row_block_and_panel_count(kernels, rows, bf16_exact):
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_row_block_and_panel_count(kernels, rows, kind):
     """Each row count a micro-kernel takes (6, and the tails of 1-5 with their own
-    panel counts), over 1, 2, 3, 4, 5 and a partial panel, with and without bias."""
+    panel counts; quantized panels widened in registers up to 6 rows, into a buffer
+    past them), over 1, 2, 3, 4, 5 and a partial panel, with and without bias."""
     for n in (16, 32, 48, 64, 80, 73):
-        check_product(rows, n, 96, bf16_exact, bias=n % 2 == 1)
+        check_product(rows, n, 96, kind, bias=n % 2 == 1)
 
 
 @needs_avx2
 @pytest.mark.parametrize("rows,n,k", [(1, 1, 1), (3, 15, 7), (0, 16, 8), (5, 17, 0),
                                        (16, 3072, 576), (2, 576, 1536), (33, 49152 // 64, 64)])
 def test_shapes_of_every_kind(kernels, rows, n, k):
-    for bf16_exact in (True, False):
-        check_product(rows, n, k, bf16_exact, bias=True)
+    for kind in KINDS:
+        check_product(rows, n, k, kind, bias=True)
 
 
 @needs_avx2
 @settings(max_examples=40, deadline=None)
 @given(rows=st.integers(1, 70), n=st.integers(1, 300), k=st.integers(1, 700),
-       bf16_exact=st.booleans(), bias=st.booleans(), seed=st.integers(0, 1000))
-def test_random_shapes(kernels, rows, n, k, bf16_exact, bias, seed):
-    check_product(rows, n, k, bf16_exact, bias, seed)
+       kind=st.sampled_from(KINDS), bias=st.booleans(), seed=st.integers(0, 1000))
+def test_random_shapes(kernels, rows, n, k, kind, bias, seed):
+    check_product(rows, n, k, kind, bias, seed)
 
 
 @needs_avx2
 def test_a_weight_several_caches_long_is_read_right(kernels):
     """The LM head's shape: thousands of panels, in several L2-sized chunks a thread."""
-    check_product(9, 8192, 576, True, bias=False)
+    check_product(9, 8192, 576, "bf16", bias=False)
+    check_product(9, 8192, 576, "int4", bias=False)
 
 
 @needs_avx2
@@ -122,14 +211,27 @@ def test_rows_that_are_not_contiguous(kernels):
 def test_the_op_refuses_what_it_cannot_read(kernels):
     packed = pack_weight(weight(32, 16, True))
     op = torch.ops.kvserve.packed_linear
+    panels = packed.panels
     with pytest.raises(RuntimeError, match="2-D float32"):
-        op(torch.randn(2, 16, dtype=torch.bfloat16), packed, 32, None)
+        op(torch.randn(2, 16, dtype=torch.bfloat16), panels, 32, None)
     with pytest.raises(RuntimeError, match="not packed for 8 inputs"):
-        op(torch.randn(2, 8), packed, 32, None)
+        op(torch.randn(2, 8), panels, 32, None)
     with pytest.raises(RuntimeError, match="not packed for 16 inputs and 40 outputs"):
-        op(torch.randn(2, 16), packed, 40, None)
+        op(torch.randn(2, 16), panels, 40, None)
     with pytest.raises(RuntimeError, match="bias must be 32"):
-        op(torch.randn(2, 16), packed, 32, torch.zeros(31))
+        op(torch.randn(2, 16), panels, 32, torch.zeros(31))
+    with pytest.raises(RuntimeError, match="float panels take no scales"):
+        op(torch.randn(2, 16), panels, 32, None, torch.ones(32))
+    int8, _ = packed_kind("int8-groups", 32, 64)
+    with pytest.raises(RuntimeError, match="need float16 group scales"):
+        op(torch.randn(2, 64), int8.panels, 32, None)
+    with pytest.raises(RuntimeError, match="need float16 group scales"):  # 3 groups of 64?
+        op(torch.randn(2, 64), int8.panels, 32, None, int8.scales[:, :1].repeat(1, 3, 1))
+    int4, _ = packed_kind("int4", 32, 64)
+    with pytest.raises(RuntimeError, match="need float16 group minimums"):
+        op(torch.randn(2, 64), int4.panels, 32, None, int4.scales)
+    with pytest.raises(RuntimeError, match="packed weights are float32, bfloat16, int8"):
+        op(torch.randn(2, 16), panels.to(torch.int32), 32, None)
 
 
 # -- the paged decode attention ------------------------------------------------------
@@ -244,19 +346,19 @@ CPU, F32 = torch.device("cpu"), torch.float32
 
 
 def test_auto_packs_float32_on_avx2_cpus_without_avx512():
-    assert packing_wanted("auto", CPU, F32, {"avx2", "fma"})
-    assert not packing_wanted("auto", CPU, F32, {"avx2", "fma", "avx512f"})
+    assert packing_wanted("auto", CPU, F32, {"avx2", "fma", "f16c"})
+    assert not packing_wanted("auto", CPU, F32, {"avx2", "fma", "f16c", "avx512f"})
     assert not packing_wanted("auto", CPU, F32, {"avx2"})  # no FMA
-    assert not packing_wanted("auto", CPU, torch.bfloat16, {"avx2", "fma"})
-    assert not packing_wanted("auto", torch.device("cuda"), F32, {"avx2", "fma"})
-    assert not packing_wanted("torch", CPU, F32, {"avx2", "fma"})
-    assert packing_wanted("kvserve", CPU, F32, {"avx2", "fma", "avx512f"})
+    assert not packing_wanted("auto", CPU, torch.bfloat16, {"avx2", "fma", "f16c"})
+    assert not packing_wanted("auto", torch.device("cuda"), F32, {"avx2", "fma", "f16c"})
+    assert not packing_wanted("torch", CPU, F32, {"avx2", "fma", "f16c"})
+    assert packing_wanted("kvserve", CPU, F32, {"avx2", "fma", "f16c", "avx512f"})
 
 
 @pytest.mark.parametrize("device,dtype,flags,match", [
-    (CPU, torch.bfloat16, {"avx2", "fma"}, "runs float32 on CPU"),
-    (torch.device("cuda"), F32, {"avx2", "fma"}, "runs float32 on CPU"),
-    (CPU, F32, {"avx2"}, "needs a CPU with fma"),
+    (CPU, torch.bfloat16, {"avx2", "fma", "f16c"}, "runs float32 on CPU"),
+    (torch.device("cuda"), F32, {"avx2", "fma", "f16c"}, "runs float32 on CPU"),
+    (CPU, F32, {"avx2", "f16c"}, "needs a CPU with fma"),
     (CPU, F32, set(), "needs a CPU with avx2, fma"),
 ])
 def test_kvserve_where_it_cannot_run_stops_start_up(device, dtype, flags, match):
@@ -266,7 +368,7 @@ def test_kvserve_where_it_cannot_run_stops_start_up(device, dtype, flags, match)
 
 def test_an_unknown_mode_is_refused():
     with pytest.raises(ModelLoadError, match="unknown --cpu-kernels 'fast'"):
-        packing_wanted("fast", CPU, F32, {"avx2", "fma"})
+        packing_wanted("fast", CPU, F32, {"avx2", "fma", "f16c"})
 
 
 def test_a_failed_build_leaves_torch_under_auto_and_stops_kvserve(monkeypatch, caplog):
@@ -278,10 +380,10 @@ def test_a_failed_build_leaves_torch_under_auto_and_stops_kvserve(monkeypatch, c
     monkeypatch.setattr(setup, "load_once", fail)
     model = torch.nn.Sequential(Linear(8, 8))
     with caplog.at_level(logging.WARNING, logger="kvserve.cpu_kernels"):
-        assert pack_model(model, "auto", CPU, F32, {"avx2", "fma"}) == 0
+        assert pack_model(model, "auto", CPU, F32, {"avx2", "fma", "f16c"}) == 0
     assert "no C++ compiler found" in caplog.text and model[0].weight is not None
     with pytest.raises(ModelLoadError, match="--cpu-kernels kvserve: no C\\+\\+ compiler"):
-        pack_model(model, "kvserve", CPU, F32, {"avx2", "fma"})
+        pack_model(model, "kvserve", CPU, F32, {"avx2", "fma", "f16c"})
 
 
 def test_a_failed_compile_says_why_and_leaves_no_file(tmp_path):
@@ -330,8 +432,8 @@ def test_pack_model_packs_every_float32_linear_and_keeps_the_embedding(kernels,
     table = model.embed_tokens.weight.detach().clone()
     assert pack_model(model, "kvserve", CPU, F32) == 4 * cfg.num_layers + 1
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert all(m.weight is None and m.packed.dtype == torch.bfloat16 for m in linears)
-    assert torch.equal(unpack_weight(model.lm_head.packed, cfg.vocab_size), table)
+    assert all(m.weight is None and m.packed.panels.dtype == torch.bfloat16 for m in linears)
+    assert torch.equal(unpack_weight(model.lm_head.packed.packed(), cfg.vocab_size), table)
     # One copy of the tied table: the embedding looks its rows up in the head's panels.
     assert model.embed_tokens.weight is None and model.embed_tokens.packed is model.lm_head.packed
     ids = torch.tensor([0, 7, 8, 15, 16, cfg.vocab_size - 1, 3, 3])
@@ -342,10 +444,65 @@ def test_pack_model_packs_every_float32_linear_and_keeps_the_embedding(kernels,
             assert torch.allclose(part(model), part(plain), rtol=1e-5, atol=1e-5)
 
 
+@needs_avx2
+@pytest.mark.parametrize("kind", ["int8", "int8-groups", "int4"])
+@pytest.mark.parametrize("rows", [1, 5, 13, 40])
+def test_quantized_layers_packed_compute_what_they_did(kernels, kind, rows):
+    """--quantization int8 / int4 and a GGUF's Q8_0 blocks: the layer packed for the
+    kernel reads its own integers and scales (no float copy) and gives the products
+    it gave before, bias included."""
+    from engine.quantization.int4 import Int4Linear
+    from engine.quantization.int8 import GroupInt8Linear, Int8Linear
+
+    gen = torch.Generator().manual_seed(rows)
+    linear = torch.nn.Linear(96, 64, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(64, 96, generator=gen) * 0.05)
+        linear.bias.copy_(torch.randn(64, generator=gen))
+    if kind == "int8":
+        layer = Int8Linear.of(linear)
+    elif kind == "int4":
+        layer = Int4Linear.of(linear, 32)
+    else:
+        q = torch.randint(-127, 128, (64, 96), generator=gen, dtype=torch.int8)
+        scales = (torch.rand(3, 64, generator=gen) * 0.01).half()
+        layer = GroupInt8Linear(q, scales, linear.bias.data, torch.float32)
+    x = torch.randn(2, rows, 96, generator=gen)
+    with torch.inference_mode():
+        before = layer(x)
+        assert layer.pack()
+        after = layer(x)
+    panels = layer.packed.panels
+    assert panels.dtype == (torch.uint8 if kind == "int4" else torch.int8)
+    assert not any(t is not None and t.dtype.is_floating_point and t.numel() >= 64 * 96
+                   for t in layer.buffers())  # no float copy of the weights
+    assert after.shape == before.shape == (2, rows, 64)
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+
+
+@needs_avx2
+def test_pack_model_packs_quantized_layers_too(kernels, tied_bf16_dir):
+    """(int4 layers need rows in blocks of 64, more than the tiny model has: the GGUF
+    tests serve them through the kernel, tests/engine/test_gguf_loading.py.)"""
+    from engine.config import ModelConfig
+    from engine.quantization import quantize_model
+
+    cfg = ModelConfig.from_pretrained(str(tied_bf16_dir))
+    model = load_model(tied_bf16_dir, cfg, F32, CPU, 256)
+    quantize_model(model, "int8")
+    x = torch.randn(3, cfg.hidden_size)
+    with torch.inference_mode():
+        before = model.layers[0].mlp(x)
+        assert pack_model(model, "kvserve", CPU, F32) == 4 * cfg.num_layers + 1
+        after = model.layers[0].mlp(x)
+    kinds = {m.packed.panels.dtype for m in model.layers[0].modules()
+             if isinstance(getattr(m, "packed", None), PackedWeight)}
+    assert kinds == {torch.int8}
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("bf16_exact", [True, False])
 def test_rows_looked_up_in_packed_panels_are_the_weights_rows(bf16_exact):
-    from engine.cpu_kernels.packing import packed_rows
-
     w = weight(37, 24, bf16_exact)
     ids = torch.tensor([0, 1, 7, 8, 9, 15, 16, 31, 32, 36, 5, 5])
     assert torch.equal(packed_rows(pack_weight(w), ids), w[ids])

@@ -103,11 +103,12 @@ def test_half_precision_runs_and_mostly_agrees(tiny_engine_factory, dtype):
 def test_tied_embeddings_share_storage(tmp_path, cpu_kernels):
     """One copy of a tied table: shared by the head and the embedding, or (kvserve's
     CPU kernels) the head's packed panels, which the embedding reads too."""
+    from engine.cpu_kernels.setup import NEEDED_FLAGS
     from engine.loader import cpu_flags
     from tests.support.tiny_models import make_tiny_model
 
-    if cpu_kernels == "kvserve" and not {"avx2", "fma"} <= cpu_flags():
-        pytest.skip("kvserve's CPU kernels need AVX2 and FMA")
+    if cpu_kernels == "kvserve" and not set(NEEDED_FLAGS) <= cpu_flags():
+        pytest.skip("kvserve's CPU kernels need AVX2, FMA and F16C")
     model_dir = make_tiny_model(tmp_path / "tied", "llama", tie_word_embeddings=True)
     engine = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=8, dtype="float32",
                                  cpu_kernels=cpu_kernels))
