@@ -374,7 +374,10 @@ void quantized_gemm(const Problem& q) {
   const int64_t chunk =
       std::max<int64_t>(1, kChunkBytes / (panel_floats * int64_t(sizeof(float))));
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> buffer(std::min(chunk, end - begin) * panel_floats);
+    // Kept per thread across calls: a fresh 192 KiB allocation is an mmap and its
+    // page faults on every call (glibc maps blocks past 128 KiB).
+    thread_local std::vector<float> buffer;
+    buffer.resize(std::max<size_t>(buffer.size(), std::min(chunk, end - begin) * panel_floats));
     for (int64_t c0 = begin; c0 < end; c0 += chunk) {
       const int64_t c1 = std::min(end, c0 + chunk);
       widen<Panel>(q, c0, c1, buffer.data());

@@ -214,14 +214,14 @@ class PackedWeight(nn.Module):
         for name, tensor in zip(Packed._fields, packed):
             self.register_buffer(name, tensor, persistent=False)
 
-    def packed(self) -> Packed:
+    def contents(self) -> Packed:
         return Packed(self.panels, self.scales, self.mins)
 
     def product(self, x: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
-        return packed_linear(x, self.packed(), n, bias)
+        return packed_linear(x, self.contents(), n, bias)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return packed_rows(self.packed(), ids)
+        return packed_rows(self.contents(), ids)
 
 
 def register_fake() -> None:

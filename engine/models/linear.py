@@ -26,7 +26,7 @@ class Linear(nn.Linear):
         return self.packed.product(x, self.out_features, bias)
 
     def pack(self) -> None:
-        """The weight packed (int8 or bf16 panels where they hold its values
+        """The weight packed (int4, int8 or bf16 panels where they hold its values
         exactly), and the float32 weight let go: this layer holds one copy. A tied
         weight (the LM head's, the embedding's) stays with the embedding."""
         self.packed = PackedWeight(pack_weight(self.weight.detach()))

@@ -40,7 +40,18 @@ def fake_quantize_int8(weight: torch.Tensor) -> torch.Tensor:
     return q.float() * scales[:, None]
 
 
-class Int8Linear(QuantizedLinear):
+class Int8Weights(QuantizedLinear):
+    """What both int8 layers share: `qweight` and `scales` (per output channel, or
+    per group of inputs), packed as they are for kvserve's CPU GEMM."""
+
+    def quantized_panels(self) -> packing.Packed:
+        return packing.pack_int8(self.qweight, self.scales)
+
+    def drop_unpacked(self) -> None:
+        self.qweight = self.scales = None
+
+
+class Int8Linear(Int8Weights):
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
                  input_scales: torch.Tensor | None = None):
         super().__init__(*qweight.shape, bias, input_scales)
@@ -62,14 +73,8 @@ class Int8Linear(QuantizedLinear):
             return torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
         return torch.nn.functional.linear(x2, self.qweight.to(x2.dtype)) * self.scales
 
-    def quantized_panels(self) -> packing.Packed:
-        return packing.pack_int8(self.qweight, self.scales)
 
-    def drop_unpacked(self) -> None:
-        self.qweight = self.scales = None
-
-
-class GroupInt8Linear(QuantizedLinear):
+class GroupInt8Linear(Int8Weights):
     """GGUF's Q8_0 kept as it is: int8 weights, one float16 scale per group of 32
     along the input dimension (w = q * scale). torch has no kernel for group-wise
     int8, so the weights are expanded per call: the bytes stay a quarter of fp32's
@@ -89,9 +94,3 @@ class GroupInt8Linear(QuantizedLinear):
 
     def matmul(self, x2: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x2, self.dequantized(x2.dtype))
-
-    def quantized_panels(self) -> packing.Packed:
-        return packing.pack_int8(self.qweight, self.scales)
-
-    def drop_unpacked(self) -> None:
-        self.qweight = self.scales = None

@@ -433,7 +433,7 @@ def test_pack_model_packs_every_float32_linear_and_keeps_the_embedding(kernels,
     assert pack_model(model, "kvserve", CPU, F32) == 4 * cfg.num_layers + 1
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert all(m.weight is None and m.packed.panels.dtype == torch.bfloat16 for m in linears)
-    assert torch.equal(unpack_weight(model.lm_head.packed.packed(), cfg.vocab_size), table)
+    assert torch.equal(unpack_weight(model.lm_head.packed.contents(), cfg.vocab_size), table)
     # One copy of the tied table: the embedding looks its rows up in the head's panels.
     assert model.embed_tokens.weight is None and model.embed_tokens.packed is model.lm_head.packed
     ids = torch.tensor([0, 7, 8, 15, 16, cfg.vocab_size - 1, 3, 3])
