@@ -12,7 +12,9 @@ position up to the first difference.
 
 A mode is a --quantization of the default model's float weights, or gguf: its
 shipped Q4_1 file served as it is (--load-format gguf); +kv-fp8 adds
---kv-cache-dtype fp8."""
+--kv-cache-dtype fp8, and @torch or @kvserve its --cpu-kernels.
+
+  python bench/quality.py --quantization none@torch none gguf --step-tokens 1"""
 from __future__ import annotations
 
 import argparse
@@ -68,19 +70,28 @@ def main() -> None:
     ap.add_argument("--quantization", nargs="+", default=["none", "int8"])
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--group-size", type=int, default=32, help="int4's group")
+    ap.add_argument("--step-tokens", type=int, default=None,
+                    help="tokens (and requests) a step takes: 1 scores the text a token "
+                    "a step and generates one request at a time, the rows batch-1 "
+                    "decode multiplies (int4 weights then take integer products over "
+                    "int8-quantized inputs on AVX2 CPUs: engine/cpu_kernels); default: "
+                    "the engine's (512-token prefill chunks, 16 requests at once)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from modelstore.default_model import default_model_dir
     results, reference = {}, None
     for mode in args.quantization:
-        weights, _, kv = mode.partition("+")
+        mode_kv, _, kernels = mode.partition("@")
+        weights, _, kv = mode_kv.partition("+")
         gguf = weights == "gguf"
         engine = Engine(EngineConfig(
             model=str(default_model_dir()), dtype=args.dtype, compile="off",
             quantization_group_size=args.group_size,
             quantization="auto" if gguf else weights,
             load_format="gguf" if gguf else "safetensors",
-            kv_cache_dtype="fp8" if kv == "kv-fp8" else "auto"))
+            kv_cache_dtype="fp8" if kv == "kv-fp8" else "auto", cpu_kernels=kernels or "auto",
+            **({"max_num_batched_tokens": args.step_tokens, "max_num_seqs": args.step_tokens}
+               if args.step_tokens else {})))
         tokens = text_tokens(engine)
         greedy = engine.generate(agreement_prompts(engine, tokens), SamplingParams(
             max_tokens=64, temperature=0.0, ignore_eos=True))
@@ -97,7 +108,8 @@ def main() -> None:
         import torch
         Path(args.json).write_text(json.dumps(
             {**where_from(torch.device("cpu"), "python " + " ".join(sys.argv)),
-             "dtype": args.dtype, "group_size": args.group_size, "results": results},
+             "dtype": args.dtype, "group_size": args.group_size,
+             "step_tokens": args.step_tokens, "results": results},
             indent=1))
 
 

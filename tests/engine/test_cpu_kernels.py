@@ -145,12 +145,39 @@ def packed_kind(kind: str, n: int, k: int, seed: int = 0) -> tuple[Packed, torch
     return pack_int4(q, scales, mins), w
 
 
+# Up to this many rows, int4 panels whose groups are whole blocks of DOT_BLOCK inputs
+# are multiplied by x quantized to int8 (packed_gemm.cpp: kDotRows, micro_dot).
+INT4_DOT_ROWS = 12
+DOT_BLOCK = 32
+
+
+def quantized_for_dot(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, K] as micro_dot reads it: each block of DOT_BLOCK inputs on 255
+    levels, step max|x| / 127, x * (127 / max|x|) rounded half to even, in float32
+    as the kernel computes it."""
+    blocks = x.reshape(len(x), -1, DOT_BLOCK)
+    top = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(top > 0, torch.tensor(127.0) / top, torch.zeros(()))
+    return (torch.round(blocks * inv).double() * (top / torch.tensor(127.0)).double()
+            ).reshape(x.shape)
+
+
+def int4_product(x: torch.Tensor, packed: Packed, w: torch.Tensor, n: int) -> torch.Tensor:
+    """x W^T (float64) the way the int4 kernel computes it at up to INT4_DOT_ROWS
+    rows: the integers' share from x quantized, the minimums' from x itself."""
+    mins = unpack_weight(packed._replace(panels=torch.zeros_like(packed.panels)), n).double()
+    return quantized_for_dot(x) @ (w - mins).t() + x.double() @ mins.t()
+
+
 def check_product(rows: int, n: int, k: int, kind: str, bias: bool, seed: int = 0):
     packed, w = packed_kind(kind, n, k, seed)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed + 1))
     b = torch.randn(n, generator=torch.Generator().manual_seed(seed + 2)) if bias else None
     got = packed_linear(x, packed, n, b)
-    want = torch.nn.functional.linear(x.double(), w, None if b is None else b.double())
+    if kind == "int4" and rows <= INT4_DOT_ROWS and k % DOT_BLOCK == 0 and k > 0:
+        want = int4_product(x, packed, w, n) + (0 if b is None else b.double())
+    else:
+        want = torch.nn.functional.linear(x.double(), w, None if b is None else b.double())
     assert got.shape == (rows, n) and got.dtype == torch.float32
     # float32 sums of k products: a few units in the last place of the largest terms
     scale = max(1.0, w.abs().max().item()) if w.numel() else 1.0
@@ -174,6 +201,46 @@ def test_every_row_block_and_panel_count(kernels, rows, kind):
     past them), over 1, 2, 3, 4, 5 and a partial panel, with and without bias."""
     for n in (16, 32, 48, 64, 80, 73):
         check_product(rows, n, 96, kind, bias=n % 2 == 1)
+
+
+@needs_avx2
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_takes_integer_products_up_to_12_rows_and_floats_past_them(kernels, group):
+    """The switch between the two ways sits where the reference says (a row more or
+    less and one of these fails), for every group size --quantization int4 takes."""
+    n, k = 48, 256
+    gen = torch.Generator().manual_seed(group)
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    scales = (torch.rand(k // group, n, generator=gen) * 0.02 + 1e-4).half()
+    mins = (torch.randn(k // group, n, generator=gen) * 0.1).half()
+    packed = pack_int4(q, scales, mins)
+    w = unpack_weight(packed, n).double()
+    for rows in (INT4_DOT_ROWS, INT4_DOT_ROWS + 1):
+        x = torch.randn(rows, k, generator=gen) * 3
+        got = packed_linear(x, packed, n, None).double()
+        dot, exact = int4_product(x, packed, w, n), x.double() @ w.t()
+        want, other = (dot, exact) if rows <= INT4_DOT_ROWS else (exact, dot)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), rows
+        assert not torch.allclose(got, other, rtol=1e-5, atol=1e-5), rows
+
+
+@needs_avx2
+def test_integer_products_of_extreme_inputs_stay_exact(kernels):
+    """Every weight 15 and every input at its block's largest (the int16 sums' worst
+    case, 32 x 15 x 127), zeros (a block of step 0), and one large input beside tiny
+    ones: the kernel still equals its reference."""
+    n, k = 16, 96
+    q = torch.full((n, k), 15, dtype=torch.uint8)
+    ones = torch.ones(k // 32, n).half()
+    packed = pack_int4(q, ones, torch.zeros_like(ones))
+    w = unpack_weight(packed, n).double()
+    x = torch.stack([torch.full((k,), -2.5), torch.zeros(k),
+                     torch.cat([torch.tensor([1e4]), torch.full((k - 1,), 1e-3)])])
+    got = packed_linear(x, packed, n, None).double()
+    want = int4_product(x, packed, w, n)
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert abs(got[0, 0].item() / (-2.5 * 15 * k) - 1) < 1e-6  # no int16 wrapped
+    assert got[1].abs().max().item() == 0
 
 
 @needs_avx2
@@ -477,6 +544,14 @@ def test_quantized_layers_packed_compute_what_they_did(kernels, kind, rows):
     assert not any(t is not None and t.dtype.is_floating_point and t.numel() >= 64 * 96
                    for t in layer.buffers())  # no float copy of the weights
     assert after.shape == before.shape == (2, rows, 64)
+    if kind == "int4" and 2 * rows <= INT4_DOT_ROWS:  # x quantized: the same weights
+        flat = x.reshape(-1, 96)
+        w = unpack_weight(layer.packed.contents(), 64).double()
+        torch.testing.assert_close(before.reshape(-1, 64).double(),
+                                   flat.double() @ w.t() + linear.bias.double(),
+                                   rtol=1e-4, atol=1e-4)
+        before = (int4_product(flat, layer.packed.contents(), w, 64)
+                  + linear.bias.double()).float().reshape(before.shape)
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
 
 
