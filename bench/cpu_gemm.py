@@ -10,7 +10,8 @@ time scaled to the model's layer count). The ways:
   bf16 panels (the weights rounded to bf16 first, as a bf16 checkpoint's are);
 - kvserve int8 / kvserve int4: over int8 panels with a float16 scale per 32 inputs
   (the weights rounded to GGUF's Q8_0 grid first) and int4 ones with a float16 scale
-  and minimum per 32 (Q4_1's grid), the way a GGUF's blocks are served.
+  and minimum per 32 (Q4_1's grid), the way a GGUF's blocks are served (int4 up to 12
+  rows by integer products over inputs quantized to int8).
 Every way's product is checked against a float64 one inside the benchmark, so a fast
 wrong answer cannot pass. The ways are timed round-robin, --rounds times, and each
 keeps its best round: the machines are shared and noisy.
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.in_process.utilisation import copy_bandwidth  # noqa: E402
 from bench.provenance import provenance  # noqa: E402
-from engine.cpu_kernels.packing import pack_weight, packed_linear  # noqa: E402
+from engine.cpu_kernels.packing import pack_weight, packed_linear, reference_product  # noqa: E402
 from engine.cpu_kernels.setup import load_once  # noqa: E402
 from engine.loader import cpu_flags  # noqa: E402
 
@@ -65,7 +66,10 @@ def _way(name: str, rows: int):
         return _onednn(rows)
     if name == "torch linear":
         return (lambda w: w), (lambda x, w, n: F.linear(x, w))
-    return (lambda w: pack_weight(values(name, w))), packed_linear_none
+    # int8 / int4 as a GGUF's quantized layers are served: inputs may be int8 too
+    int8_inputs = name in ("kvserve int8", "kvserve int4")
+    return (lambda w: pack_weight(values(name, w))), \
+        (lambda x, w, n: packed_linear(x, w, n, None, int8_inputs))
 
 
 def values(way: str, w: torch.Tensor) -> torch.Tensor:
@@ -98,10 +102,6 @@ def _on_grid(w: torch.Tensor, levels: int, symmetric: bool) -> torch.Tensor:
         q.scatter_(2, g.argmin(dim=2, keepdim=True), 0)
         q.scatter_(2, g.argmax(dim=2, keepdim=True), levels)
     return (q * scale + low).reshape(n, k)
-
-
-def packed_linear_none(x, w, n):
-    return packed_linear(x, w, n, None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,6 +179,8 @@ def _check(way, run, prepared, xs, weights) -> None:
     for name, ws in weights.items():
         w = values(way, ws[0])
         want = F.linear(xs[name].double(), w.double())
+        if way == "kvserve int4":  # up to 12 rows x is quantized to int8 for int4 panels
+            want = reference_product(xs[name], prepared[name][0], w.shape[0], True)
         got = run(xs[name], prepared[name][0], w.shape[0]).double()
         scale = want.abs().max().item() or 1.0
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * scale,

@@ -15,10 +15,10 @@
 // int4 panels [P, K, 8] (byte j of a row: column j in its low nibble, j + 8 in its
 // high one) with a float16 scale and minimum per group (GGUF's Q4_0/Q4_1, w = q *
 // scale + min). Group scales are [P, K / group, 16]. A group's integer products are
-// summed, then scaled once (see micro). Up to 12 rows, int4 panels are not widened
-// at all: x is quantized to int8 in blocks of 32 inputs and multiplied as integers
-// (micro_dot, llama.cpp's way with its Q8 activations), which at one row moves the
-// bound from the widening to memory. Past 12 rows the widening would be repeated
+// summed, then scaled once (see micro). Up to 12 rows, int4 panels of a quantized
+// layer (int8_inputs) are not widened at all: x is quantized to int8 in blocks of 32
+// inputs and multiplied as integers (micro_dot, llama.cpp's way with its Q8
+// activations), which at one row moves the bound from the widening to memory. Past 12 rows the widening would be repeated
 // for every block of rows, so each thread widens its chunk of panels once into a
 // float32 buffer and runs the float32 kernel over it (x stays float32).
 //
@@ -378,6 +378,7 @@ struct Problem {
   const float* col_scale;  // int8 weights with one scale per output column
   const float* bias;
   float* out;
+  bool int8_inputs;  // int4 panels may take x quantized to int8 (micro_dot)
 };
 
 // MR rows of x over panels [p0, p1), NP panels a call. `weight` and `groups` point
@@ -463,9 +464,10 @@ void gemm(const Problem& q) {
 // rows, the buffer 10-35% faster at 16-64).
 constexpr int64_t kWidenInRegistersRows = 12;
 // Up to as many rows, int4 panels with groups of whole blocks of kDotBlock take
-// integer products (micro_dot) over x quantized to int8: at one row 1.4x the
-// widening's speed (the default model's int4 layers, 2-core Zen 3), never slower up
-// to 12. packing.py's INT4_DOT_ROWS says the same.
+// integer products (micro_dot) over x quantized to int8 where the caller allows it
+// (int8_inputs: the layer was quantized, not a float checkpoint's weights found on
+// a grid): at one row 1.4x the widening's speed (the default model's int4 layers,
+// 2-core Zen 3), never slower up to 12. packing.py's INT4_DOT_ROWS says the same.
 constexpr int64_t kDotRows = kWidenInRegistersRows;
 
 // Panels [p0, p1) of quantized weights, widened (and group-scaled) to float32 panels.
@@ -502,7 +504,7 @@ void widen(const Problem& q, int64_t p0, int64_t p1, float* out) {
 
 // Each row of x [rows, k] in blocks of kDotBlock inputs: the block's step
 // max|x| / 127 and its inputs as integers, x * (127 / max|x|) rounded half to even
-// (all in float32; packing.quantize_for_dot is the reference).
+// (all in float32; packing.quantized_for_dot is the reference).
 void quantize_for_dot(const float* x, int64_t rows, int64_t k, int8_t* x_q, float* x_step) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -542,7 +544,8 @@ void quantized_gemm(const Problem& q) {
         sums[r * groups + k / q.groups.len] += q.x[r * q.k_len + k];
     Problem with_sums = q;
     with_sums.groups.x_sums = sums.data();
-    if (q.rows > kDotRows || q.groups.len % kDotBlock != 0) return gemm<Panel>(with_sums);
+    if (!q.int8_inputs || q.rows > kDotRows || q.groups.len % kDotBlock != 0)
+      return gemm<Panel>(with_sums);
     std::vector<int8_t> x_q(q.rows * q.k_len);
     std::vector<float> x_step(q.rows * q.k_len / kDotBlock);
     quantize_for_dot(q.x, q.rows, q.k_len, x_q.data(), x_step.data());
@@ -585,7 +588,7 @@ void check_groups(const at::Tensor& weight, int64_t k, const std::optional<at::T
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, int64_t n,
                          const std::optional<at::Tensor>& bias,
                          const std::optional<at::Tensor>& scales,
-                         const std::optional<at::Tensor>& mins) {
+                         const std::optional<at::Tensor>& mins, bool int8_inputs) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat,
               "packed_linear: x must be 2-D float32, got ", x.sizes(), " ", x.scalar_type());
   const auto type = weight.scalar_type();
@@ -634,7 +637,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, int64_t 
   // (K = 0 needs no case of its own: the sums stay 0 and the bias is added.)
   const Problem q{rows.data_ptr<float>(), rows.size(0), k, weight.data_ptr(), groups, n,
                   col_scale, has_bias ? bias->data_ptr<float>() : nullptr,
-                  out.data_ptr<float>()};
+                  out.data_ptr<float>(), int8_inputs};
   if (type == at::kFloat)
     gemm<F32Panel>(q);
   else if (type == at::kBFloat16)
@@ -653,7 +656,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, int64_t 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def(
       "packed_linear(Tensor x, Tensor weight, int n, Tensor? bias, Tensor? scales=None, "
-      "Tensor? mins=None) -> Tensor");
+      "Tensor? mins=None, bool int8_inputs=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("packed_linear", packed_linear); }

@@ -175,7 +175,40 @@ def unpack_weight(packed: Packed, n: int) -> torch.Tensor:
         values = values * _per_input(packed.scales, k)
     if packed.mins is not None:
         values = values + _per_input(packed.mins, k)
-    return values.transpose(1, 2).reshape(-1, k)[:n]
+    return values.transpose(1, 2).reshape(len(values) * PANEL, k)[:n]
+
+
+# Up to this many rows, int4 panels whose groups are whole blocks of DOT_BLOCK inputs
+# are multiplied by x quantized to int8 in blocks of DOT_BLOCK where the op is told
+# int8_inputs (packed_gemm.cpp: kDotRows, micro_dot).
+INT4_DOT_ROWS = 12
+DOT_BLOCK = 32
+
+
+def quantized_for_dot(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, K] as the int4 kernel's integer products read it, float64: each block
+    of DOT_BLOCK inputs on 255 levels, step max|x| / 127, x * (127 / max|x|) rounded
+    half to even, in float32 as the kernel computes it."""
+    blocks = x.reshape(len(x), -1, DOT_BLOCK)
+    top = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(top > 0, torch.tensor(127.0) / top, torch.zeros(()))
+    return (torch.round(blocks * inv).double() * (top / torch.tensor(127.0)).double()
+            ).reshape(x.shape)
+
+
+def reference_product(x: torch.Tensor, packed: Packed, n: int,
+                      int8_inputs: bool = False) -> torch.Tensor:
+    """x W^T in float64 as packed_linear computes it (the tests' and benchmarks'
+    oracle): exact products of the weight's values, but with int8_inputs for int4
+    panels at up to INT4_DOT_ROWS rows (groups of whole blocks), whose integers' share
+    comes from x quantized (quantized_for_dot) and the minimums' share from x itself."""
+    w = unpack_weight(packed, n).double()
+    k = x.shape[1]
+    if not int8_inputs or packed.mins is None or len(x) > INT4_DOT_ROWS or k == 0 or \
+            (k // packed.mins.shape[1]) % DOT_BLOCK:
+        return x.double() @ w.t()
+    mins = unpack_weight(packed._replace(panels=torch.zeros_like(packed.panels)), n).double()
+    return quantized_for_dot(x) @ (w - mins).t() + x.double() @ mins.t()
 
 
 def packed_rows(packed: Packed, ids: torch.Tensor) -> torch.Tensor:
@@ -196,29 +229,35 @@ def packed_rows(packed: Packed, ids: torch.Tensor) -> torch.Tensor:
     return rows * per_group.repeat_interleave(rows.shape[-1] // per_group.shape[-1], dim=-1)
 
 
-def packed_linear(x: torch.Tensor, packed: Packed, n: int,
-                  bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] float32 times the packed weight, plus bias: [..., n]."""
+def packed_linear(x: torch.Tensor, packed: Packed, n: int, bias: torch.Tensor | None,
+                  int8_inputs: bool = False) -> torch.Tensor:
+    """x [..., K] float32 times the packed weight, plus bias: [..., n]. int8_inputs:
+    int4 panels may take x quantized to int8 (see INT4_DOT_ROWS)."""
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # the model's flat tokens
     y = torch.ops.kvserve.packed_linear(rows, packed.panels, n, bias, packed.scales,
-                                        packed.mins)
+                                        packed.mins, int8_inputs)
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
 
 
 class PackedWeight(nn.Module):
     """A layer's packed weight as buffers (moved and traced with the model): the
-    product through the op, and rows for a tied embedding."""
+    product through the op, and rows for a tied embedding. int8_inputs: the layer
+    was quantized (a GGUF's blocks, --quantization), so its int4 panels may multiply
+    inputs quantized to int8 as llama.cpp does; a float checkpoint's weights keep
+    float32 inputs even where they are found on a grid and packed as integers (their
+    outputs then stay those of the float model, batch by batch)."""
 
-    def __init__(self, packed: Packed):
+    def __init__(self, packed: Packed, int8_inputs: bool = False):
         super().__init__()
         for name, tensor in zip(Packed._fields, packed):
             self.register_buffer(name, tensor, persistent=False)
+        self.int8_inputs = int8_inputs
 
     def contents(self) -> Packed:
         return Packed(self.panels, self.scales, self.mins)
 
     def product(self, x: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
-        return packed_linear(x, self.contents(), n, bias)
+        return packed_linear(x, self.contents(), n, bias, self.int8_inputs)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return packed_rows(self.contents(), ids)
@@ -228,7 +267,7 @@ def register_fake() -> None:
     """The ops' output shapes for torch.compile's tracing (once the library that
     defines them is loaded)."""
     @torch.library.register_fake("kvserve::packed_linear")
-    def _(x, weight, n, bias, scales=None, mins=None):
+    def _(x, weight, n, bias, scales=None, mins=None, int8_inputs=False):
         return x.new_empty((x.shape[0], n))
 
     @torch.library.register_fake("kvserve::paged_decode")

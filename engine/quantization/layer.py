@@ -38,7 +38,7 @@ class QuantizedLinear(nn.Module):
         packed = self.quantized_panels()
         if packed is None:
             return False
-        self.packed = PackedWeight(packed)
+        self.packed = PackedWeight(packed, int8_inputs=True)
         self.drop_unpacked()
         return True
 

@@ -11,9 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.cpu_kernels import build
+from engine.cpu_kernels.packing import INT4_DOT_ROWS as DOT_ROWS
 from engine.cpu_kernels.packing import (Packed, PackedWeight, exact_in_bf16, exact_int8_groups, pack_int4,
                                         pack_int8, pack_weight, packed_linear, packed_rows,
-                                        unpack_weight)
+                                        reference_product, unpack_weight)
 from engine.cpu_kernels.setup import load_once, pack_model, packing_wanted
 from engine.loader import cpu_flags, load_model
 from engine.models.linear import Linear
@@ -145,39 +146,13 @@ def packed_kind(kind: str, n: int, k: int, seed: int = 0) -> tuple[Packed, torch
     return pack_int4(q, scales, mins), w
 
 
-# Up to this many rows, int4 panels whose groups are whole blocks of DOT_BLOCK inputs
-# are multiplied by x quantized to int8 (packed_gemm.cpp: kDotRows, micro_dot).
-INT4_DOT_ROWS = 12
-DOT_BLOCK = 32
-
-
-def quantized_for_dot(x: torch.Tensor) -> torch.Tensor:
-    """x [rows, K] as micro_dot reads it: each block of DOT_BLOCK inputs on 255
-    levels, step max|x| / 127, x * (127 / max|x|) rounded half to even, in float32
-    as the kernel computes it."""
-    blocks = x.reshape(len(x), -1, DOT_BLOCK)
-    top = blocks.abs().amax(-1, keepdim=True)
-    inv = torch.where(top > 0, torch.tensor(127.0) / top, torch.zeros(()))
-    return (torch.round(blocks * inv).double() * (top / torch.tensor(127.0)).double()
-            ).reshape(x.shape)
-
-
-def int4_product(x: torch.Tensor, packed: Packed, w: torch.Tensor, n: int) -> torch.Tensor:
-    """x W^T (float64) the way the int4 kernel computes it at up to INT4_DOT_ROWS
-    rows: the integers' share from x quantized, the minimums' from x itself."""
-    mins = unpack_weight(packed._replace(panels=torch.zeros_like(packed.panels)), n).double()
-    return quantized_for_dot(x) @ (w - mins).t() + x.double() @ mins.t()
-
-
 def check_product(rows: int, n: int, k: int, kind: str, bias: bool, seed: int = 0):
     packed, w = packed_kind(kind, n, k, seed)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed + 1))
     b = torch.randn(n, generator=torch.Generator().manual_seed(seed + 2)) if bias else None
-    got = packed_linear(x, packed, n, b)
-    if kind == "int4" and rows <= INT4_DOT_ROWS and k % DOT_BLOCK == 0 and k > 0:
-        want = int4_product(x, packed, w, n) + (0 if b is None else b.double())
-    else:
-        want = torch.nn.functional.linear(x.double(), w, None if b is None else b.double())
+    got = packed_linear(x, packed, n, b, int8_inputs=True)
+    want = reference_product(x, packed, n, True) + (0 if b is None else b.double())
+    assert torch.equal(unpack_weight(packed, n), w.float())  # what the reference multiplies
     assert got.shape == (rows, n) and got.dtype == torch.float32
     # float32 sums of k products: a few units in the last place of the largest terms
     scale = max(1.0, w.abs().max().item()) if w.numel() else 1.0
@@ -206,8 +181,10 @@ def test_every_row_block_and_panel_count(kernels, rows, kind):
 @needs_avx2
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_int4_takes_integer_products_up_to_12_rows_and_floats_past_them(kernels, group):
-    """The switch between the two ways sits where the reference says (a row more or
-    less and one of these fails), for every group size --quantization int4 takes."""
+    """With int8_inputs (a quantized layer's panels) the switch between the two ways
+    sits where the reference says (a row more or less and one of these fails), for
+    every group size --quantization int4 takes; without (a float checkpoint's
+    weights packed as int4), x stays float32 at any row count."""
     n, k = 48, 256
     gen = torch.Generator().manual_seed(group)
     q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
@@ -215,13 +192,18 @@ def test_int4_takes_integer_products_up_to_12_rows_and_floats_past_them(kernels,
     mins = (torch.randn(k // group, n, generator=gen) * 0.1).half()
     packed = pack_int4(q, scales, mins)
     w = unpack_weight(packed, n).double()
-    for rows in (INT4_DOT_ROWS, INT4_DOT_ROWS + 1):
+    for rows in (1, DOT_ROWS, DOT_ROWS + 1):
         x = torch.randn(rows, k, generator=gen) * 3
-        got = packed_linear(x, packed, n, None).double()
-        dot, exact = int4_product(x, packed, w, n), x.double() @ w.t()
-        want, other = (dot, exact) if rows <= INT4_DOT_ROWS else (exact, dot)
-        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), rows
-        assert not torch.allclose(got, other, rtol=1e-5, atol=1e-5), rows
+        # integer products however many rows (each part within DOT_ROWS), and exact ones
+        dot = torch.cat([reference_product(part, packed, n, True)
+                         for part in x.split(DOT_ROWS)])
+        exact = x.double() @ w.t()
+        for int8_inputs in (True, False):
+            got = packed_linear(x, packed, n, None, int8_inputs).double()
+            want, other = (dot, exact) if int8_inputs and rows <= DOT_ROWS else (exact, dot)
+            assert torch.equal(reference_product(x, packed, n, int8_inputs), want)
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (rows, int8_inputs)
+            assert not torch.allclose(got, other, rtol=1e-5, atol=1e-5), (rows, int8_inputs)
 
 
 @needs_avx2
@@ -236,8 +218,8 @@ def test_integer_products_of_extreme_inputs_stay_exact(kernels):
     w = unpack_weight(packed, n).double()
     x = torch.stack([torch.full((k,), -2.5), torch.zeros(k),
                      torch.cat([torch.tensor([1e4]), torch.full((k - 1,), 1e-3)])])
-    got = packed_linear(x, packed, n, None).double()
-    want = int4_product(x, packed, w, n)
+    got = packed_linear(x, packed, n, None, int8_inputs=True).double()
+    want = reference_product(x, packed, n, int8_inputs=True)
     assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
     assert abs(got[0, 0].item() / (-2.5 * 15 * k) - 1) < 1e-6  # no int16 wrapped
     assert got[1].abs().max().item() == 0
@@ -544,13 +526,13 @@ def test_quantized_layers_packed_compute_what_they_did(kernels, kind, rows):
     assert not any(t is not None and t.dtype.is_floating_point and t.numel() >= 64 * 96
                    for t in layer.buffers())  # no float copy of the weights
     assert after.shape == before.shape == (2, rows, 64)
-    if kind == "int4" and 2 * rows <= INT4_DOT_ROWS:  # x quantized: the same weights
+    if kind == "int4" and 2 * rows <= DOT_ROWS:  # x quantized: the same weights
         flat = x.reshape(-1, 96)
         w = unpack_weight(layer.packed.contents(), 64).double()
         torch.testing.assert_close(before.reshape(-1, 64).double(),
                                    flat.double() @ w.t() + linear.bias.double(),
                                    rtol=1e-4, atol=1e-4)
-        before = (int4_product(flat, layer.packed.contents(), w, 64)
+        before = (reference_product(flat, layer.packed.contents(), 64, int8_inputs=True)
                   + linear.bias.double()).float().reshape(before.shape)
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
 
