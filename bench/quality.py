@@ -14,7 +14,7 @@ A mode is a --quantization of the default model's float weights, or gguf: its
 shipped Q4_1 file served as it is (--load-format gguf); +kv-fp8 adds
 --kv-cache-dtype fp8, and @torch or @kvserve its --cpu-kernels.
 
-  python bench/quality.py --quantization none@torch none gguf --step-tokens 1"""
+  python bench/quality.py --quantization none gguf --step-tokens 1"""
 from __future__ import annotations
 
 import argparse
@@ -73,9 +73,10 @@ def main() -> None:
     ap.add_argument("--step-tokens", type=int, default=None,
                     help="tokens (and requests) a step takes: 1 scores the text a token "
                     "a step and generates one request at a time, the rows batch-1 "
-                    "decode multiplies (int4 weights then take integer products over "
-                    "int8-quantized inputs on AVX2 CPUs: engine/cpu_kernels); default: "
-                    "the engine's (512-token prefill chunks, 16 requests at once)")
+                    "decode multiplies (a quantized model's int4 layers, gguf's, then "
+                    "take integer products over int8-quantized inputs on AVX2 CPUs: "
+                    "engine/cpu_kernels); default: the engine's (512-token prefill "
+                    "chunks, 16 requests at once)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from modelstore.default_model import default_model_dir
