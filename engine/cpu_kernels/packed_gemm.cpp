@@ -288,8 +288,9 @@ constexpr int64_t kDotBlock = 32;
 // two K rows summed into 16 bits) instead of 8 a fused multiply-add after widening
 // each weight to float32, which left the one-row GEMV bound by the widening rather
 // than by memory. The sums stay within int16 for a whole block: each 16-bit sum
-// takes 16 of its 32 products, at most 16 * 15 * 127 = 30480. Blocks are then scaled by their step, groups by
-// their scale, and the minimums' share taken from the float sums of x (exact).
+// takes 16 of its 32 products, at most 16 * 15 * 127 = 30480. Blocks are then
+// scaled by their step, groups by their scale, and the minimums' share is taken
+// from the float sums of x (exact).
 //
 // Four K rows of a panel are one 32-byte load: 128-bit lane 0 holds rows k and k + 1,
 // lane 1 rows k + 2 and k + 3, each as 8 bytes of (column j, column j + 8) nibbles.
@@ -323,10 +324,11 @@ inline void micro_dot(int64_t lda, const uint8_t* __restrict b, int64_t k_len,
       for (int64_t k = k0; k < k0 + kDotBlock; k += 4) {
         if ((k - k0) % 8 == 0) {
 #pragma GCC unroll 8
-          for (int p = 0; p < NP; ++p)
-            _mm_prefetch(reinterpret_cast<const char*>(
-                             b + p * panel_stride + (k + U4Panel::kPrefetchRows) * U4Panel::kRowElems),
-                         _MM_HINT_T0);
+          for (int p = 0; p < NP; ++p) {
+            const uint8_t* ahead =
+                b + p * panel_stride + (k + U4Panel::kPrefetchRows) * U4Panel::kRowElems;
+            _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
+          }
         }
         __m256i lo[NP], hi[NP];
 #pragma GCC unroll 8
