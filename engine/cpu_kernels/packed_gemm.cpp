@@ -38,6 +38,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -55,7 +56,6 @@ struct F32Panel {
   using T = float;
   static constexpr int64_t kRowElems = 16, kRowsPerLine = 1, kPrefetchRows = 64;
   static constexpr bool kIntegers = false, kGroupScales = false, kMins = false;
-  static constexpr bool kDot = false;
   static inline void load(const float* p, __m256& lo, __m256& hi) {
     lo = _mm256_loadu_ps(p);
     hi = _mm256_loadu_ps(p + 8);
@@ -66,7 +66,6 @@ struct BF16Panel {
   using T = uint16_t;
   static constexpr int64_t kRowElems = 16, kRowsPerLine = 1, kPrefetchRows = 64;
   static constexpr bool kIntegers = false, kGroupScales = false, kMins = false;
-  static constexpr bool kDot = false;
   static inline void load(const uint16_t* p, __m256& lo, __m256& hi) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
@@ -79,7 +78,6 @@ struct I8Panel {
   using T = int8_t;
   static constexpr int64_t kRowElems = 16, kRowsPerLine = 4, kPrefetchRows = 256;
   static constexpr bool kIntegers = true, kGroupScales = false, kMins = false;
-  static constexpr bool kDot = false;
   static inline void load(const int8_t* p, __m256& lo, __m256& hi) {
     // Each half widened straight from memory (vpmovsxbd ymm, m64): no shuffle.
     lo = _mm256_cvtepi32_ps(
@@ -97,7 +95,6 @@ struct U4Panel {
   using T = uint8_t;
   static constexpr int64_t kRowElems = 8, kRowsPerLine = 8, kPrefetchRows = 512;
   static constexpr bool kIntegers = true, kGroupScales = true, kMins = true;
-  static constexpr bool kDot = false;
   static inline void load(const uint8_t* p, __m256& lo, __m256& hi) {
     const __m256i v =
         _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
@@ -107,9 +104,10 @@ struct U4Panel {
 };
 
 // The same int4 panels multiplied by x quantized to int8 (micro_dot), not widened.
-struct U4DotPanel : U4Panel {
-  static constexpr bool kDot = true;
-};
+struct U4DotPanel : U4Panel {};
+
+template <typename Panel>
+constexpr bool kDot = std::is_same_v<Panel, U4DotPanel>;
 
 // Per-group float16 scales (and minimums), [P, groups, 16], for grouped panels.
 struct Groups {
@@ -402,7 +400,7 @@ void sweep(const Problem& q, const typename Panel::T* weight, const Groups& grou
     }
     const float* col_scale = q.col_scale ? q.col_scale + p * kPanel : nullptr;
     const float* bias = q.bias ? q.bias + p * kPanel : nullptr;
-    if constexpr (Panel::kDot) {
+    if constexpr (kDot<Panel>) {
       g.x_q += row * q.k_len;
       g.x_step += row * (q.k_len / kDotBlock);
       micro_dot<MR, decltype(np)::value>(q.k_len, weight + p * panel_stride, q.k_len, g,
@@ -424,7 +422,7 @@ void sweep(const Problem& q, const typename Panel::T* weight, const Groups& grou
 // and with too few left the compiler keeps some sums in memory.
 template <typename Panel, int MR>
 constexpr int panels_per_call() {
-  if constexpr (Panel::kDot) return 1;  // one row: 20% faster than two panels a call
+  if constexpr (kDot<Panel>) return 1;  // one row: 20% faster than two panels a call
   if constexpr (MR >= 4) return 1;
   if constexpr (Panel::kIntegers) return MR == 3 ? 1 : 2;
   return MR == 3 ? 2 : MR == 2 ? 3 : 4;
