@@ -21,13 +21,18 @@ steps on CPU take their attention inputs (block tables, lengths, slots: a
 (engine/attention/cpu_paged.py): with no CUDA graph to hide them, 30 exits to a
 custom op made a bf16 batch-1 step 14.8 ms instead of 10.6. Elsewhere decode graphs
 call the custom op too.
-Compiling the default model's three graphs took 140 s on two cores with a cold cache
-and 17 s with a warm one: Inductor keeps its C++ kernels and autotuning results under
-$KVSERVE_CACHE/inductor, but its graph cache refuses graphs whose frozen weights are
-oneDNN-packed ("mkldnn tensors unpickleable"), so tracing and lowering are redone on
-every start; without the packing a decode step is 1.2-2x slower (measured: batch 1
-22.2 vs 10.6 ms, batch 32 54 vs 44 ms, bf16). So by default the graphs are built on
-a thread of their own while steps run eagerly."""
+Where a linear layer multiplies through torch (oneDNN), the graphs freeze the weights:
+constants, prepacked for oneDNN; without that a decode step is 1.2-2x slower
+(measured: batch 1 22.2 vs 10.6 ms, batch 32 54 vs 44 ms, bf16). But Inductor's graph
+cache refuses frozen graphs, so tracing and lowering are redone on every start:
+compiling the default model's three graphs took 140 s on two cores with a cold cache
+and 17 s with a warm one (AVX-512), 285-314 s either way on a 2-core AVX2 CPU. Where
+every linear layer is packed for kvserve's CPU GEMM (engine/cpu_kernels), there is
+nothing to prepack and the weights stay graph inputs: the graphs then come from
+$KVSERVE_CACHE/inductor on a warm start (the default model's three: 174 s with an
+empty cache, 35 s warm, on a 2-core AVX2 CPU; decode steps as fast as frozen ones).
+Either way the graphs are built on a thread of their own by default while steps run
+eagerly."""
 from __future__ import annotations
 
 import logging
@@ -43,6 +48,7 @@ import torch._inductor.config
 from engine.attention.cpu_paged import PagedDecode
 from engine.lora.step import LoRAStep
 from engine.models.llama import LlamaForCausalLM
+from engine.quantization.layer import QuantizedLinear
 
 log = logging.getLogger("kvserve.compile")
 
@@ -66,6 +72,14 @@ def _unguarded_model(entries) -> list[bool]:
 
 
 NO_MODEL_GUARDS = {"guard_filter_fn": _unguarded_model}
+
+
+def torch_gemms(model: torch.nn.Module) -> bool:
+    """Whether any linear layer of `model` multiplies through torch's kernels (oneDNN
+    for float weights, torch's int8 / int4 ones) rather than kvserve's packed GEMM."""
+    return any((isinstance(m, torch.nn.Linear) and m.weight is not None)
+               or (isinstance(m, QuantizedLinear) and m.packed is None)
+               for m in model.modules())
 
 
 def _own_code(fn, instance):
@@ -124,9 +138,9 @@ class CompiledModel:
         # The decode graphs take a PagedDecode (attention traced in), else they call
         # the attention custom op; a graph is built for one of the two only.
         self.paged_decode = paged_decode
-        # Every graph freezes the weights (constants, prepacked once for oneDNN).
-        # Set globally: passed in `options`, freezing is not applied.
-        torch._inductor.config.freezing = True
+        # Frozen weights (constants, prepacked once for oneDNN) where torch does the
+        # GEMMs. Set globally: passed in `options`, freezing is not applied.
+        torch._inductor.config.freezing = self.frozen = torch_gemms(model)
         self._one = self._batch_one(BATCH_ONE)
         self._many = torch.compile(_own_code(CompiledModel._decode_many, self),
                                    options=NO_MODEL_GUARDS)
@@ -201,7 +215,9 @@ class CompiledModel:
         plan = [(what + suffix, *rest, lora) for lora, suffix in
                 ((False, ""), (True, ", LoRA"))[:1 + self.lora] for what, *rest in plan]
         try:
-            with torch.inference_mode():
+            # This model's choice even if another engine of the process set the
+            # global since.
+            with torch.inference_mode(), torch._inductor.config.patch(freezing=self.frozen):
                 for i, (what, fn, tokens, decode, lora) in enumerate(plan, 1):
                     log.info("compiling the forward pass (%d/%d: %s)...", i, len(plan), what)
                     self._warm_up(run_step, fn, tokens, decode, lora)
@@ -212,7 +228,9 @@ class CompiledModel:
             return
         self.seconds = time.perf_counter() - t0
         on_ready()
-        log.info("forward pass compiled in %.1f s (Inductor cache: %s)", self.seconds,
+        log.info("forward pass compiled in %.1f s (%s; Inductor cache: %s)", self.seconds,
+                 "weights frozen for torch's GEMMs, graphs built anew at every start"
+                 if self.frozen else "weights as graph inputs, graphs cached",
                  os.environ.get("TORCHINDUCTOR_CACHE_DIR", "default"))
         self.ready.set()
 

@@ -124,6 +124,28 @@ def test_each_engine_runs_graphs_of_its_own(compiled_factory, tiny_engine_factor
         assert got == eager.generate(prompts, greedy(12)), f"seed {seed}"
 
 
+def test_weights_are_frozen_only_for_torch_gemms(compiled_factory, ref):
+    """Frozen weights (prepacked for oneDNN) where torch multiplies; where kvserve's
+    packed GEMM does, the weights stay graph inputs and a second engine takes its
+    graphs from Inductor's cache instead of tracing and lowering them again."""
+    from torch._dynamo.utils import counters
+
+    from engine.cpu_kernels.setup import packing_wanted
+
+    prompts = varied_prompts(400, count=3, seed=4, lengths=(5, 30))
+    torch_gemms = compiled_factory(cpu_kernels="torch")
+    assert torch_gemms.runner.compiled.frozen
+    if not packing_wanted("auto", torch.device("cpu"), torch.float32):
+        pytest.skip("kvserve's CPU kernels do not run on this CPU")
+    first = compiled_factory(cpu_kernels="kvserve")
+    hits = counters["inductor"]["fxgraph_cache_hit"]
+    second = compiled_factory(cpu_kernels="kvserve")
+    assert not first.runner.compiled.frozen and not second.runner.compiled.frozen
+    assert counters["inductor"]["fxgraph_cache_hit"] - hits == 3  # all three graphs
+    got = second.generate(prompts, greedy(24))
+    assert_same_tokens(ref, prompts, got, torch_gemms.generate(prompts, greedy(24)))
+
+
 def test_random_arrivals_trigger_no_recompilation(compiled):
     """200 requests of random lengths arriving at random steps, after warm-up."""
     rng = random.Random(200)
