@@ -61,13 +61,17 @@ def _onednn(rows: int):
     return prepare, run
 
 
+# Served as a GGUF's quantized layers are: their inputs may be quantized to int8 too
+# (int4 panels up to 12 rows), which the check's reference then does as well.
+INT8_INPUT_WAYS = ("kvserve int8", "kvserve int4")
+
+
 def _way(name: str, rows: int):
     if name == "oneDNN":
         return _onednn(rows)
     if name == "torch linear":
         return (lambda w: w), (lambda x, w, n: F.linear(x, w))
-    # int8 / int4 as a GGUF's quantized layers are served: inputs may be int8 too
-    int8_inputs = name in ("kvserve int8", "kvserve int4")
+    int8_inputs = name in INT8_INPUT_WAYS
     return (lambda w: pack_weight(values(name, w))), \
         (lambda x, w, n: packed_linear(x, w, n, None, int8_inputs))
 
@@ -178,9 +182,10 @@ def _step_ms(prepared, run, xs, shape) -> float:
 def _check(way, run, prepared, xs, weights) -> None:
     for name, ws in weights.items():
         w = values(way, ws[0])
-        want = F.linear(xs[name].double(), w.double())
-        if way == "kvserve int4":  # up to 12 rows x is quantized to int8 for int4 panels
+        if way in INT8_INPUT_WAYS:
             want = reference_product(xs[name], prepared[name][0], w.shape[0], True)
+        else:
+            want = F.linear(xs[name].double(), w.double())
         got = run(xs[name], prepared[name][0], w.shape[0]).double()
         scale = want.abs().max().item() or 1.0
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * scale,
