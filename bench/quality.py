@@ -68,6 +68,8 @@ def greedy_agreement(reference: list[list[int]], other: list[list[int]]) -> floa
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quantization", nargs="+", default=["none", "int8"])
+    ap.add_argument("--model", default=None,
+                    help="a float checkpoint's directory (default: the default model's)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--group-size", type=int, default=32, help="int4's group")
     ap.add_argument("--step-tokens", type=int, default=None,
@@ -80,13 +82,14 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from modelstore.default_model import default_model_dir
+    model = args.model or str(default_model_dir())
     results, reference = {}, None
     for mode in args.quantization:
         mode_kv, _, kernels = mode.partition("@")
         weights, _, kv = mode_kv.partition("+")
         gguf = weights == "gguf"
         engine = Engine(EngineConfig(
-            model=str(default_model_dir()), dtype=args.dtype, compile="off",
+            model=model, dtype=args.dtype, compile="off",
             quantization_group_size=args.group_size,
             quantization="auto" if gguf else weights,
             load_format="gguf" if gguf else "safetensors",
@@ -109,7 +112,7 @@ def main() -> None:
         import torch
         Path(args.json).write_text(json.dumps(
             {**where_from(torch.device("cpu"), "python " + " ".join(sys.argv)),
-             "dtype": args.dtype, "group_size": args.group_size,
+             "model": model, "dtype": args.dtype, "group_size": args.group_size,
              "step_tokens": args.step_tokens, "results": results},
             indent=1))
 

@@ -69,12 +69,31 @@ def exact_int8_groups(weight: torch.Tensor, group: int = EXACT_GROUP
     groups = _blocks(weight, group, exact_int8_groups)
     if groups is None:
         return None
-    scales = (groups.abs().amax(dim=2) / 127).half()
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales)).float()[..., None]
-    q = torch.round(groups / safe)
-    if not torch.isfinite(q).all() or q.abs().max() > 127 or not torch.equal(q * safe, groups):
+    q, steps, scales = _q8_0(groups)
+    if not torch.isfinite(q).all() or q.abs().max() > 127 or not torch.equal(q * steps, groups):
         return None
     return q.to(torch.int8).reshape(weight.shape), scales.t().contiguous()
+
+
+def round_int8_groups(weight: torch.Tensor, group: int = EXACT_GROUP
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """GGUF's Q8_0 rounding of a float weight: (q [N, K] int8, scales [K / group, N]
+    float16), each group of `group` inputs rounded to the nearest of 255 levels of
+    one float16 scale, max|w| / 127; None where K has no whole groups."""
+    n, k = weight.shape
+    if k == 0 or k % group:
+        return None
+    q, _, scales = _q8_0(weight.reshape(n, k // group, group))
+    return q.clamp(-127, 127).to(torch.int8).reshape(n, k), scales.t().contiguous()
+
+
+def _q8_0(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, G, group] -> (the values / step, rounded, as floats; each group's step,
+    float32 [N, G, 1], 1 where the group is all zeros; the steps as float16 [N, G],
+    0 there)."""
+    scales = (groups.abs().amax(dim=2) / 127).half()
+    steps = torch.where(scales > 0, scales, torch.ones_like(scales)).float()[..., None]
+    return torch.round(groups / steps), steps, scales
 
 
 def exact_int4_groups(weight: torch.Tensor, group: int = EXACT_GROUP

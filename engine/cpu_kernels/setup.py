@@ -53,11 +53,14 @@ def packing_wanted(mode: str, device: torch.device, dtype: torch.dtype,
 
 
 def pack_model(model: nn.Module, mode: str, device: torch.device, dtype: torch.dtype,
-               flags: set[str] | None = None) -> int:
+               flags: set[str] | None = None, int8_head: bool = False) -> int:
     """Packs every float32 Linear and every int8 / int4 layer of `model` if
     --cpu-kernels says so and the kernels build here; returns how many. Under auto
     a failed build leaves torch's GEMMs, after one warning; under kvserve it stops
-    start-up."""
+    start-up. int8_head: the LM head (and a tied embedding, which reads its panels)
+    rounded to GGUF's Q8_0 unless its values already lie on a grid, as llama.cpp's
+    Q8_0 and Q4 files hold it: for a model whose decoder was quantized, where the
+    head in bf16 / float32 would be the largest read of a decode step."""
     if not packing_wanted(mode, device, dtype, flags):
         return 0
     try:
@@ -76,9 +79,12 @@ def pack_model(model: nn.Module, mode: str, device: torch.device, dtype: torch.d
     head, table = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
     tied = head in linears and table is not None and head.weight is table.weight
     for linear in linears:
-        linear.pack()
+        linear.pack(round_to_int8=int8_head and linear is head)
     if tied:  # one copy of the table: the embedding reads the head's panels
         table.read_packed(head.packed)
+    if int8_head and head in linears:
+        log.info("LM head%s packed as %s (the decoder is quantized)",
+                 " and tied embedding" if tied else "", KIND_NAMES[head.packed.panels.dtype])
     quantized = [m for m in quantized if m.pack()]
     kinds = Counter(KIND_NAMES[m.packed.panels.dtype] for m in [*linears, *quantized])
     log.info("CPU kernels: %d linear layers packed for kvserve's AVX2 GEMM (%s): %.1f MiB "

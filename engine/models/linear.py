@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.cpu_kernels.packing import PackedWeight, pack_weight
+from engine.cpu_kernels.packing import PackedWeight, pack_int8, pack_weight, round_int8_groups
 
 
 class Linear(nn.Linear):
@@ -25,9 +25,16 @@ class Linear(nn.Linear):
             return F.linear(x, self.weight, bias)
         return self.packed.product(x, self.out_features, bias)
 
-    def pack(self) -> None:
+    def pack(self, round_to_int8: bool = False) -> None:
         """The weight packed (int4, int8 or bf16 panels where they hold its values
         exactly), and the float32 weight let go: this layer holds one copy. A tied
-        weight (the LM head's, the embedding's) stays with the embedding."""
-        self.packed = PackedWeight(pack_weight(self.weight.detach()))
+        weight (the LM head's, the embedding's) stays with the embedding.
+        round_to_int8: a weight on no such grid is rounded to GGUF's Q8_0 (int8, a
+        float16 scale per 32 inputs) instead of kept in float panels."""
+        weight = self.weight.detach()
+        packed = pack_weight(weight)
+        if round_to_int8 and packed.panels.is_floating_point():
+            rounded = round_int8_groups(weight)
+            packed = packed if rounded is None else pack_int8(*rounded)
+        self.packed = PackedWeight(packed)
         self.weight = None

@@ -34,7 +34,10 @@ def calibration_tokens(tokenizer, purpose: str) -> list[int]:
 def run_calibration_prompt(model: nn.Module, tokens: list[int], device: torch.device,
                            dtype: torch.dtype) -> None:
     """One prompt through the model; afterwards each layer's attention still points
-    at the throwaway cache, which holds the prompt's K/V (read by kv_fp8.py)."""
+    at the throwaway cache, which holds the prompt's K/V (read by kv_fp8.py). Cut
+    to the positions the model was built for (--max-model-len may be shorter than
+    the text)."""
+    tokens = tokens[:model.rotary.max_positions]
     blocks = -(-len(tokens) // BLOCK)
     attach_kv_caches(model, blocks, BLOCK, KVCacheFormat(dtype), device)
     backend = make_backend("torch", device, BLOCK, dtype)

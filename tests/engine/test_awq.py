@@ -74,6 +74,19 @@ def test_activation_aware_needs_a_tokenizer_to_read_its_calibration_text():
                             quantization="int4-awq", num_kv_blocks=16))
 
 
+@pytest.mark.parametrize("option", [{"quantization": "int8-awq"}, {"kv_cache_dtype": "fp8"}])
+def test_calibration_with_a_shorter_max_model_len_than_its_text_serves(tiny_model_dir, option):
+    """The calibration pass takes the text's first 512 tokens, cut to the positions
+    the model was built for (it once ran past them and stopped start-up)."""
+    from scheduler.sampling_params import SamplingParams
+
+    engine = Engine(EngineConfig(model=str(tiny_model_dir("llama")), max_model_len=64,
+                                 num_kv_blocks=16, **option))
+    out = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0,
+                                                      ignore_eos=True))
+    assert len(out[0]) == 4
+
+
 def test_int4_on_shapes_it_cannot_hold_stops_start_up_naming_what_works(tiny_model_dir):
     """The tiny test model: 96 inputs (32 divides them, 64 does not) and a q/k/v
     projection of 160 rows (not in blocks of 64)."""

@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 
 from engine.cpu_kernels import build
 from engine.cpu_kernels.packing import INT4_DOT_ROWS as DOT_ROWS
-from engine.cpu_kernels.packing import (Packed, PackedWeight, exact_in_bf16, exact_int8_groups, pack_int4,
-                                        pack_int8, pack_weight, packed_linear, packed_rows,
-                                        reference_product, unpack_weight)
+from engine.cpu_kernels.packing import (Packed, PackedWeight, exact_in_bf16, exact_int8_groups,
+                                        pack_int4, pack_int8, pack_weight, packed_linear,
+                                        packed_rows, reference_product, round_int8_groups,
+                                        unpack_weight)
 from engine.cpu_kernels.setup import load_once, pack_model, packing_wanted
 from engine.loader import cpu_flags, load_model
 from engine.models.linear import Linear
@@ -93,6 +94,52 @@ def test_a_float_weight_of_int8_blocks_packs_as_int8_exactly():
     assert exact_int8_groups(w) is None and pack_weight(w).panels.dtype != torch.int8
     assert exact_int8_groups(torch.zeros(4, 32)) is not None  # all-zero blocks: scale 0
     assert exact_int8_groups(torch.ones(4, 33)) is None  # no whole blocks
+
+
+def q8_0_values(w: torch.Tensor) -> torch.Tensor:
+    q, scales = round_int8_groups(w)
+    return q.float() * scales.t().float().repeat_interleave(32, dim=1)
+
+
+def test_rounding_to_q8_0_keeps_each_value_within_half_a_step_of_its_group():
+    w = weight(40, 96, bf16_exact=False) * 0.05
+    w[3, 32:64] = 0  # an all-zero group keeps scale 0
+    q, scales = round_int8_groups(w)
+    assert q.dtype == torch.int8 and scales.dtype == torch.float16 and scales.shape == (3, 40)
+    steps = scales.t().float().repeat_interleave(32, dim=1)
+    assert ((q8_0_values(w) - w).abs() <= steps / 2 * (1 + 1e-3)).all()
+    top = q.view(40, 3, 32).abs().amax(dim=2)
+    assert top[3, 1] == 0 and scales[1, 3] == 0
+    assert (top.flatten()[top.flatten() > 0] >= 126).all()  # every group spans its levels
+    on_grid, q_on, scales_on = q8_0_weight(40, 96)  # a Q8_0 table's values: found again
+    assert torch.equal(round_int8_groups(on_grid)[0], q_on)
+    assert torch.equal(round_int8_groups(on_grid)[1], scales_on)
+    assert round_int8_groups(torch.ones(4, 33)) is None  # no whole groups
+
+
+@pytest.mark.parametrize("values", ["float", "bf16", "q8_0", "q4_1"])
+def test_round_to_int8_packs_floats_as_q8_0_and_keeps_a_grid_it_finds(values):
+    """Linear.pack(round_to_int8=True), as pack_model packs a quantized model's LM
+    head: float or bf16 values are rounded to Q8_0; values already on a Q8_0 or Q4_1
+    grid are packed as they are, exactly."""
+    if values == "q4_1":
+        g = torch.Generator().manual_seed(3)
+        q = torch.randint(0, 16, (48, 64), generator=g, dtype=torch.uint8)
+        q[:, ::32], q[:, 1::32] = 0, 15
+        scales = (torch.rand(2, 48, generator=g) * 0.02 + 1e-4).half()
+        w = q.float() * scales.t().float().repeat_interleave(32, dim=1)
+    elif values == "q8_0":
+        w = q8_0_weight(48, 64)[0]
+    else:
+        w = weight(48, 64, bf16_exact=values == "bf16")
+    linear = Linear(64, 48, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(w)
+    linear.pack(round_to_int8=True)
+    panels = linear.packed.panels
+    assert panels.dtype == (torch.uint8 if values == "q4_1" else torch.int8)
+    expected = w if values in ("q4_1", "q8_0") else q8_0_values(w)
+    assert torch.equal(unpack_weight(linear.packed.contents(), 48), expected)
 
 
 def test_a_float_weight_of_q4_1_blocks_packs_as_int4_exactly():
@@ -556,6 +603,51 @@ def test_pack_model_packs_quantized_layers_too(kernels, tied_bf16_dir):
              if isinstance(getattr(m, "packed", None), PackedWeight)}
     assert kinds == {torch.int8}
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+
+
+@needs_avx2
+def test_a_quantized_models_lm_head_and_tied_table_are_packed_as_q8_0(kernels, tied_bf16_dir,
+                                                                      caplog):
+    """pack_model(int8_head=True), as the engine packs a model whose decoder
+    --quantization int8 / int4 quantized: the bf16 LM head is rounded to Q8_0 (half
+    its bytes read each step, as llama.cpp's Q8_0 files hold it) and the tied
+    embedding looks its rows up in those panels, so both read the same values."""
+    from engine.config import ModelConfig
+    from engine.quantization import quantize_model
+
+    cfg = ModelConfig.from_pretrained(str(tied_bf16_dir))
+    model = load_model(tied_bf16_dir, cfg, F32, CPU, 256)
+    quantize_model(model, "int8")
+    table = q8_0_values(model.embed_tokens.weight.detach())
+    assert not torch.equal(table, model.embed_tokens.weight)  # bf16 values, off the grid
+    with caplog.at_level(logging.INFO, logger="kvserve.cpu_kernels"):
+        assert pack_model(model, "kvserve", CPU, F32, int8_head=True) == 4 * cfg.num_layers + 1
+    assert "LM head and tied embedding packed as int8" in caplog.text
+    head = model.lm_head.packed
+    assert head.panels.dtype == torch.int8 and head.scales.dtype == torch.float16
+    assert model.embed_tokens.packed is head
+    assert torch.equal(unpack_weight(head.contents(), cfg.vocab_size), table)
+    ids = torch.tensor([0, 7, 8, 15, 16, cfg.vocab_size - 1, 3, 3])
+    x = torch.randn(5, cfg.hidden_size)
+    with torch.inference_mode():
+        assert torch.equal(model.embed_tokens(ids), table[ids])
+        torch.testing.assert_close(model.compute_logits(x).double(), x.double() @ table.double().t(),
+                                   rtol=1e-5, atol=1e-5)
+
+
+@needs_avx2
+@pytest.mark.parametrize("quantization,head", [("none", torch.bfloat16), ("int8", torch.int8),
+                                               ("int8-awq", torch.int8)])
+def test_the_engine_rounds_the_head_to_q8_0_only_for_a_quantized_decoder(
+        tied_bf16_dir, quantization, head):
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+
+    engine = Engine(EngineConfig(model=str(tied_bf16_dir), dtype="float32", compile="off",
+                                 cpu_kernels="kvserve", quantization=quantization,
+                                 num_kv_blocks=64, max_model_len=256))
+    assert engine.runner.model.lm_head.packed.panels.dtype == head
+    assert len(engine.generate([[5, 6, 7]], GREEDY_48)[0]) == 48
 
 
 @pytest.mark.parametrize("bf16_exact", [True, False])
