@@ -146,6 +146,22 @@ def test_weights_are_frozen_only_for_torch_gemms(compiled_factory, ref):
     assert_same_tokens(ref, prompts, got, torch_gemms.generate(prompts, greedy(24)))
 
 
+def test_graphs_check_no_input_sizes_at_each_call(compiled_factory):
+    """The model's tensors never change once the graphs are built: Inductor's
+    per-call asserts of each input's size, strides and alignment (~520 a batch-1
+    step of the default model, ~0.6 ms) are left out, as Dynamo's guards on the
+    model are; the step's own inputs keep their guards."""
+    from unittest import mock
+
+    from torch._inductor.graph import GraphLowering
+
+    codes = []  # (torch's run_and_get_code would reset Dynamo: other tests' graphs)
+    with mock.patch.object(GraphLowering, "save_output_code", codes.append):
+        compiled_factory(load_format="random", seed=5)
+    assert len(codes) >= 3  # the three graphs, loaded from the cache or built
+    assert not any("assert_size_stride(" in c or "assert_alignment(" in c for c in codes)
+
+
 def test_random_arrivals_trigger_no_recompilation(compiled):
     """200 requests of random lengths arriving at random steps, after warm-up."""
     rng = random.Random(200)
