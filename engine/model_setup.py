@@ -29,11 +29,12 @@ def load_served_model(config: EngineConfig, cfg: ModelConfig, tokenizer,
     load_format = resolve_load_format(config.model, config.load_format)
     model = load_model(config.model, cfg, dtype, device, max_model_len, load_format,
                        config.seed, config.quantization, shard)
-    quantized = load_format != "gguf" and config.quantization.startswith("int")
-    if load_format != "gguf":
+    online = load_format != "gguf"  # a GGUF's blocks are quantized as the file says
+    if online:
         quantize_model(model, config.quantization, config.quantization_group_size,
                        lambda: calibration_inputs(model, tokenizer, device, dtype))
-    pack_model(model, config.cpu_kernels, device, dtype, int8_head=quantized)
+    pack_model(model, config.cpu_kernels, device, dtype,
+               int8_head=online and config.quantization.startswith("int"))
     log.info("weights: %.1f MiB (%s, quantization %s)", model_bytes(model) / 2**20,
              str(dtype).replace("torch.", ""), config.quantization)
     return model, kv_cache_format(config.kv_cache_dtype, model, tokenizer, device, dtype)

@@ -133,17 +133,18 @@ def _group_panels(per_group: torch.Tensor) -> torch.Tensor:
     return _panels(per_group.t().half())
 
 
-def pack_weight(weight: torch.Tensor) -> Packed:
+def pack_weight(weight: torch.Tensor, round_to_int8: bool = False) -> Packed:
     """[N, K] float32 -> packed panels, the fewest bytes that hold every value
     exactly: int4 where every group of 32 is a Q4_1 block's values (a fifth of the
     bytes), int8 where it is a Q8_0 block's (close to a quarter), else bfloat16 where
-    every value is exact in bf16, else float32."""
+    every value is exact in bf16, else float32. round_to_int8: a weight on no Q4_1
+    grid is rounded to Q8_0 instead (a Q8_0 block's values come out as they are)."""
     if weight.dim() != 2 or weight.dtype != torch.float32:
         raise ValueError(f"packs 2-D float32 weights, not {tuple(weight.shape)} {weight.dtype}")
     int4 = exact_int4_groups(weight)
     if int4 is not None:
         return pack_int4(*int4)
-    int8 = exact_int8_groups(weight)
+    int8 = round_int8_groups(weight) if round_to_int8 else exact_int8_groups(weight)
     if int8 is not None:
         return pack_int8(*int8)
     if exact_in_bf16(weight):

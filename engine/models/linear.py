@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.cpu_kernels.packing import PackedWeight, pack_int8, pack_weight, round_int8_groups
+from engine.cpu_kernels.packing import PackedWeight, pack_weight
 
 
 class Linear(nn.Linear):
@@ -30,11 +30,6 @@ class Linear(nn.Linear):
         exactly), and the float32 weight let go: this layer holds one copy. A tied
         weight (the LM head's, the embedding's) stays with the embedding.
         round_to_int8: a weight on no such grid is rounded to GGUF's Q8_0 (int8, a
-        float16 scale per 32 inputs) instead of kept in float panels."""
-        weight = self.weight.detach()
-        packed = pack_weight(weight)
-        if round_to_int8 and packed.panels.is_floating_point():
-            rounded = round_int8_groups(weight)
-            packed = packed if rounded is None else pack_int8(*rounded)
-        self.packed = PackedWeight(packed)
+        float16 scale per 32 inputs) instead of kept in float panels (pack_weight)."""
+        self.packed = PackedWeight(pack_weight(self.weight.detach(), round_to_int8))
         self.weight = None

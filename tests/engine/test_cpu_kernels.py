@@ -80,6 +80,18 @@ def q8_0_weight(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tens
     return w, q, scales
 
 
+def q4_1_weight(n: int, k: int, seed: int = 3) -> torch.Tensor:
+    """A float weight made of Q4_1 blocks of 32, as a Q4_1 file expanded is: 4-bit
+    steps of a float16 scale up from a float16 minimum, each block spanning 0..15."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    q[:, ::32], q[:, 1::32] = 0, 15  # a Q4_1 block's smallest and largest
+    scales = (torch.rand(k // 32, n, generator=g) * 0.02 + 1e-4).half()
+    mins = (torch.randn(k // 32, n, generator=g) * 0.1).half()
+    return q.float() * scales.t().float().repeat_interleave(32, dim=1) \
+        + mins.t().float().repeat_interleave(32, dim=1)
+
+
 def test_a_float_weight_of_int8_blocks_packs_as_int8_exactly():
     w, q, scales = q8_0_weight(40, 96)
     found = exact_int8_groups(w)
@@ -123,11 +135,7 @@ def test_round_to_int8_packs_floats_as_q8_0_and_keeps_a_grid_it_finds(values):
     head: float or bf16 values are rounded to Q8_0; values already on a Q8_0 or Q4_1
     grid are packed as they are, exactly."""
     if values == "q4_1":
-        g = torch.Generator().manual_seed(3)
-        q = torch.randint(0, 16, (48, 64), generator=g, dtype=torch.uint8)
-        q[:, ::32], q[:, 1::32] = 0, 15
-        scales = (torch.rand(2, 48, generator=g) * 0.02 + 1e-4).half()
-        w = q.float() * scales.t().float().repeat_interleave(32, dim=1)
+        w = q4_1_weight(48, 64)
     elif values == "q8_0":
         w = q8_0_weight(48, 64)[0]
     else:
@@ -143,13 +151,7 @@ def test_round_to_int8_packs_floats_as_q8_0_and_keeps_a_grid_it_finds(values):
 
 
 def test_a_float_weight_of_q4_1_blocks_packs_as_int4_exactly():
-    g = torch.Generator().manual_seed(3)
-    q = torch.randint(0, 16, (48, 64), generator=g, dtype=torch.uint8)
-    q[:, ::32], q[:, 1::32] = 0, 15  # a Q4_1 block's smallest and largest
-    scales = (torch.rand(2, 48, generator=g) * 0.02 + 1e-4).half()
-    mins = (torch.randn(2, 48, generator=g) * 0.1).half()
-    w = q.float() * scales.t().float().repeat_interleave(32, dim=1) \
-        + mins.t().float().repeat_interleave(32, dim=1)
+    w = q4_1_weight(48, 64)
     packed = pack_weight(w)
     assert packed.panels.dtype == torch.uint8 and packed.panels.shape == (3, 64, 8)
     assert torch.equal(unpack_weight(packed, 48), w)
