@@ -35,6 +35,7 @@ Either way the graphs are built on a thread of their own by default while steps 
 eagerly."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -78,6 +79,14 @@ def _unguarded_model(entries) -> list[bool]:
 # processes, alternating: 0.4 ms median of 5 pairs, 4 of them faster).
 MODEL_UNCHECKED = {"guard_filter_fn": _unguarded_model, "size_asserts": False,
                    "alignment_asserts": False}
+
+# On CPU, where no CUDA graph replays a step, each graph's wrapper (the code that
+# allocates its buffers and calls its kernels and kvserve's ops, ~250 calls a decode
+# step of the default model) is C++ rather than Python: ~1-1.5 ms less a step of the
+# default model's 30 layers (bench/results/cpu_wrapper_*.md). Wrapper and kernels
+# built as separate libraries: one translation unit of both took twice as long to
+# compile cold (a 30-layer graph: 535 s against 268, 215 with the Python wrapper).
+CPP_WRAPPER = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
 
 
 def torch_gemms(model: torch.nn.Module) -> bool:
@@ -136,7 +145,7 @@ class CompiledModel:
     """The model's decode logits and hidden states, compiled once `ready`."""
 
     def __init__(self, model: LlamaForCausalLM, paged_decode: bool = False,
-                 lora: bool = False):
+                 lora: bool = False, cpp_wrapper: bool = False):
         self.model = model
         # With LoRA on, each graph has a twin taking a step's adapters (LoRAStep's
         # stacks are graph inputs), built beside it so no step waits for one.
@@ -147,18 +156,24 @@ class CompiledModel:
         # Frozen weights (constants, prepacked once for oneDNN) where torch does the
         # GEMMs. Set globally: passed in `options`, freezing is not applied.
         torch._inductor.config.freezing = self.frozen = torch_gemms(model)
-        self._one = self._batch_one(BATCH_ONE)
-        self._many = torch.compile(_own_code(CompiledModel._decode_many, self),
-                                   options=MODEL_UNCHECKED)
-        self._hidden = torch.compile(_own_code(CompiledModel._hidden_many, self),
-                                     options=MODEL_UNCHECKED)
+        self._compile_graphs(cpp_wrapper)
         self.ready = threading.Event()
         self.failed: BaseException | None = None
         self.seconds: float | None = None
 
+    def _compile_graphs(self, cpp_wrapper: bool) -> None:
+        """The three graphs' functions (each built at its first call)."""
+        self.cpp_wrapper = cpp_wrapper
+        self.options = {**MODEL_UNCHECKED, **(CPP_WRAPPER if cpp_wrapper else {})}
+        self._one = self._batch_one(BATCH_ONE)
+        self._many = torch.compile(_own_code(CompiledModel._decode_many, self),
+                                   options=self.options)
+        self._hidden = torch.compile(_own_code(CompiledModel._hidden_many, self),
+                                     options=self.options)
+
     def _batch_one(self, options: dict):
         return torch.compile(_own_code(CompiledModel._decode_one, self), dynamic=False,
-                             options={**options, **MODEL_UNCHECKED})
+                             options={**options, **self.options})
 
     # Three functions, so each graph has a code object (and a cache) of its own.
     def _decode_one(self, ids, positions, paged, lora=None):
@@ -179,7 +194,8 @@ class CompiledModel:
         if not self.ready.is_set():
             return self.model.compute_logits(self.model(ids, positions, paged=paged,
                                                         lora=lora))
-        return self._compiled_decode(ids, positions, paged, lora)
+        with self._own_freezing():
+            return self._compiled_decode(ids, positions, paged, lora)
 
     def _compiled_decode(self, ids, positions, paged, lora=None):
         if len(ids) == 1:
@@ -194,7 +210,17 @@ class CompiledModel:
         """Final hidden states of any step (the attention context set)."""
         if not self.ready.is_set() or len(ids) < 2:
             return self.model(ids, positions, lora=lora)
-        return self._hidden(*_dynamic(ids, positions), _dynamic_lora(lora))
+        with self._own_freezing():
+            return self._hidden(*_dynamic(ids, positions), _dynamic_lora(lora))
+
+    def _own_freezing(self):
+        """This model's freezing for a graph built again at a call (a guard failed:
+        in tests, another engine of the process loaded kvserve's CPU kernels since),
+        if another engine set the global otherwise since (a frozen model's batch-1
+        graph has no GEMM kernel unfrozen)."""
+        if torch._inductor.config.freezing == self.frozen:
+            return contextlib.nullcontext()
+        return torch._inductor.config.patch(freezing=self.frozen)
 
     def build(self, run_step: Callable[[Callable, int, bool], None], background: bool,
               on_ready: Callable[[], None] = lambda: None) -> threading.Thread | None:
@@ -212,33 +238,42 @@ class CompiledModel:
         thread.start()
         return thread
 
-    def _build(self, run_step, on_ready) -> None:
-        t0 = time.perf_counter()
-        # Example sizes: what each graph mostly runs (oneDNN packs for them).
-        plan = [("decode, 1 request", self._compiled_decode, 1, True),
-                ("decode, 2+ requests", self._compiled_decode, 16, True),
-                ("mixed steps", _marking(self._hidden), 256, False)]
-        plan = [(what + suffix, *rest, lora) for lora, suffix in
-                ((False, ""), (True, ", LoRA"))[:1 + self.lora] for what, *rest in plan]
+    def _build(self, run_step, on_ready, t0: float | None = None) -> None:
+        t0 = time.perf_counter() if t0 is None else t0
         try:
-            # This model's choice even if another engine of the process set the
-            # global since.
-            with torch.inference_mode(), torch._inductor.config.patch(freezing=self.frozen):
-                for i, (what, fn, tokens, decode, lora) in enumerate(plan, 1):
-                    log.info("compiling the forward pass (%d/%d: %s)...", i, len(plan), what)
-                    self._warm_up(run_step, fn, tokens, decode, lora)
+            self._build_graphs(run_step)
         except Exception as exc:  # noqa: BLE001 - eager steps go on; said once
+            if self.cpp_wrapper:  # newer in Inductor than the Python one: not fatal
+                log.warning("compiling the forward pass with C++ wrappers failed (%s); "
+                            "building it with Python wrappers", exc, exc_info=True)
+                self._compile_graphs(cpp_wrapper=False)
+                return self._build(run_step, on_ready, t0)
             self.failed = exc
             log.warning("compiling the forward pass failed, steps stay eager: %s", exc,
                         exc_info=True)
             return
         self.seconds = time.perf_counter() - t0
         on_ready()
-        log.info("forward pass compiled in %.1f s (%s; Inductor cache: %s)", self.seconds,
-                 "weights frozen for torch's GEMMs, graphs built anew at every start"
-                 if self.frozen else "weights as graph inputs, graphs cached",
+        log.info("forward pass compiled in %.1f s (%s, %s wrappers; Inductor cache: %s)",
+                 self.seconds, "weights frozen for torch's GEMMs, graphs built anew at "
+                 "every start" if self.frozen else "weights as graph inputs, graphs cached",
+                 "C++" if self.cpp_wrapper else "Python",
                  os.environ.get("TORCHINDUCTOR_CACHE_DIR", "default"))
         self.ready.set()
+
+    def _build_graphs(self, run_step) -> None:
+        # Example sizes: what each graph mostly runs (oneDNN packs for them).
+        plan = [("decode, 1 request", self._compiled_decode, 1, True),
+                ("decode, 2+ requests", self._compiled_decode, 16, True),
+                ("mixed steps", _marking(self._hidden), 256, False)]
+        plan = [(what + suffix, *rest, lora) for lora, suffix in
+                ((False, ""), (True, ", LoRA"))[:1 + self.lora] for what, *rest in plan]
+        # This model's choice even if another engine of the process set the global
+        # since.
+        with torch.inference_mode(), torch._inductor.config.patch(freezing=self.frozen):
+            for i, (what, fn, tokens, decode, lora) in enumerate(plan, 1):
+                log.info("compiling the forward pass (%d/%d: %s)...", i, len(plan), what)
+                self._warm_up(run_step, fn, tokens, decode, lora)
 
     def _warm_up(self, run_step, fn, tokens: int, decode: bool, lora: bool) -> None:
         """run_step, and for the batch-1 graph once more with oneDNN allowed if the

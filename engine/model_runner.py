@@ -74,7 +74,8 @@ class ModelRunner:
         # from when the graphs are ready (a step keeps the path it was prepared on).
         paged = isinstance(self.attn_backend, TorchBackend) and self.device.type == "cpu"
         compiled = self.compiling = CompiledModel(self.model, paged_decode=paged,
-                                                  lora=self.lora is not None)
+                                                  lora=self.lora is not None,
+                                                  cpp_wrapper=self.device.type == "cpu")
         warm_backend = TorchBackend(paged_decode=True) if paged else self.attn_backend
 
         def ready() -> None:

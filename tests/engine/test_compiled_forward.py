@@ -135,6 +135,7 @@ def test_weights_are_frozen_only_for_torch_gemms(compiled_factory, ref):
     prompts = varied_prompts(400, count=3, seed=4, lengths=(5, 30))
     torch_gemms = compiled_factory(cpu_kernels="torch")
     assert torch_gemms.runner.compiled.frozen
+    assert torch_gemms.runner.compiled.cpp_wrapper  # built so, not fallen back
     if not packing_wanted("auto", torch.device("cpu"), torch.float32):
         pytest.skip("kvserve's CPU kernels do not run on this CPU")
     first = compiled_factory(cpu_kernels="kvserve")
@@ -146,20 +147,46 @@ def test_weights_are_frozen_only_for_torch_gemms(compiled_factory, ref):
     assert_same_tokens(ref, prompts, got, torch_gemms.generate(prompts, greedy(24)))
 
 
-def test_graphs_check_no_input_sizes_at_each_call(compiled_factory):
-    """The model's tensors never change once the graphs are built: Inductor's
-    per-call asserts of each input's size, strides and alignment (~520 a batch-1
-    step of the default model, ~0.6 ms) are left out, as Dynamo's guards on the
-    model are; the step's own inputs keep their guards."""
+def test_graphs_are_cpp_and_check_no_input_sizes_at_each_call(compiled_factory):
+    """On CPU each graph's wrapper is C++ (its ~250 calls a default-model decode
+    step cost ~1 ms more in Python). The model's tensors never change once the
+    graphs are built: Inductor's per-call asserts of each input's size, strides and
+    alignment (~520 a batch-1 step of the default model, ~0.6 ms) are left out, as
+    Dynamo's guards on the model are; the step's own inputs keep their guards."""
     from unittest import mock
 
     from torch._inductor.graph import GraphLowering
 
     codes = []  # (torch's run_and_get_code would reset Dynamo: other tests' graphs)
     with mock.patch.object(GraphLowering, "save_output_code", codes.append):
-        compiled_factory(load_format="random", seed=5)
+        engine = compiled_factory(load_format="random", seed=5)
+    assert engine.runner.compiled.cpp_wrapper
     assert len(codes) >= 3  # the three graphs, loaded from the cache or built
+    assert all("CppWrapperCodeCache" in c for c in codes)
     assert not any("assert_size_stride(" in c or "assert_alignment(" in c for c in codes)
+
+
+def test_graphs_fall_back_to_python_wrappers(compiled_factory, tiny_engine_factory):
+    """If Inductor cannot build a graph with a C++ wrapper, the graphs are built
+    again with Python ones: compiled steps all the same, not eager ones."""
+    from unittest import mock
+
+    from engine.compiled_model import CompiledModel
+
+    build = CompiledModel._build_graphs
+
+    def cpp_fails(self, run_step):
+        if self.cpp_wrapper:
+            raise RuntimeError("no C++ wrapper here")
+        return build(self, run_step)
+
+    with mock.patch.object(CompiledModel, "_build_graphs", cpp_fails):
+        engine = compiled_factory(load_format="random", seed=7)
+    assert engine.runner.compiled.failed is None and not engine.runner.compiled.cpp_wrapper
+    prompts = varied_prompts(400, count=3, seed=7, lengths=(5, 30))
+    eager = tiny_engine_factory(load_format="random", seed=7, max_num_batched_tokens=37,
+                                compile="off")
+    assert engine.generate(prompts, greedy(12)) == eager.generate(prompts, greedy(12))
 
 
 def test_random_arrivals_trigger_no_recompilation(compiled):
