@@ -1,0 +1,48 @@
+"""The GPU machine's image lacks some of kvserve's packages; bench/gpu_wheels.sh carries
+them. These tests keep that list whole as dependencies change, and check that the
+image's emulation (bench/gpu_image_check.py) refuses what the image lacks, so a GPU
+session's minutes are not spent on an ImportError."""
+from __future__ import annotations
+
+import importlib.metadata
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from packaging.requirements import Requirement
+
+from bench import gpu_image_check
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def wheel_list() -> set[str]:
+    """The distributions bench/gpu_wheels.sh downloads (name==version arguments)."""
+    text = (ROOT / "bench" / "gpu_wheels.sh").read_text()
+    return {gpu_image_check._norm(name) for name in re.findall(r"([A-Za-z0-9_.-]+)==\S+", text)}
+
+
+def test_the_wheels_bring_every_runtime_dependency_the_image_lacks():
+    listed = {gpu_image_check._norm(n) for n in gpu_image_check.IMAGE.split()}
+    runtime = {gpu_image_check._norm(Requirement(line).name)
+               for line in importlib.metadata.requires("kvserve") if "extra" not in line}
+    # What the test suite's GPU stage imports beyond them (tests/server/conftest.py,
+    # the structured outputs' tests).
+    needed = (runtime | {"openai", "jsonschema"}) - listed
+    assert needed <= wheel_list(), f"add to bench/gpu_wheels.sh: {sorted(needed - wheel_list())}"
+
+
+def test_the_emulation_refuses_what_the_image_lacks(tmp_path):
+    code = ("import importlib\n"
+            "for name in ('xgrammar', 'pydantic', 'torch', 'engine.engine'):\n"
+            "    try:\n"
+            "        importlib.import_module(name); print(name, 'ok')\n"
+            "    except ImportError as exc:\n"
+            "        print(name, 'refused' if 'GPU image' in str(exc) else exc)\n")
+    proc = subprocess.run([sys.executable, "bench/gpu_image_check.py", "-c", code], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = set(proc.stdout.split("\n"))
+    # torch is on the image; engine needs xgrammar, which is not.
+    assert {"xgrammar refused", "pydantic refused", "torch ok", "engine.engine refused"} <= lines
