@@ -1,0 +1,19 @@
+"""bench/cpu_paged_decode.py on a short context: it times the op and says on which CPU."""
+import json
+
+import pytest
+
+from bench.cpu_paged_decode import main
+from engine.cpu_kernels.setup import NEEDED_FLAGS
+from engine.loader import cpu_flags
+
+pytestmark = pytest.mark.skipif(not set(NEEDED_FLAGS) <= cpu_flags(),
+                                reason="kvserve's CPU kernels need AVX2, FMA and F16C")
+
+
+def test_a_step_is_timed_and_the_machine_recorded(capsys):
+    assert main(["--batch", "2", "--context", "40", "--steps", "2"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["batch"] == 2 and result["context"] == 40
+    assert result["step_ms"] > 0 and result["kv_gb_s"] > 0
+    assert "avx2" in result["cpu_flags"]
