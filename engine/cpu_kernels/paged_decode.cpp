@@ -2,8 +2,8 @@
 // every key and value where it lies (engine/attention/cpu_paged.py's maths, whose
 // torch form stays the reference and serves the other cache dtypes).
 //
-// A task is one request (or one of its KV heads, when requests are few), spread
-// over torch's threads. It makes one pass over its keys, scoring every query head
+// A task is one request (when requests are few, a run of its context's blocks, or
+// one of its KV heads), spread over torch's threads. It makes one pass over its keys, scoring every query head
 // against each key as it is loaded; a float32 softmax per head; then one pass over
 // the values, the heads' sums kept in L1. So each key and value is read from memory
 // once a step, which is what a decode step's attention costs: the KV cache is the
@@ -75,14 +75,34 @@ inline void prefetch(const float* p, int64_t floats) {
   for (int64_t o = 0; o < floats * 4; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
 }
 
-// Request b's KV heads [h0, h1) and the query heads that share them: `scratch`
-// holds their scores (then probabilities) and the sums of their outputs.
-void attend(const Decode& a, int64_t b, int64_t h0, int64_t h1, std::vector<float>& scratch) {
-  const int64_t groups = a.q_heads / a.kv_heads, dim = a.head_dim, len = a.lens[b];
-  const int64_t heads = (h1 - h0) * groups, span = (h1 - h0) * dim;
-  float* out = a.out + (b * a.q_heads + h0 * groups) * dim;
-  if (len <= 0) {  // nothing visible (never scheduled): zeros, not NaNs
-    std::fill(out, out + heads * dim, 0.0f);
+// The positions [begin, end) of a request that a task attends to: all of them, or
+// (few requests) a run of whole blocks, merged with the others' afterwards.
+struct Span {
+  int64_t begin, end;
+};
+
+// A run is at least this many blocks: shorter, merging costs more than it saves.
+constexpr int64_t kMinSplitBlocks = 4;
+
+// Request b's KV heads [h0, h1) and the query heads that share them, over the
+// positions `span`: `scratch` holds their scores (then probabilities) and the sums of
+// their outputs. Into `out` [heads, D], the attention's output; or, given `part`,
+// each head's unnormalised sums [heads, D], then its scores' maximum and its
+// exponentials' sum [heads, 2], which `merge` combines with the other runs'.
+void attend(const Decode& a, int64_t b, int64_t h0, int64_t h1, Span span,
+            std::vector<float>& scratch, float* out, float* part) {
+  const int64_t groups = a.q_heads / a.kv_heads, dim = a.head_dim;
+  const int64_t heads = (h1 - h0) * groups, span_floats = (h1 - h0) * dim;
+  span.end = std::min<int64_t>(span.end, a.lens[b]);
+  const int64_t len = span.end - span.begin, t0 = span.begin;
+  float* dst = part ? part : out;
+  float* stats = part ? part + heads * dim : nullptr;
+  if (len <= 0) {  // nothing visible (never scheduled, or past its end): zeros, not NaNs
+    std::fill(dst, dst + heads * dim, 0.0f);
+    for (int64_t h = 0; stats && h < heads; ++h) {
+      stats[2 * h] = -INFINITY;
+      stats[2 * h + 1] = 0.0f;
+    }
     return;
   }
   scratch.assign(heads * len + heads + heads * dim, 0.0f);
@@ -90,8 +110,9 @@ void attend(const Decode& a, int64_t b, int64_t h0, int64_t h1, std::vector<floa
   float* inv = scores + heads * len;
   float* acc = inv + heads;
   const float* q = a.q + (b * a.q_heads + h0 * groups) * dim;
-  for (int64_t t = 0; t < len; ++t) {  // one pass over the keys, every head at once
-    if (t + kPrefetchAhead < len) prefetch(a.k_cache + a.at(b, h0, t + kPrefetchAhead), span);
+  for (int64_t i = 0; i < len; ++i) {  // one pass over the keys, every head at once
+    const int64_t t = t0 + i;
+    if (i + kPrefetchAhead < len) prefetch(a.k_cache + a.at(b, h0, t + kPrefetchAhead), span_floats);
     const float* k = a.k_cache + a.at(b, h0, t);
     for (int64_t head = 0; head < heads; ++head) {
       const float* kh = k + head / groups * dim;
@@ -103,7 +124,7 @@ void attend(const Decode& a, int64_t b, int64_t h0, int64_t h1, std::vector<floa
         s1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d + 8), _mm256_loadu_ps(kh + d + 8), s1);
       }
       if (d < dim) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), _mm256_loadu_ps(kh + d), s0);
-      scores[head * len + t] = hsum(_mm256_add_ps(s0, s1)) * a.scale;
+      scores[head * len + i] = hsum(_mm256_add_ps(s0, s1)) * a.scale;
     }
   }
   for (int64_t head = 0; head < heads; ++head) {  // softmax's exponentials, their sum
@@ -119,25 +140,48 @@ void attend(const Decode& a, int64_t b, int64_t h0, int64_t h1, std::vector<floa
     }
     float sum = hsum(total);
     for (; t < len; ++t) sum += (s[t] = std::exp(s[t] - top));
-    inv[head] = 1.0f / sum;
+    inv[head] = stats ? 1.0f : 1.0f / sum;
+    if (stats) {
+      stats[2 * head] = top;
+      stats[2 * head + 1] = sum;
+    }
   }
-  for (int64_t t = 0; t < len; ++t) {  // one pass over the values, sums in L1
-    if (t + kPrefetchAhead < len) prefetch(a.v_cache + a.at(b, h0, t + kPrefetchAhead), span);
+  for (int64_t i = 0; i < len; ++i) {  // one pass over the values, sums in L1
+    const int64_t t = t0 + i;
+    if (i + kPrefetchAhead < len) prefetch(a.v_cache + a.at(b, h0, t + kPrefetchAhead), span_floats);
     const float* v = a.v_cache + a.at(b, h0, t);
     for (int64_t head = 0; head < heads; ++head) {
-      const __m256 p = _mm256_set1_ps(scores[head * len + t]);
+      const __m256 p = _mm256_set1_ps(scores[head * len + i]);
       const float* vh = v + head / groups * dim;
       float* o = acc + head * dim;
       for (int64_t d = 0; d < dim; d += 8)
-        _mm256_storeu_ps(o + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(vh + d),
-                                                _mm256_loadu_ps(o + d)));
+        _mm256_storeu_ps(o + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(vh + d), _mm256_loadu_ps(o + d)));
     }
   }
   for (int64_t head = 0; head < heads; ++head) {
     const __m256 s = _mm256_set1_ps(inv[head]);
     for (int64_t d = 0; d < dim; d += 8)
-      _mm256_storeu_ps(out + head * dim + d, _mm256_mul_ps(_mm256_loadu_ps(acc + head * dim + d), s));
+      _mm256_storeu_ps(dst + head * dim + d, _mm256_mul_ps(_mm256_loadu_ps(acc + head * dim + d), s));
   }
+}
+
+// One head's output from its runs' parts: sums [parts, D] and stats [parts, 2] (the
+// scores' maximum, the exponentials' sum). Each run's sums weighted by e^(its
+// maximum - the overall one), over its exponentials' sum weighted likewise: the
+// softmax over every position, exactly.
+void merge(const float* sums, const float* stats, int64_t parts, int64_t dim, float* out) {
+  float top = -INFINITY;
+  for (int64_t s = 0; s < parts; ++s) top = std::max(top, stats[2 * s]);
+  std::fill(out, out + dim, 0.0f);
+  if (top == -INFINITY) return;  // no position at all
+  float total = 0.0f;
+  for (int64_t s = 0; s < parts; ++s) {
+    if (stats[2 * s + 1] == 0.0f) continue;  // a run past the request's end
+    const float w = std::exp(stats[2 * s] - top);
+    total += w * stats[2 * s + 1];
+    for (int64_t d = 0; d < dim; ++d) out[d] += w * sums[s * dim + d];
+  }
+  for (int64_t d = 0; d < dim; ++d) out[d] /= total;
 }
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
@@ -169,16 +213,48 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
                  k_cache.size(1), tables.size(1), static_cast<float>(scale)};
   // A task is a whole request, its keys and values read in block order, when there
   // are requests enough to keep every thread busy (2.3x faster than a task per KV
-  // head at 16-28 requests); else one KV head of one request.
-  const int64_t per_task = batch >= 2 * at::get_num_threads() ? kv_heads : 1;
+  // head at 16-28 requests). Fewer, and each request's context is split into runs of
+  // whole blocks, a task each, as many as make the tasks a multiple of the threads
+  // (one request's 3 KV heads on 2 threads had one thread wait on the other), each
+  // at least kMinSplitBlocks long; the runs' parts are merged. A context too short
+  // to split: a task per KV head, as before.
+  const int64_t threads = at::get_num_threads();
+  const int64_t longest = *std::max_element(a.lens, a.lens + batch);
+  const int64_t blocks = (std::max<int64_t>(longest, 1) + a.block_size - 1) / a.block_size;
+  int64_t splits = 1, per_task = kv_heads;
+  if (batch < 2 * threads && threads > 1) {  // one thread: any tasks are balanced
+    splits = std::min((2 * threads + batch - 1) / batch, blocks / kMinSplitBlocks);
+    const int64_t even = splits * batch / threads * threads;  // tasks, whole rounds
+    if (even >= batch) splits = even / batch;
+    if (splits < 2) splits = 1, per_task = 1;
+  }
   const int64_t tasks = batch * (kv_heads / per_task);
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+  const int64_t run = (blocks + splits - 1) / splits * a.block_size;  // positions a run
+  const int64_t groups = q_heads / kv_heads, heads = per_task * groups;
+  const int64_t step = heads * (dim + 2);  // a run's part: sums, then max and sum
+  std::vector<float> parts(splits > 1 ? tasks * splits * step : 0);
+  at::parallel_for(0, tasks * splits, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch;
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t task = item / splits, split = item % splits;
       const int64_t b = task * per_task / kv_heads, h0 = task * per_task % kv_heads;
-      attend(a, b, h0, h0 + per_task, scratch);
+      float* part = splits > 1 ? parts.data() + item * step : nullptr;
+      attend(a, b, h0, h0 + per_task, Span{split * run, (split + 1) * run}, scratch,
+             a.out + (b * q_heads + h0 * groups) * dim, part);
     }
   });
+  std::vector<float> sums(splits * dim), stats(splits * 2);  // one head's parts
+  for (int64_t task = 0; splits > 1 && task < tasks; ++task) {
+    const int64_t b = task * per_task / kv_heads, h0 = task * per_task % kv_heads;
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t s = 0; s < splits; ++s) {
+        const float* p = parts.data() + (task * splits + s) * step;
+        std::copy(p + h * dim, p + (h + 1) * dim, sums.begin() + s * dim);
+        std::copy(p + heads * dim + 2 * h, p + heads * dim + 2 * h + 2, stats.begin() + 2 * s);
+      }
+      merge(sums.data(), stats.data(), splits, dim, a.out + (b * q_heads + h0 * groups + h) * dim);
+    }
+  }
   return out;
 }
 

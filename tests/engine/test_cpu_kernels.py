@@ -367,6 +367,28 @@ def test_paged_decode_matches_the_reference(kernels, batch, length, q_heads, kv_
 
 
 @needs_avx2
+@pytest.mark.parametrize("threads", [2, 3, 4])
+@pytest.mark.parametrize("lens", [[300], [64], [300, 20], [300, 0], [250, 1, 0]])
+def test_paged_decode_split_along_the_context_matches_the_reference(kernels, threads, lens):
+    """Few requests on several threads: each request's context is split into runs of
+    whole blocks (a request's runs past its end empty) and the parts merged."""
+    from engine.attention.cpu_paged import paged_decode_reference
+
+    q, k_cache, v_cache, tables, _ = paged_case(len(lens), max(lens), 9, 3, 64, 16)
+    lens = torch.tensor(lens, dtype=torch.int32)
+    want = paged_decode_reference(q, k_cache, v_cache, tables, lens, 0.125)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = torch.ops.kvserve.paged_decode(q, k_cache, v_cache, tables, lens, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    empty = lens == 0
+    assert torch.allclose(got[~empty], want[~empty], rtol=1e-5, atol=2e-6)
+    assert torch.equal(got[empty], torch.zeros_like(got[empty]))
+
+
+@needs_avx2
 def test_paged_decode_ignores_what_lies_past_each_length(kernels):
     """Keys past a request's length (the rest of its last block, a table's padding)
     change nothing, however large; a length of 0 gives zeros, not NaNs."""
