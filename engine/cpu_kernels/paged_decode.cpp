@@ -3,11 +3,11 @@
 // torch form stays the reference and serves the other cache dtypes).
 //
 // A task is one request (when requests are few, a run of its context's blocks, or
-// one of its KV heads), spread over torch's threads. It makes one pass over its keys, scoring every query head
-// against each key as it is loaded; a float32 softmax per head; then one pass over
-// the values, the heads' sums kept in L1. So each key and value is read from memory
-// once a step, which is what a decode step's attention costs: the KV cache is the
-// largest thing it reads after the weights.
+// one of its KV heads), spread over torch's threads. It makes one pass over its keys,
+// scoring every query head against each key as it is loaded; a float32 softmax per
+// head; then one pass over the values, the heads' sums kept in L1. So each key and
+// value is read from memory once a step, which is what a decode step's attention
+// costs: the KV cache is the largest thing it reads after the weights.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -112,7 +112,8 @@ void attend(const Decode& a, int64_t b, int64_t h0, int64_t h1, Span span,
   const float* q = a.q + (b * a.q_heads + h0 * groups) * dim;
   for (int64_t i = 0; i < len; ++i) {  // one pass over the keys, every head at once
     const int64_t t = t0 + i;
-    if (i + kPrefetchAhead < len) prefetch(a.k_cache + a.at(b, h0, t + kPrefetchAhead), span_floats);
+    if (i + kPrefetchAhead < len)
+      prefetch(a.k_cache + a.at(b, h0, t + kPrefetchAhead), span_floats);
     const float* k = a.k_cache + a.at(b, h0, t);
     for (int64_t head = 0; head < heads; ++head) {
       const float* kh = k + head / groups * dim;
@@ -148,14 +149,16 @@ void attend(const Decode& a, int64_t b, int64_t h0, int64_t h1, Span span,
   }
   for (int64_t i = 0; i < len; ++i) {  // one pass over the values, sums in L1
     const int64_t t = t0 + i;
-    if (i + kPrefetchAhead < len) prefetch(a.v_cache + a.at(b, h0, t + kPrefetchAhead), span_floats);
+    if (i + kPrefetchAhead < len)
+      prefetch(a.v_cache + a.at(b, h0, t + kPrefetchAhead), span_floats);
     const float* v = a.v_cache + a.at(b, h0, t);
     for (int64_t head = 0; head < heads; ++head) {
       const __m256 p = _mm256_set1_ps(scores[head * len + i]);
       const float* vh = v + head / groups * dim;
       float* o = acc + head * dim;
       for (int64_t d = 0; d < dim; d += 8)
-        _mm256_storeu_ps(o + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(vh + d), _mm256_loadu_ps(o + d)));
+        _mm256_storeu_ps(o + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(vh + d),
+                                                _mm256_loadu_ps(o + d)));
     }
   }
   for (int64_t head = 0; head < heads; ++head) {
@@ -165,21 +168,22 @@ void attend(const Decode& a, int64_t b, int64_t h0, int64_t h1, Span span,
   }
 }
 
-// One head's output from its runs' parts: sums [parts, D] and stats [parts, 2] (the
-// scores' maximum, the exponentials' sum). Each run's sums weighted by e^(its
-// maximum - the overall one), over its exponentials' sum weighted likewise: the
-// softmax over every position, exactly.
-void merge(const float* sums, const float* stats, int64_t parts, int64_t dim, float* out) {
+// One head's output from its runs' parts (`runs` of them, `step` floats apart): its
+// sums [D] at `sums`, its scores' maximum and exponentials' sum at `stats`. Each run's
+// sums weighted by e^(its maximum - the overall one), over its exponentials' sum
+// weighted likewise: the softmax over every position, exactly (a run past the
+// request's end, maximum -inf, weighs 0).
+void merge(const float* sums, const float* stats, int64_t runs, int64_t step, int64_t dim,
+           float* out) {
   float top = -INFINITY;
-  for (int64_t s = 0; s < parts; ++s) top = std::max(top, stats[2 * s]);
+  for (int64_t r = 0; r < runs; ++r) top = std::max(top, stats[r * step]);
   std::fill(out, out + dim, 0.0f);
   if (top == -INFINITY) return;  // no position at all
   float total = 0.0f;
-  for (int64_t s = 0; s < parts; ++s) {
-    if (stats[2 * s + 1] == 0.0f) continue;  // a run past the request's end
-    const float w = std::exp(stats[2 * s] - top);
-    total += w * stats[2 * s + 1];
-    for (int64_t d = 0; d < dim; ++d) out[d] += w * sums[s * dim + d];
+  for (int64_t r = 0; r < runs; ++r) {
+    const float w = std::exp(stats[r * step] - top);
+    total += w * stats[r * step + 1];
+    for (int64_t d = 0; d < dim; ++d) out[d] += w * sums[r * step + d];
   }
   for (int64_t d = 0; d < dim; ++d) out[d] /= total;
 }
@@ -243,17 +247,12 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
              a.out + (b * q_heads + h0 * groups) * dim, part);
     }
   });
-  std::vector<float> sums(splits * dim), stats(splits * 2);  // one head's parts
   for (int64_t task = 0; splits > 1 && task < tasks; ++task) {
     const int64_t b = task * per_task / kv_heads, h0 = task * per_task % kv_heads;
-    for (int64_t h = 0; h < heads; ++h) {
-      for (int64_t s = 0; s < splits; ++s) {
-        const float* p = parts.data() + (task * splits + s) * step;
-        std::copy(p + h * dim, p + (h + 1) * dim, sums.begin() + s * dim);
-        std::copy(p + heads * dim + 2 * h, p + heads * dim + 2 * h + 2, stats.begin() + 2 * s);
-      }
-      merge(sums.data(), stats.data(), splits, dim, a.out + (b * q_heads + h0 * groups + h) * dim);
-    }
+    const float* first = parts.data() + task * splits * step;  // the task's first run
+    for (int64_t h = 0; h < heads; ++h)
+      merge(first + h * dim, first + heads * dim + 2 * h, splits, step, dim,
+            a.out + (b * q_heads + h0 * groups + h) * dim);
   }
   return out;
 }
