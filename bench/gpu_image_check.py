@@ -106,16 +106,13 @@ class ImageFinder(importlib.abc.MetaPathFinder):
         self.absent, self.site = absent, site
 
     def find_spec(self, name, path=None, target=None):
-        top = name.partition(".")[0]
-        if top not in self.absent:
+        # A submodule (path set): its package was let through, so it came from the wheels.
+        if name.partition(".")[0] not in self.absent or path is not None:
             return None
-        if self.site and path is None:  # a top-level module: look for it in the wheels
-            spec = importlib.machinery.PathFinder.find_spec(name, self.site)
-            if spec is not None:
-                return spec
-        elif self.site and path is not None:
-            return None  # a submodule of a package that came from the wheels
-        raise ModuleNotFoundError(f"No module named {name!r} on the GPU image", name=name)
+        spec = importlib.machinery.PathFinder.find_spec(name, self.site) if self.site else None
+        if spec is None:
+            raise ModuleNotFoundError(f"No module named {name!r} on the GPU image", name=name)
+        return spec
 
 
 def main() -> None:
