@@ -10,7 +10,8 @@ packed for kvserve's CPU GEMM (engine/cpu_kernels) stay calls of its op in every
 
 Three graphs, so no workload recompiles once they exist:
 - decode, one request: logits of one token (static shape but for the context's
-  length; the CPP GEMM template);
+  length; the CPP GEMM template); on CPU called directly, past Dynamo's frame, once
+  built (engine/direct_graph.py: ~0.75 ms of a ~12 ms default-model step);
 - decode, 2+ requests: logits of every row, the row count dynamic;
 - hidden: the final hidden states of a mixed step of 2+ tokens, dynamic; the runner
   takes the logits of the rows it needs.
@@ -47,6 +48,7 @@ import torch
 import torch._inductor.config
 
 from engine.attention.cpu_paged import PagedDecode
+from engine.direct_graph import DirectCall, GraphRecorder, model_tensors
 from engine.lora.step import LoRAStep
 from engine.models.llama import LlamaForCausalLM
 from engine.quantization.layer import QuantizedLinear
@@ -166,14 +168,25 @@ class CompiledModel:
         self.cpp_wrapper = cpp_wrapper
         self.options = {**MODEL_UNCHECKED, **(CPP_WRAPPER if cpp_wrapper else {})}
         self._one = self._batch_one(BATCH_ONE)
+        # A copy each: torch.compile pops guard_filter_fn from the dict it is given.
         self._many = torch.compile(_own_code(CompiledModel._decode_many, self),
-                                   options=self.options)
+                                   options=dict(self.options))
         self._hidden = torch.compile(_own_code(CompiledModel._hidden_many, self),
-                                     options=self.options)
+                                     options=dict(self.options))
 
     def _batch_one(self, options: dict):
-        return torch.compile(_own_code(CompiledModel._decode_one, self), dynamic=False,
-                             options={**options, **self.options})
+        """The batch-1 decode graph. With the paged decode (CPU) its steps call it
+        directly, past Dynamo's frame, once it is built (engine/direct_graph.py)."""
+        options = {**options, **self.options}
+        self.direct_one: DirectCall | None = None
+        self._recorder = None
+        fn = _own_code(CompiledModel._decode_one, self)
+        if not self.paged_decode:
+            return torch.compile(fn, dynamic=False, options=options)
+        guard_filter_fn = options.pop("guard_filter_fn")
+        self._recorder = GraphRecorder(options)
+        return torch.compile(fn, dynamic=False, backend=self._recorder,
+                             options={"guard_filter_fn": guard_filter_fn})
 
     # Three functions, so each graph has a code object (and a cache) of its own.
     def _decode_one(self, ids, positions, paged, lora=None):
@@ -199,11 +212,39 @@ class CompiledModel:
 
     def _compiled_decode(self, ids, positions, paged, lora=None):
         if len(ids) == 1:
-            if paged is not None:  # the context grows: the table's width may vary
-                torch._dynamo.mark_dynamic(paged.block_tables, 1)
-            return self._one(ids, positions, paged, lora)
+            return self._decode_alone(ids, positions, paged, lora)
         return self._many(*_dynamic(ids, positions), _dynamic_paged(paged),
                           _dynamic_lora(lora))
+
+    def _decode_alone(self, ids, positions, paged, lora):
+        """One request's decode step: the batch-1 graph called directly where it can
+        be, else through Dynamo, which records the direct call when it compiles."""
+        if paged is None or self._recorder is None:
+            return self._one(ids, positions, paged, lora)
+        step_args = (ids, positions, *paged)
+        if lora is None and self.direct_one is not None:
+            out = self.direct_one(*step_args)
+            if out is not None:
+                return out[0]
+        torch._dynamo.mark_dynamic(paged.block_tables, 1)  # the context grows
+        self._recorder.last = None
+        logits = self._one(ids, positions, paged, lora)
+        if lora is None and self._recorder.last is not None:
+            self.direct_one = self._direct(self._recorder.last, logits, step_args)
+            self._recorder.last = None  # it holds this call's inputs
+        return logits
+
+    def _direct(self, compiled, logits: torch.Tensor, step_args: tuple
+                ) -> DirectCall | None:
+        """The direct call of the batch-1 graph just compiled by a call of these step
+        inputs, if it gives that call's logits again (its K/V write is the same)."""
+        direct = DirectCall.build(compiled, step_args, model_tensors(self.model))
+        out = direct(*step_args) if direct is not None else None
+        if out is None or len(out) != 1 or not torch.equal(out[0], logits):
+            log.warning("batch-1 decode steps go through Dynamo: the compiled graph "
+                        "could not be called directly")
+            return None
+        return direct
 
     def hidden(self, ids: torch.Tensor, positions: torch.Tensor,
                lora: LoRAStep | None = None) -> torch.Tensor:

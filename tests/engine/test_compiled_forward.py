@@ -166,6 +166,47 @@ def test_graphs_are_cpp_and_check_no_input_sizes_at_each_call(compiled_factory):
     assert not any("assert_size_stride(" in c or "assert_alignment(" in c for c in codes)
 
 
+def test_batch_one_decode_steps_call_their_graph_past_dynamo(compiled, tiny_engine_factory,
+                                                             ref):
+    """engine/direct_graph.py: once built, the batch-1 graph is called with the
+    model's tensors it took then and each step's inputs, not through Dynamo's frame
+    (~0.7 ms a default-model step); the tokens stay the eager path's."""
+    from unittest import mock
+
+    model = compiled.runner.compiled
+    assert model.direct_one is not None
+    prompts = varied_prompts(compiled.model_config.vocab_size, count=2, seed=3,
+                             lengths=(4, 40))
+    through_dynamo = []
+    with mock.patch.object(model, "_one", side_effect=through_dynamo.append):
+        got = [compiled.generate([p], greedy(40))[0] for p in prompts]  # tables widen
+    assert through_dynamo == []
+    eager = tiny_engine_factory(max_num_batched_tokens=37, compile="off")
+    assert_same_tokens(ref, prompts, got, [eager.generate([p], greedy(40))[0] for p in prompts])
+
+
+def test_every_graph_drops_dynamo_s_guards_on_the_model(tiny_engine_factory):
+    """torch.compile takes guard_filter_fn out of the options it is given: each graph
+    must be given its own copy (the mixed-step graph once got none, and checked ~30
+    guards a layer at every call)."""
+    from unittest import mock
+
+    from engine.compiled_model import CompiledModel, _unguarded_model
+
+    model = tiny_engine_factory(compile="off").runner.model
+    real, filters = torch.compile, []
+
+    def compile_spy(fn, **kwargs):
+        filters.append((kwargs.get("options") or {}).get("guard_filter_fn"))
+        return real(fn, **kwargs)
+
+    for paged in (False, True):
+        filters.clear()
+        with mock.patch("torch.compile", compile_spy):
+            CompiledModel(model, paged_decode=paged, cpp_wrapper=True)
+        assert filters == [_unguarded_model] * 3
+
+
 def test_graphs_fall_back_to_python_wrappers(tiny_engine_factory):
     """If Inductor cannot build a graph with a C++ wrapper, the graphs are built
     again with Python ones: compiled steps all the same, not eager ones. (Nothing is
