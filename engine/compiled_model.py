@@ -11,7 +11,7 @@ packed for kvserve's CPU GEMM (engine/cpu_kernels) stay calls of its op in every
 Three graphs, so no workload recompiles once they exist:
 - decode, one request: logits of one token (static shape but for the context's
   length; the CPP GEMM template); on CPU called directly, past Dynamo's frame, once
-  built (engine/direct_graph.py: ~0.75 ms of a ~12 ms default-model step);
+  built (engine/direct_graph.py: 0.9-1.4 ms of a ~15 ms default-model step);
 - decode, 2+ requests: logits of every row, the row count dynamic;
 - hidden: the final hidden states of a mixed step of 2+ tokens, dynamic; the runner
   takes the logits of the rows it needs.

@@ -3,10 +3,11 @@
 Why: a batch-1 decode step of the default model hands 371 tensors to its graph (every
 weight, both KV caches of every layer, the step's inputs). Through torch.compile each
 call evaluates the frame's guards, gathers the model's tensors by attribute chains
-(Dynamo's bytecode) and passes AOT autograd's wrappers: ~0.7-0.8 ms of a ~12 ms
-batch-1 int8 step on two AVX2 cores (one process, steps alternating between the two
-ways: 12.40 against 11.58 ms a call, then 11.26 against 10.53), the same graph
-giving bit-identical logits.
+(Dynamo's bytecode) and passes AOT autograd's wrappers: 0.86-0.97 ms of a ~15 ms
+batch-1 int8 step on two AVX2 cores, 1.3 ms with the shipped weights' int4 layers
+(more tensors), the same graph giving bit-identical logits (bench/direct_call_ab.py,
+steps alternating between the two ways in one engine;
+bench/results/cpu_direct_call_avx2_2026-11-26.md).
 
 How: `GraphRecorder` is the torch.compile backend of such graphs. It compiles each
 graph with Inductor as the default backend would (compile_fx, the same options) and
