@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.in_process.utilisation import copy_bandwidth  # noqa: E402
-from bench.provenance import provenance  # noqa: E402
+from bench.provenance import provenance, simd_flags  # noqa: E402
 from engine.loader import NATIVE_BF16_FLAGS, cpu_flags  # noqa: E402
 
 ROWS_OUT, ROWS_IN = 49152, 576  # SmolLM2-135M's LM head
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                 cases.append({"rows": rows, "weights": weights, "how": how,
                               "ms": round(ms, 3), "at_half_copy_ms": round(at_half_copy, 3)})
     all_flags = cpu_flags()
-    flags = sorted(f for f in all_flags if f.startswith(("avx", "amx", "fma", "f16c")))
+    flags = simd_flags(all_flags)
     result = {**provenance(), "cpu_flags": flags,
               "native_bf16": any(f in all_flags for f in NATIVE_BF16_FLAGS),
               "torch": torch.__version__, "capability": torch.backends.cpu.get_cpu_capability(),

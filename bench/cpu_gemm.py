@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.in_process.utilisation import copy_bandwidth  # noqa: E402
-from bench.provenance import provenance  # noqa: E402
+from bench.provenance import provenance, simd_flags  # noqa: E402
 from engine.cpu_kernels.packing import pack_weight, packed_linear, reference_product  # noqa: E402
 from engine.cpu_kernels.setup import load_once  # noqa: E402
 from engine.loader import cpu_flags  # noqa: E402
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                               "gflops": round(flops / best[way] / 1e6, 2),
                               "weight_gbps": round(nbytes / best[way] / 1e6, 2)})
     all_flags = cpu_flags()
-    flags = sorted(f for f in all_flags if f.startswith(("avx", "amx", "fma", "f16c")))
+    flags = simd_flags(all_flags)
     result = {**provenance(), "cpu_flags": flags, "torch": torch.__version__,
               "capability": torch.backends.cpu.get_cpu_capability(),
               "threads": torch.get_num_threads(), "copy_gbps": round(copy_gbps, 2),

@@ -18,6 +18,7 @@ import time
 import torch
 
 from engine.cpu_kernels.setup import load_once
+from bench.provenance import simd_flags
 from engine.loader import cpu_flags
 
 LAYERS, BLOCK, KV_HEADS, Q_HEADS, DIM = 30, 16, 3, 9, 64
@@ -55,8 +56,7 @@ def main(argv: list[str] | None = None) -> int:
                       "context": args.context, "step_ms": round(median * 1e3, 3),
                       "min_ms": round(min(times) * 1e3, 3),
                       "kv_gb_s": round(kv_bytes / median / 1e9, 2),
-                      "cpu_flags": sorted(f for f in cpu_flags()
-                                          if f.startswith(("avx", "fma", "f16c", "amx")))}))
+                      "cpu_flags": simd_flags(cpu_flags())}))
     return 0
 
 

@@ -15,6 +15,7 @@ import time
 
 from engine.config import EngineConfig
 from engine.engine import Engine
+from bench.provenance import simd_flags
 from engine.loader import cpu_flags
 from scheduler.sampling_params import SamplingParams
 
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
            for way, t in times.items()},
         "quantization": args.quantization, "positions": [args.prompt_len + 30,
                                                          args.prompt_len + 30 + args.steps],
-        "cpu_flags": sorted(f for f in cpu_flags() if f.startswith(("avx", "fma", "f16c", "amx")))}))
+        "cpu_flags": simd_flags(cpu_flags())}))
     return 0
 
 

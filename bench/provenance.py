@@ -29,3 +29,9 @@ def provenance(device: str | None = None, command: str | None = None) -> dict:
             "commit": git_commit(),
             "command": command or " ".join(["python"] + sys.argv),
             "python": platform.python_version()}
+
+
+def simd_flags(flags: set[str]) -> list[str]:
+    """The CPU flags a CPU figure depends on (vector widths, FMA, half floats, AMX),
+    out of all of them (engine.loader.cpu_flags)."""
+    return sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c")))
