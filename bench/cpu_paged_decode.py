@@ -5,8 +5,11 @@ per second. Each layer has its caches of its own, so a step's K/V outgrow L2 as 
 real step (where the weights flush them from L3 between steps, too).
 
   OMP_NUM_THREADS=2 python bench/cpu_paged_decode.py --batch 1 --context 192
+  python bench/cpu_paged_decode.py --dtype bfloat16 --batch 32 --context 290 --against-inductor
 
-Compare kernels in separate processes, alternating (bench/results/
+--against-inductor also times what the kernel replaced, the reference's ops compiled by
+Inductor (engine/attention/cpu_paged.py), over the same caches, steps alternating in
+this process. Compare kernels in separate processes, alternating (bench/results/
 cpu_paged_decode_avx2_2026-11-26.md): one process's kernel is the one it built."""
 from __future__ import annotations
 
@@ -17,8 +20,9 @@ import time
 
 import torch
 
-from engine.cpu_kernels.setup import load_once
 from bench.provenance import simd_flags
+from engine.attention.cpu_paged import paged_decode_reference
+from engine.cpu_kernels.setup import load_once
 from engine.loader import cpu_flags
 
 LAYERS, BLOCK, KV_HEADS, Q_HEADS, DIM = 30, 16, 3, 9, 64
@@ -29,34 +33,47 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=192)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--against-inductor", action="store_true")
     args = parser.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
     load_once()
     torch.manual_seed(0)
     width = -(-args.context // BLOCK)
     blocks = max(400, args.batch * width)
-    caches = [(torch.randn(blocks, BLOCK, KV_HEADS, DIM), torch.randn(blocks, BLOCK, KV_HEADS, DIM))
-              for _ in range(LAYERS)]
+    caches = [(torch.randn(blocks, BLOCK, KV_HEADS, DIM, dtype=dtype),
+               torch.randn(blocks, BLOCK, KV_HEADS, DIM, dtype=dtype)) for _ in range(LAYERS)]
     tables = torch.randperm(blocks)[:args.batch * width].reshape(args.batch, width).int()
     lens = torch.full((args.batch,), args.context, dtype=torch.int32)
-    q = torch.randn(args.batch, Q_HEADS, DIM)
-    op = torch.ops.kvserve.paged_decode
+    q = torch.randn(args.batch, Q_HEADS, DIM, dtype=dtype)
+    ops = {"kernel": torch.ops.kvserve.paged_decode}
+    if args.against_inductor:
+        # dynamic: one graph for every table width, as the engine's decode graphs have
+        ops["inductor"] = torch.compile(paged_decode_reference, fullgraph=True, dynamic=True)
 
-    def step() -> float:
+    def step(op) -> float:
         start = time.perf_counter()
         for k_cache, v_cache in caches:
             op(q, k_cache, v_cache, tables, lens, DIM ** -0.5)
         return time.perf_counter() - start
 
-    for _ in range(20):
-        step()
-    times = [step() for _ in range(args.steps)]
-    median = statistics.median(times)
-    kv_bytes = LAYERS * args.batch * args.context * KV_HEADS * DIM * 4 * 2
-    print(json.dumps({"threads": torch.get_num_threads(), "batch": args.batch,
-                      "context": args.context, "step_ms": round(median * 1e3, 3),
-                      "min_ms": round(min(times) * 1e3, 3),
-                      "kv_gb_s": round(kv_bytes / median / 1e9, 2),
-                      "cpu_flags": simd_flags(cpu_flags())}))
+    times = {name: [] for name in ops}
+    for i in range(20 + args.steps):  # the first 20 warm up
+        for name, op in ops.items():
+            t = step(op)
+            if i >= 20:
+                times[name].append(t)
+    kv_bytes = LAYERS * args.batch * args.context * KV_HEADS * DIM * dtype.itemsize * 2
+    median = statistics.median(times["kernel"])
+    result = {"threads": torch.get_num_threads(), "dtype": args.dtype, "batch": args.batch,
+              "context": args.context, "step_ms": round(median * 1e3, 3),
+              "min_ms": round(min(times["kernel"]) * 1e3, 3),
+              "kv_gb_s": round(kv_bytes / median / 1e9, 2)}
+    if args.against_inductor:
+        inductor = statistics.median(times["inductor"])
+        result |= {"inductor_step_ms": round(inductor * 1e3, 3),
+                   "kernel_speedup": round(inductor / median, 2)}
+    print(json.dumps(result | {"cpu_flags": simd_flags(cpu_flags())}))
     return 0
 
 

@@ -292,13 +292,16 @@ class EngineConfig:
         "CPU): background = serve eagerly while it compiles, wait = compile before "
         "serving; auto = background on CPU, off on CUDA",
         choices=["auto", "background", "wait", "off"])
-    # engine/cpu_kernels/: weights packed at load, eager and compiled steps alike.
+    # engine/cpu_kernels/: weights packed at load, eager and compiled steps alike;
+    # the decode attention (engine/attention/cpu_paged.py).
     cpu_kernels: str = setting(
-        "auto", "float32 on CPU: kvserve = kvserve's AVX2 kernels for the linear layers, "
-        "over weights packed at load (in bf16 where every value is exact in bf16, as a "
-        "bf16 checkpoint's are: half the bytes a token), built once with the C++ "
-        "compiler; torch = torch's GEMMs (oneDNN in compiled graphs); auto = kvserve on "
-        "x86 CPUs with AVX2 and FMA but no AVX-512, torch elsewhere",
+        "auto", "kvserve's AVX2 CPU kernels, built once with the C++ compiler: kvserve = "
+        "its GEMM for float32 linear layers, over weights packed at load (in bf16 where "
+        "every value is exact in bf16, as a bf16 checkpoint's are: half the bytes a "
+        "token), and its paged decode attention; torch = torch's GEMMs (oneDNN in "
+        "compiled graphs) and Inductor's attention; auto = the GEMM on x86 CPUs with "
+        "AVX2 and FMA but no AVX-512, the attention (float32 and bf16 caches) on all of "
+        "them",
         choices=["auto", "kvserve", "torch"])
     # engine/quantization/: weights quantized at load (online quantization), or a
     # GGUF's quantized blocks kept as they are (engine/gguf_loader.py).

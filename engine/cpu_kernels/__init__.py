@@ -1,5 +1,6 @@
-"""kvserve's CPU kernels, for float32 steps on x86 CPUs with AVX2 and FMA
-(--cpu-kernels): the linear layers' GEMM, over weights packed once at load.
+"""kvserve's CPU kernels, for x86 CPUs with AVX2 and FMA (--cpu-kernels): the linear
+layers' GEMM for float32 steps, over weights packed once at load (AVX2-only CPUs),
+and the decode attention over float32 and bf16 paged caches (every such CPU).
 
 Why: on an AVX2-only CPU torch's float32 GEMMs run at a third to a half of the
 cores' FMA peak for the few rows of a decode step (oneDNN: 45-57 GFLOP/s at 16 rows
@@ -15,6 +16,8 @@ needs anyway, once a machine (build.py), and called as ops (kvserve::packed_line
 in eager steps and compiled graphs alike.
 
 - packed_gemm.cpp: the GEMM and its op.
+- paged_decode.cpp: the decode attention's op (engine/attention/cpu_paged.py).
 - build.py: compiling and loading the library.
 - packing.py: the packed weight layout, and the op's Python face.
-- setup.py: --cpu-kernels, and packing a loaded model's linear layers."""
+- setup.py: --cpu-kernels, loading the kernels, and packing a loaded model's linear
+  layers."""

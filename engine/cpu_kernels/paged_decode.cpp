@@ -1,6 +1,8 @@
-// kvserve::paged_decode: decode attention over the paged float32 KV cache, reading
-// every key and value where it lies (engine/attention/cpu_paged.py's maths, whose
-// torch form stays the reference and serves the other cache dtypes).
+// kvserve::paged_decode: decode attention over the paged float32 or bfloat16 KV cache,
+// reading every key and value where it lies (engine/attention/cpu_paged.py's maths,
+// whose torch form stays the reference and serves fp8 caches). A bf16 value is widened
+// to float32 as it is loaded (its 16 bits are a float32's high half); scores, softmax
+// and sums are float32 whatever the cache holds, as in the reference.
 //
 // A task is one request (when requests are few, a run of its context's blocks, or
 // one of its KV heads), spread over torch's threads. It makes one pass over its keys,
@@ -51,8 +53,17 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_andnot_ps(too_small, _mm256_mul_ps(p, _mm256_castsi256_ps(scale)));
 }
 
+// Eight cache values as float32.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+template <typename T>  // the caches' element type: float or at::BFloat16
 struct Decode {
-  const float *q, *k_cache, *v_cache;
+  const float* q;
+  const T *k_cache, *v_cache;
   const int32_t *tables, *lens;
   float* out;
   int64_t q_heads, kv_heads, head_dim, block_size, table_width;
@@ -70,9 +81,10 @@ struct Decode {
 // not follow (1.3-1.5x faster at 16-28 requests of 150-550 positions, 2-core Zen 3).
 constexpr int64_t kPrefetchAhead = 4;
 
-inline void prefetch(const float* p, int64_t floats) {
+template <typename T>
+inline void prefetch(const T* p, int64_t values) {
   const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t o = 0; o < floats * 4; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
+  for (int64_t o = 0; o < values * int64_t(sizeof(T)); o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
 }
 
 // The positions [begin, end) of a request that a task attends to: all of them, or
@@ -89,7 +101,8 @@ constexpr int64_t kMinSplitBlocks = 4;
 // their outputs. Into `out` [heads, D], the attention's output; or, given `part`,
 // each head's unnormalised sums [heads, D], then its scores' maximum and its
 // exponentials' sum [heads, 2], which `merge` combines with the other runs'.
-void attend(const Decode& a, int64_t b, int64_t h0, int64_t h1, Span span,
+template <typename T>
+void attend(const Decode<T>& a, int64_t b, int64_t h0, int64_t h1, Span span,
             std::vector<float>& scratch, float* out, float* part) {
   const int64_t groups = a.q_heads / a.kv_heads, dim = a.head_dim;
   const int64_t heads = (h1 - h0) * groups, span_floats = (h1 - h0) * dim;
@@ -114,17 +127,17 @@ void attend(const Decode& a, int64_t b, int64_t h0, int64_t h1, Span span,
     const int64_t t = t0 + i;
     if (i + kPrefetchAhead < len)
       prefetch(a.k_cache + a.at(b, h0, t + kPrefetchAhead), span_floats);
-    const float* k = a.k_cache + a.at(b, h0, t);
+    const T* k = a.k_cache + a.at(b, h0, t);
     for (int64_t head = 0; head < heads; ++head) {
-      const float* kh = k + head / groups * dim;
+      const T* kh = k + head / groups * dim;
       const float* qh = q + head * dim;
       __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
       int64_t d = 0;
       for (; d + 16 <= dim; d += 16) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), _mm256_loadu_ps(kh + d), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d + 8), _mm256_loadu_ps(kh + d + 8), s1);
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), load8(kh + d), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d + 8), load8(kh + d + 8), s1);
       }
-      if (d < dim) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), _mm256_loadu_ps(kh + d), s0);
+      if (d < dim) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), load8(kh + d), s0);
       scores[head * len + i] = hsum(_mm256_add_ps(s0, s1)) * a.scale;
     }
   }
@@ -151,13 +164,13 @@ void attend(const Decode& a, int64_t b, int64_t h0, int64_t h1, Span span,
     const int64_t t = t0 + i;
     if (i + kPrefetchAhead < len)
       prefetch(a.v_cache + a.at(b, h0, t + kPrefetchAhead), span_floats);
-    const float* v = a.v_cache + a.at(b, h0, t);
+    const T* v = a.v_cache + a.at(b, h0, t);
     for (int64_t head = 0; head < heads; ++head) {
       const __m256 p = _mm256_set1_ps(scores[head * len + i]);
-      const float* vh = v + head / groups * dim;
+      const T* vh = v + head / groups * dim;
       float* o = acc + head * dim;
       for (int64_t d = 0; d < dim; d += 8)
-        _mm256_storeu_ps(o + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(vh + d),
+        _mm256_storeu_ps(o + d, _mm256_fmadd_ps(p, load8(vh + d),
                                                 _mm256_loadu_ps(o + d)));
     }
   }
@@ -188,33 +201,11 @@ void merge(const float* sums, const float* stats, int64_t runs, int64_t step, in
   for (int64_t d = 0; d < dim; ++d) out[d] /= total;
 }
 
-at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
-                        const at::Tensor& v_cache, const at::Tensor& block_tables,
-                        const at::Tensor& seq_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "paged_decode: q [B, Hq, D] and caches [N, block, Hkv, D], got ", q.sizes(),
-              " and ", k_cache.sizes());
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat,
-              "paged_decode: float32 queries and caches");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "paged_decode: the caches must be contiguous");
-  const int64_t batch = q.size(0), q_heads = q.size(1), dim = q.size(2);
-  const int64_t kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == dim && dim % 8 == 0 && q_heads % kv_heads == 0,
-              "paged_decode: head_dim ", dim, " (a multiple of 8, the caches' too) and ",
-              q_heads, " query heads over ", kv_heads, " KV heads");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == batch &&
-                  block_tables.scalar_type() == at::kInt && seq_lens.numel() == batch &&
-                  seq_lens.scalar_type() == at::kInt,
-              "paged_decode: int32 block_tables [B, W] and seq_lens [B]");
-  const at::Tensor queries = q.contiguous(), tables = block_tables.contiguous(),
-                   lens = seq_lens.contiguous();
-  at::Tensor out = at::empty({batch, q_heads, dim}, q.options());
-  const Decode a{queries.data_ptr<float>(), k_cache.data_ptr<float>(),
-                 v_cache.data_ptr<float>(), tables.data_ptr<int32_t>(),
-                 lens.data_ptr<int32_t>(), out.data_ptr<float>(), q_heads, kv_heads, dim,
-                 k_cache.size(1), tables.size(1), static_cast<float>(scale)};
+// The attention of every request into `a.out`: the tasks below, spread over torch's
+// threads, then the split runs merged.
+template <typename T>
+void decode_all(const Decode<T>& a, int64_t batch) {
+  const int64_t q_heads = a.q_heads, kv_heads = a.kv_heads, dim = a.head_dim;
   // A task is a whole request, its keys and values read in block order, when there
   // are requests enough to keep every thread busy (2.3x faster than a task per KV
   // head at 16-28 requests). Fewer, and each request's context is split into runs of
@@ -254,7 +245,51 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
       merge(first + h * dim, first + heads * dim + 2 * h, splits, step, dim,
             a.out + (b * q_heads + h0 * groups + h) * dim);
   }
-  return out;
+}
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache, const at::Tensor& block_tables,
+                        const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "paged_decode: q [B, Hq, D] and caches [N, block, Hkv, D], got ", q.sizes(),
+              " and ", k_cache.sizes());
+  const auto dtype = k_cache.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) &&
+                  v_cache.scalar_type() == dtype && q.scalar_type() == dtype,
+              "paged_decode: float32 or bfloat16 queries and caches, all of one dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged_decode: the caches must be contiguous");
+  const int64_t batch = q.size(0), q_heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == dim && dim % 8 == 0 && q_heads % kv_heads == 0,
+              "paged_decode: head_dim ", dim, " (a multiple of 8, the caches' too) and ",
+              q_heads, " query heads over ", kv_heads, " KV heads");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == batch &&
+                  block_tables.scalar_type() == at::kInt && seq_lens.numel() == batch &&
+                  seq_lens.scalar_type() == at::kInt,
+              "paged_decode: int32 block_tables [B, W] and seq_lens [B]");
+  // Queries and outputs are a few KiB: float32 copies of bf16 ones cost nothing
+  // beside the caches, and the output is rounded once, as the reference's is.
+  const at::Tensor queries = q.to(at::kFloat).contiguous(),
+                   tables = block_tables.contiguous(), lens = seq_lens.contiguous();
+  at::Tensor out = at::empty({batch, q_heads, dim}, queries.options());
+  const int64_t block_size = k_cache.size(1), width = tables.size(1);
+  if (dtype == at::kFloat) {
+    decode_all(Decode<float>{queries.data_ptr<float>(), k_cache.data_ptr<float>(),
+                             v_cache.data_ptr<float>(), tables.data_ptr<int32_t>(),
+                             lens.data_ptr<int32_t>(), out.data_ptr<float>(), q_heads,
+                             kv_heads, dim, block_size, width, static_cast<float>(scale)},
+               batch);
+    return out;
+  }
+  decode_all(Decode<at::BFloat16>{queries.data_ptr<float>(),
+                                  k_cache.data_ptr<at::BFloat16>(),
+                                  v_cache.data_ptr<at::BFloat16>(),
+                                  tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
+                                  out.data_ptr<float>(), q_heads, kv_heads, dim,
+                                  block_size, width, static_cast<float>(scale)},
+             batch);
+  return out.to(at::kBFloat16);
 }
 
 }  // namespace

@@ -16,4 +16,13 @@ def test_a_step_is_timed_and_the_machine_recorded(capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["batch"] == 2 and result["context"] == 40
     assert result["step_ms"] > 0 and result["kv_gb_s"] > 0
-    assert "avx2" in result["cpu_flags"]
+    assert "avx2" in result["cpu_flags"] and result["dtype"] == "float32"
+
+
+def test_bf16_against_inductor_times_both_in_turns(capsys):
+    assert main(["--dtype", "bfloat16", "--batch", "2", "--context", "40", "--steps", "2",
+                 "--against-inductor"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["dtype"] == "bfloat16" and result["inductor_step_ms"] > 0
+    assert result["kernel_speedup"] == pytest.approx(
+        result["inductor_step_ms"] / result["step_ms"], rel=0.02)

@@ -16,7 +16,7 @@ from engine.cpu_kernels.packing import (Packed, PackedWeight, exact_in_bf16, exa
                                         pack_int4, pack_int8, pack_weight, packed_linear,
                                         packed_rows, reference_product, round_int8_groups,
                                         unpack_weight)
-from engine.cpu_kernels.setup import load_once, pack_model, packing_wanted
+from engine.cpu_kernels.setup import attention_wanted, load_once, pack_model, packing_wanted
 from engine.loader import cpu_flags, load_model
 from engine.models.linear import Linear
 from modelstore.errors import ModelLoadError
@@ -364,6 +364,15 @@ def test_paged_decode_matches_the_reference(kernels, batch, length, q_heads, kv_
     want = paged_decode_reference(q, k_cache, v_cache, tables, lens, dim ** -0.5)
     got = torch.ops.kvserve.paged_decode(q, k_cache, v_cache, tables, lens, dim ** -0.5)
     assert torch.allclose(got, want, rtol=1e-5, atol=2e-6)
+    # bf16: the same float32 maths over the widened values, rounded once at the end, so
+    # within half a bf16 step (at most 2^-8 relative) of the float32 result on the same
+    # values, plus float32's own difference in summation order.
+    q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
+    exact = paged_decode_reference(q.float(), k_cache.float(), v_cache.float(), tables, lens,
+                                   dim ** -0.5)
+    got = torch.ops.kvserve.paged_decode(q, k_cache, v_cache, tables, lens, dim ** -0.5)
+    assert got.dtype == torch.bfloat16
+    assert torch.allclose(got.float(), exact, rtol=2 ** -8 + 1e-5, atol=2e-6)
 
 
 @needs_avx2
@@ -408,8 +417,10 @@ def test_paged_decode_ignores_what_lies_past_each_length(kernels):
 def test_paged_decode_refuses_what_it_cannot_read(kernels):
     q, k_cache, v_cache, tables, lens = paged_case(2, 10, 9, 3, 64, 16)
     op = torch.ops.kvserve.paged_decode
-    with pytest.raises(RuntimeError, match="float32 queries and caches"):
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 queries and caches, all of"):
         op(q, k_cache.bfloat16(), v_cache.bfloat16(), tables, lens, 0.125)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 queries and caches"):
+        op(q.half(), k_cache.half(), v_cache.half(), tables, lens, 0.125)
     with pytest.raises(RuntimeError, match="int32 block_tables"):
         op(q, k_cache, v_cache, tables.long(), lens, 0.125)
     with pytest.raises(RuntimeError, match="a multiple of 8"):
@@ -418,9 +429,9 @@ def test_paged_decode_refuses_what_it_cannot_read(kernels):
 
 
 @needs_avx2
-def test_attention_takes_the_kernel_for_float32_caches_only(kernels, monkeypatch):
-    """engine/attention/cpu_paged.py's attend: the op for float32 caches, the
-    reference's ops for the others (bf16 here), the same result either way."""
+def test_attention_takes_the_kernel_for_float32_and_bf16_caches(kernels, monkeypatch):
+    """engine/attention/cpu_paged.py's attend: the op for float32 and bf16 caches, the
+    reference's ops for the others (fp8, float16 here), the same result either way."""
     from engine.attention import cpu_paged
 
     q, k_cache, v_cache, tables, lens = paged_case(3, 50, 9, 3, 64, 16)
@@ -429,10 +440,17 @@ def test_attention_takes_the_kernel_for_float32_caches_only(kernels, monkeypatch
     monkeypatch.setattr(cpu_paged, "paged_decode_reference",
                         lambda *a, **k: calls.append(a[1].dtype) or real(*a, **k))
     got = cpu_paged.attend(q, k_cache, v_cache, tables, lens, 0.125)
-    assert calls == []
     assert torch.allclose(got, real(q, k_cache, v_cache, tables, lens, 0.125), atol=2e-6)
-    cpu_paged.attend(q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), tables, lens, 0.125)
-    assert calls == [torch.bfloat16]
+    b16 = [x.bfloat16() for x in (q, k_cache, v_cache)]
+    got = cpu_paged.attend(*b16, tables, lens, 0.125)
+    assert torch.allclose(got.float(), real(*b16, tables, lens, 0.125).float(),
+                          rtol=2 ** -8, atol=2e-6)
+    assert calls == []
+    cpu_paged.attend(q.half(), k_cache.half(), v_cache.half(), tables, lens, 0.125)
+    one = torch.ones((), dtype=torch.float32)
+    cpu_paged.attend(q, k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn),
+                     tables, lens, 0.125, one, one)
+    assert calls == [torch.float16, torch.float8_e4m3fn]
 
 
 # -- in compiled graphs ---------------------------------------------------------------
@@ -465,6 +483,18 @@ def test_compiled_graphs_call_the_op_for_any_row_count_without_recompiling(kerne
 CPU, F32 = torch.device("cpu"), torch.float32
 
 
+def test_auto_loads_the_attention_kernel_on_every_avx2_cpu_for_float32_and_bf16():
+    avx512 = AVX2 | {"avx512f", "avx512_bf16"}
+    for flags, dtype in [(AVX2, F32), (AVX2, torch.bfloat16), (avx512, F32),
+                         (avx512, torch.bfloat16)]:
+        assert attention_wanted("auto", CPU, dtype, flags)
+        assert attention_wanted("kvserve", CPU, dtype, flags)
+    assert not attention_wanted("torch", CPU, torch.bfloat16, avx512)
+    assert not attention_wanted("auto", CPU, torch.float16, avx512)
+    assert not attention_wanted("auto", CPU, torch.bfloat16, {"avx2", "avx512f"})  # no FMA
+    assert not attention_wanted("auto", torch.device("cuda"), torch.bfloat16, avx512)
+
+
 def test_auto_packs_float32_on_avx2_cpus_without_avx512():
     assert packing_wanted("auto", CPU, F32, {"avx2", "fma", "f16c"})
     assert not packing_wanted("auto", CPU, F32, {"avx2", "fma", "f16c", "avx512f"})
@@ -489,6 +519,22 @@ def test_kvserve_where_it_cannot_run_stops_start_up(device, dtype, flags, match)
 def test_an_unknown_mode_is_refused():
     with pytest.raises(ModelLoadError, match="unknown --cpu-kernels 'fast'"):
         packing_wanted("fast", CPU, F32, {"avx2", "fma", "f16c"})
+
+
+def test_avx512_loads_the_kernels_for_attention_and_packs_nothing(monkeypatch, caplog):
+    """Where oneDNN keeps the GEMMs (AVX-512, bf16), auto still loads the kernels, for
+    the attention; --cpu-kernels torch loads nothing."""
+    from engine.cpu_kernels import setup
+
+    loads = []
+    monkeypatch.setattr(setup, "load_once", lambda: loads.append(1))
+    model = torch.nn.Sequential(Linear(8, 8)).bfloat16()
+    avx512 = AVX2 | {"avx512f", "avx512_bf16"}
+    with caplog.at_level(logging.INFO, logger="kvserve.cpu_kernels"):
+        assert pack_model(model, "auto", CPU, torch.bfloat16, avx512) == 0
+    assert loads == [1] and model[0].weight is not None
+    assert "the paged decode attention (bfloat16 caches)" in caplog.text
+    assert pack_model(model, "torch", CPU, torch.bfloat16, avx512) == 0 and loads == [1]
 
 
 def test_a_failed_build_leaves_torch_under_auto_and_stops_kvserve(monkeypatch, caplog):
