@@ -69,18 +69,19 @@ class ModelRunner:
     def compile_forward(self, background: bool) -> CompiledModel:
         """Steps go through Inductor-compiled graphs once they are built (on a thread
         of their own with `background`, steps staying eager meanwhile)."""
-        # Decode attention compiled too, where the backend has such a path: the
-        # graphs are warmed up through a copy that takes it, and steps take it
-        # from when the graphs are ready (a step keeps the path it was prepared on).
+        # Attention reading K/V in place too, where the backend has such a path
+        # (decodes traced into the graphs, prompt chunks through the CPU kernel): the
+        # graphs are warmed up through a copy that takes it, and steps take it from
+        # when the graphs are ready (a step keeps the path it was prepared on).
         paged = isinstance(self.attn_backend, TorchBackend) and self.device.type == "cpu"
         compiled = self.compiling = CompiledModel(self.model, paged_decode=paged,
                                                   lora=self.lora is not None,
                                                   cpp_wrapper=self.device.type == "cpu")
-        warm_backend = TorchBackend(paged_decode=True) if paged else self.attn_backend
+        warm_backend = TorchBackend(in_place=True) if paged else self.attn_backend
 
         def ready() -> None:
             if paged:
-                self.attn_backend.paged_decode = True
+                self.attn_backend.in_place = True
             self.compiled = compiled
 
         compiled.build(lambda fn, n, decode, lora: self._warm_up_step(warm_backend, fn, n,

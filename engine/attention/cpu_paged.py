@@ -137,16 +137,19 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     kvserve::paged_decode, engine/cpu_kernels/paged_decode.cpp) for float32 and bf16
     caches where this process has the kernels, 1.8-4x faster; else the reference's
     ops, compiled by the caller."""
-    if _kernel_reads(q, k_cache, k_scale):
+    if kernel_reads(q, k_cache, k_scale):
         return torch.ops.kvserve.paged_decode(q, k_cache, v_cache, block_tables.int(),
                                               seq_lens.int(), scale)
     return paged_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale,
                                   k_scale, v_scale)
 
 
-def _kernel_reads(q: torch.Tensor, k_cache: torch.Tensor, k_scale) -> bool:
-    return (cpu_kernels.loaded() and k_scale is None and q.dtype == k_cache.dtype
-            and q.dtype in (torch.float32, torch.bfloat16) and q.shape[-1] % 8 == 0)
+def kernel_reads(q: torch.Tensor, k_cache: torch.Tensor, k_scale) -> bool:
+    """Whether kvserve's attention kernels (paged_decode, paged_prefill) read this cache:
+    loaded in this process, a float32 or bf16 CPU cache of q's dtype, heads of 8k."""
+    return (cpu_kernels.loaded() and k_scale is None and q.device.type == "cpu"
+            and q.dtype == k_cache.dtype and q.dtype in (torch.float32, torch.bfloat16)
+            and q.shape[-1] % 8 == 0)
 
 
 def decode_in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -170,7 +173,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float,
     """attend: the kernel, else the reference compiled (once, for every batch size
     and length)."""
     global _compiled
-    if _kernel_reads(q, k_cache, k_scale):
+    if kernel_reads(q, k_cache, k_scale):
         return attend(q, k_cache, v_cache, block_tables, seq_lens, scale)
     if _compiled is None:
         _compiled = torch.compile(paged_decode_reference, fullgraph=True)

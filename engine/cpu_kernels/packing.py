@@ -293,3 +293,7 @@ def register_fake() -> None:
     @torch.library.register_fake("kvserve::paged_decode")
     def _(q, k_cache, v_cache, block_tables, seq_lens, scale):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("kvserve::paged_prefill")
+    def _(q, k_cache, v_cache, block_table, ctx_len, scale):
+        return torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -314,7 +314,7 @@ def test_warm_up_steps_touch_only_the_spare_block(tiny_engine_factory, decode):
     def eager(ids, positions, paged=None):
         return runner.model(ids, positions, paged=paged)
 
-    for backend in (runner.attn_backend, type(runner.attn_backend)(paged_decode=True)):
+    for backend in (runner.attn_backend, type(runner.attn_backend)(in_place=True)):
         for tokens in (1, 16, 256):
             runner._warm_up_step(backend, eager, tokens, decode)
     live = slice(0, runner.spare_block)

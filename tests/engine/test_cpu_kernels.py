@@ -453,6 +453,121 @@ def test_attention_takes_the_kernel_for_float32_and_bf16_caches(kernels, monkeyp
     assert calls == [torch.float16, torch.float8_e4m3fn]
 
 
+# -- the paged prefill attention -----------------------------------------------------
+def prefill_case(q_len, ctx_len, q_heads, kv_heads, dim, block_size, seed=0):
+    """One request's chunk of q_len queries, the last of its ctx_len positions, over a
+    block table in random order with a spare block at its end."""
+    gen = torch.Generator().manual_seed(seed)
+    width = -(-ctx_len // block_size) + 1
+    blocks = width + 5
+    k_cache = torch.randn(blocks, block_size, kv_heads, dim, generator=gen)
+    v_cache = torch.randn(blocks, block_size, kv_heads, dim, generator=gen)
+    table = torch.randperm(blocks, generator=gen)[:width].int()
+    q = torch.randn(q_len, q_heads, dim, generator=gen)
+    return q, k_cache, v_cache, table
+
+
+def prefill_reference(q, k_cache, v_cache, table, ctx_len, scale):
+    """The torch backend's way, in float32: the context gathered out of the cache,
+    then SDPA, causal from the chunk's offset."""
+    from engine.attention.step_metadata import context_slots
+    from engine.attention.torch_backend import _prefill
+
+    kv_heads, dim = k_cache.shape[2:]
+    slots = context_slots(table, torch.arange(ctx_len), k_cache.shape[1])
+    k = k_cache.float().view(-1, kv_heads, dim)[slots]
+    v = v_cache.float().view(-1, kv_heads, dim)[slots]
+    q_pos = torch.arange(ctx_len - q.shape[0], ctx_len)[:, None]
+    return _prefill(q.float(), k, v, torch.arange(ctx_len)[None] <= q_pos, scale)
+
+
+@needs_avx2
+@pytest.mark.parametrize("q_len,ctx_len,q_heads,kv_heads,dim,block_size", [
+    (1, 1, 9, 3, 64, 16),  # one query, one key
+    (5, 5, 9, 3, 64, 16),  # a prompt shorter than a tile of keys
+    (17, 40, 9, 3, 64, 16),  # a chunk after a cached prefix, odd sizes
+    (256, 256, 9, 3, 64, 16),  # a whole prompt
+    (32, 544, 9, 3, 64, 16),  # a short suffix over a long shared prefix
+    (33, 70, 32, 8, 128, 16),  # Llama-3's grouping
+    (19, 50, 14, 2, 64, 32),  # 7 query heads a KV head: tiles of rows with a tail
+    (7, 7, 4, 4, 8, 4),  # no grouping, the smallest head_dim
+    (9, 23, 10, 5, 40, 8),  # head_dim not a multiple of 32
+])
+def test_paged_prefill_matches_the_reference(kernels, q_len, ctx_len, q_heads, kv_heads,
+                                             dim, block_size):
+    q, k_cache, v_cache, table = prefill_case(q_len, ctx_len, q_heads, kv_heads, dim,
+                                              block_size)
+    want = prefill_reference(q, k_cache, v_cache, table, ctx_len, dim ** -0.5)
+    got = torch.ops.kvserve.paged_prefill(q, k_cache, v_cache, table, ctx_len, dim ** -0.5)
+    assert got.shape == q.shape and got.dtype == torch.float32
+    assert torch.allclose(got, want, rtol=1e-5, atol=3e-6)
+    # bf16: float32 maths over the widened values, rounded once (half a bf16 step)
+    q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
+    want = prefill_reference(q, k_cache, v_cache, table, ctx_len, dim ** -0.5)
+    got = torch.ops.kvserve.paged_prefill(q, k_cache, v_cache, table, ctx_len, dim ** -0.5)
+    assert got.dtype == torch.bfloat16
+    assert torch.allclose(got.float(), want, rtol=2 ** -8 + 1e-5, atol=3e-6)
+
+
+@needs_avx2
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_paged_prefill_is_the_same_on_any_number_of_threads(kernels, threads):
+    q, k_cache, v_cache, table = prefill_case(45, 100, 9, 3, 64, 16, seed=4)
+    want = prefill_reference(q, k_cache, v_cache, table, 100, 0.125)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = torch.ops.kvserve.paged_prefill(q, k_cache, v_cache, table, 100, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.allclose(got, want, rtol=1e-5, atol=3e-6)
+
+
+@needs_avx2
+def test_paged_prefill_reads_nothing_past_the_context(kernels):
+    """Slots past the context (the rest of its last block, the table's spare block) and
+    a query's future keys change nothing, however large."""
+    q, k_cache, v_cache, table = prefill_case(12, 37, 9, 3, 64, 16, seed=2)
+    op = torch.ops.kvserve.paged_prefill
+    before = op(q, k_cache, v_cache, table, 37, 0.125)
+    for t in range(37, table.shape[0] * 16):
+        k_cache[table[t // 16], t % 16] = 1e30
+        v_cache[table[t // 16], t % 16] = 1e30
+    assert torch.equal(op(q, k_cache, v_cache, table, 37, 0.125), before)
+    # the chunk's last key, seen by its last query only
+    k_cache[table[36 // 16], 36 % 16] = 1e30
+    after = op(q, k_cache, v_cache, table, 37, 0.125)
+    assert torch.equal(after[:-1], before[:-1]) and not torch.equal(after[-1], before[-1])
+
+
+@needs_avx2
+def test_a_table_narrower_than_the_context_reads_its_last_block_again(kernels):
+    """As context_slots does: the graphs' warm-up runs a long prompt over a table of the
+    spare block alone, two columns wide."""
+    q, k_cache, v_cache, table = prefill_case(40, 40, 9, 3, 64, 16, seed=5)
+    narrow = table[:1]
+    want = prefill_reference(q, k_cache, v_cache, narrow, 40, 0.125)
+    got = torch.ops.kvserve.paged_prefill(q, k_cache, v_cache, narrow, 40, 0.125)
+    assert torch.allclose(got, want, rtol=1e-5, atol=3e-6)
+
+
+@needs_avx2
+def test_paged_prefill_refuses_what_it_cannot_read(kernels):
+    q, k_cache, v_cache, table = prefill_case(4, 10, 9, 3, 64, 16)
+    op = torch.ops.kvserve.paged_prefill
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 queries and caches"):
+        op(q, k_cache.bfloat16(), v_cache.bfloat16(), table, 10, 0.125)
+    with pytest.raises(RuntimeError, match="an int32 block table"):
+        op(q, k_cache, v_cache, table.long(), 10, 0.125)
+    with pytest.raises(RuntimeError, match="an int32 block table"):
+        op(q, k_cache, v_cache, table[:0], 10, 0.125)
+    with pytest.raises(RuntimeError, match="at least the chunk's length"):
+        op(q, k_cache, v_cache, table, 3, 0.125)
+    with pytest.raises(RuntimeError, match="a multiple of 8"):
+        op(q[..., :60], k_cache[..., :60].contiguous(), v_cache[..., :60].contiguous(),
+           table, 10, 0.125)
+
+
 # -- in compiled graphs ---------------------------------------------------------------
 @needs_avx2
 def test_compiled_graphs_call_the_op_for_any_row_count_without_recompiling(kernels):
@@ -569,7 +684,8 @@ def test_package_data_ships_the_kernel_source():
     globs = data["tool"]["setuptools"]["package-data"]["engine.cpu_kernels"]
     folder = build.SOURCES[0].parent
     assert set(build.SOURCES) <= {p for g in globs for p in folder.glob(g)}
-    assert {s.name for s in build.SOURCES} == {"packed_gemm.cpp", "paged_decode.cpp"}
+    assert {s.name for s in build.SOURCES} == {"packed_gemm.cpp", "paged_decode.cpp",
+                                               "paged_prefill.cpp"}
 
 
 def test_the_library_name_follows_the_source_and_the_compiler(tmp_path, monkeypatch):
