@@ -69,7 +69,7 @@ class TorchBackend(AttentionBackend):
     """in_place: K/V read where they lie in the cache instead of gathered out of it for
     each context: decodes through cpu_paged.py (kvserve's kernel or Inductor's loops),
     prompt chunks through kvserve::paged_prefill where the kernels are loaded and read
-    the cache's dtype (engine/cpu_kernels/paged_prefill.cpp, 1.3-2.2x faster than the
+    the cache's dtype (engine/cpu_kernels/paged_prefill.cpp, up to 2x faster than the
     gather and SDPA); the rest stays the reference."""
     name = "torch"
 
