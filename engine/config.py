@@ -293,15 +293,16 @@ class EngineConfig:
         "serving; auto = background on CPU, off on CUDA",
         choices=["auto", "background", "wait", "off"])
     # engine/cpu_kernels/: weights packed at load, eager and compiled steps alike;
-    # the decode attention (engine/attention/cpu_paged.py).
+    # the paged attention of compiled steps (engine/attention/cpu_paged.py,
+    # torch_backend.py).
     cpu_kernels: str = setting(
         "auto", "kvserve's AVX2 CPU kernels, built once with the C++ compiler: kvserve = "
         "its GEMM for float32 linear layers, over weights packed at load (in bf16 where "
         "every value is exact in bf16, as a bf16 checkpoint's are: half the bytes a "
-        "token), and its paged decode attention; torch = torch's GEMMs (oneDNN in "
-        "compiled graphs) and Inductor's attention; auto = the GEMM on x86 CPUs with "
-        "AVX2 and FMA but no AVX-512, the attention (float32 and bf16 caches) on all of "
-        "them",
+        "token), and its paged attention of decodes and prompts in compiled steps; "
+        "torch = torch's GEMMs (oneDNN in compiled graphs) and torch's attention; auto "
+        "= the GEMM on x86 CPUs with AVX2 and FMA but no AVX-512, the attention "
+        "(float32 and bf16 caches) on all of them",
         choices=["auto", "kvserve", "torch"])
     # engine/quantization/: weights quantized at load (online quantization), or a
     # GGUF's quantized blocks kept as they are (engine/gguf_loader.py).

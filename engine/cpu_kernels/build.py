@@ -1,9 +1,10 @@
-"""The kernels (this folder's *.cpp) built into one shared library the first time
-they are needed on a machine, kept under $KVSERVE_CACHE/cpu_kernels, and loaded into
-torch's operator registry (`torch.ops.kvserve.packed_linear`, `.paged_decode`).
+"""The kernels (this folder's *.cpp, and the *.h they include) built into one shared
+library the first time they are needed on a machine, kept under
+$KVSERVE_CACHE/cpu_kernels, and loaded into torch's operator registry
+(`torch.ops.kvserve.packed_linear`, `.paged_decode`, `.paged_prefill`).
 
-The library's name is a hash of everything that shapes it (the sources, the flags,
-the compiler, torch's version), so a change builds a new one beside the old. It is
+The library's name is a hash of everything that shapes it (the sources and headers,
+the flags, the compiler, torch's version), so a change builds a new one beside the old. It is
 compiled to a file of this process's own and renamed into place, which is atomic:
 processes starting together (test workers, tensor-parallel ranks) may each build it,
 but none waits on a lock that a killed one left behind, and none loads half a file.
@@ -24,6 +25,7 @@ import torch
 log = logging.getLogger("kvserve.cpu_kernels")
 
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.cpp")))
+HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))  # included by the sources
 # AVX2, FMA and F16C only (every AVX2 CPU has F16C): the library runs on any x86-64
 # CPU that has them, whichever machine built it (a container image built on one host
 # runs on others).
@@ -67,7 +69,7 @@ def _link_command(compiler: str, objs: list[Path], out: Path) -> list[str]:
 
 def library_path(cache_root: Path, compiler: str) -> Path:
     key = hashlib.sha256()
-    for part in (*(s.read_bytes() for s in SOURCES), " ".join(FLAGS).encode(),
+    for part in (*(s.read_bytes() for s in (*SOURCES, *HEADERS)), " ".join(FLAGS).encode(),
                  compiler.encode(), torch.__version__.encode(), sys.version.encode()):
         key.update(part)
     return cache_root / "cpu_kernels" / f"kernels-{key.hexdigest()[:16]}.so"

@@ -7,16 +7,18 @@
 // model's 64-wide heads (a GEMM-shaped problem it splits into small blocks), and the
 // gather before it copies the context out of the cache in every layer. Here each KV
 // head's visible keys are copied once, transposed, into float32 (K^T in tiles of 16
-// keys: [keys / 16][D][16], each tile's D x 16 floats contiguous) and
-// its values widened likewise ([keys][D]), then every tile of query rows runs two
-// register-tiled products over them: scores = Q K^T (6 rows x 16 keys of sums in
-// registers), a float32 softmax per row, out = P V (3 rows x 32 dims). A tile is a few
-// query positions x the query heads that share the KV head.
+// keys: [keys / 16][D][16], each tile's D x 16 floats contiguous, so a product's loads
+// run in order) and its values widened likewise ([keys][D]); then every tile of query
+// rows runs two register-tiled products over them: scores = Q K^T (6 rows x 16 keys
+// of sums in registers), a float32 softmax per row, out = P V (3 rows x 32 dims). A
+// tile is a few query positions x the query heads that share the KV head.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <immintrin.h>
 #include <torch/library.h>
+
+#include "vector_math.h"
 
 #include <algorithm>
 #include <cmath>
@@ -25,31 +27,8 @@
 
 namespace {
 
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-// exp(x) for x <= 0, as paged_decode.cpp's (relative error ~1e-7; 0 below -87).
-inline __m256 exp_nonpositive(__m256 x) {
-  const __m256 too_small = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 720);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i scale = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(too_small, _mm256_mul_ps(p, _mm256_castsi256_ps(scale)));
-}
+using kvserve_cpu::exp_nonpositive;
+using kvserve_cpu::hsum;
 
 inline float widen(float x) { return x; }
 inline float widen(at::BFloat16 x) { return static_cast<float>(x); }
@@ -230,7 +209,7 @@ void prefill(const float* q, const T* k_cache, const T* v_cache, const int32_t* 
           _mm256_storeu_ps(row + t, e);
           total = _mm256_add_ps(total, e);
         }
-        float sum = hsum8(total);
+        float sum = hsum(total);
         for (; t < seen; ++t) sum += (row[t] = std::exp(row[t] - top));
         std::fill(row + seen, row + n_tile, 0.0f);  // masked: weigh nothing
         inv[r] = 1.0f / sum;

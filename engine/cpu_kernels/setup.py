@@ -1,6 +1,7 @@
 """Whether a loaded model runs on kvserve's CPU kernels (--cpu-kernels): its linear
-layers' weights packed for the GEMM, and the paged decode attention (which needs
-no packing: the kernels loaded is enough, engine/attention/cpu_paged.py)."""
+layers' weights packed for the GEMM, and the paged attention of decodes and prompt
+chunks (which needs no packing: the kernels loaded is enough; engine/attention/
+cpu_paged.py and torch_backend.py call them)."""
 from __future__ import annotations
 
 import functools
@@ -23,9 +24,9 @@ log = logging.getLogger("kvserve.cpu_kernels")
 
 MODES = ("auto", "kvserve", "torch")
 NEEDED_FLAGS = ("avx2", "fma", "f16c")
-# How the log names each kind of panel (engine/cpu_kernels/packing.py).
-# The caches the attention kernel reads (paged_decode.cpp).
+# The caches the attention kernels read (paged_decode.cpp, paged_prefill.cpp).
 ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
+# How the log names each kind of panel (engine/cpu_kernels/packing.py).
 KIND_NAMES = {torch.float32: "float32", torch.bfloat16: "bf16 (values exact in bf16)",
               torch.int8: "int8", torch.uint8: "int4"}
 
@@ -57,11 +58,12 @@ def packing_wanted(mode: str, device: torch.device, dtype: torch.dtype,
 
 def attention_wanted(mode: str, device: torch.device, dtype: torch.dtype,
                      flags: set[str] | None = None) -> bool:
-    """auto and kvserve: the paged decode attention wherever the kernels run, on
-    float32 and bf16 caches, AVX-512 CPUs included (where the GEMM is left to oneDNN):
-    2.3-3.7x faster than Inductor's loops over the same blocks in bf16, 2.1-4.9x in
-    float32, at 1-32 requests of 200-600 positions on a 2-core AVX512-BF16 Zen 4
-    (bench/results/cpu_paged_decode_avx512_2026-11-27.md)."""
+    """auto and kvserve: the paged attention wherever the kernels run, on float32 and
+    bf16 caches, AVX-512 CPUs included (where the GEMM is left to oneDNN). On a 2-core
+    AVX512-BF16 Zen 4 the decode kernel was 2.3-3.7x faster than Inductor's loops over
+    the same blocks in bf16 (2.1-4.9x in float32) at 1-32 requests of 200-600
+    positions, the prompt kernel 1.2-2.0x faster than gather + SDPA
+    (bench/results/cpu_paged_{decode,prefill}_avx512_2026-11-27.md)."""
     flags = cpu_flags() if flags is None else flags
     return (mode != "torch" and device.type == "cpu" and dtype in ATTENTION_DTYPES
             and all(f in flags for f in NEEDED_FLAGS))
@@ -89,8 +91,8 @@ def pack_model(model: nn.Module, mode: str, device: torch.device, dtype: torch.d
                     "Inductor's attention instead, slower on this CPU", exc)
         return 0
     if not packing:
-        log.info("CPU kernels: the paged decode attention (%s caches); the linear layers "
-                 "on torch's GEMMs", str(dtype).replace("torch.", ""))
+        log.info("CPU kernels: the paged attention of decodes and prompts (%s caches); "
+                 "the linear layers on torch's GEMMs", str(dtype).replace("torch.", ""))
         return 0
     linears = [m for m in model.modules()
                if isinstance(m, Linear) and m.weight is not None

@@ -648,7 +648,7 @@ def test_avx512_loads_the_kernels_for_attention_and_packs_nothing(monkeypatch, c
     with caplog.at_level(logging.INFO, logger="kvserve.cpu_kernels"):
         assert pack_model(model, "auto", CPU, torch.bfloat16, avx512) == 0
     assert loads == [1] and model[0].weight is not None
-    assert "the paged decode attention (bfloat16 caches)" in caplog.text
+    assert "the paged attention of decodes and prompts (bfloat16 caches)" in caplog.text
     assert pack_model(model, "torch", CPU, torch.bfloat16, avx512) == 0 and loads == [1]
 
 
@@ -683,17 +683,23 @@ def test_package_data_ships_the_kernel_source():
     data = tomllib.loads((root / "pyproject.toml").read_text())
     globs = data["tool"]["setuptools"]["package-data"]["engine.cpu_kernels"]
     folder = build.SOURCES[0].parent
-    assert set(build.SOURCES) <= {p for g in globs for p in folder.glob(g)}
+    assert set(build.SOURCES) | set(build.HEADERS) <= {p for g in globs for p in folder.glob(g)}
+    assert {h.name for h in build.HEADERS} == {"vector_math.h"}
     assert {s.name for s in build.SOURCES} == {"packed_gemm.cpp", "paged_decode.cpp",
                                                "paged_prefill.cpp"}
 
 
-def test_the_library_name_follows_the_source_and_the_compiler(tmp_path, monkeypatch):
+def test_the_library_name_follows_the_sources_headers_and_compiler(tmp_path, monkeypatch):
     first = build.library_path(tmp_path, "g++")
     assert build.library_path(tmp_path, "clang++") != first
     changed = tmp_path / "packed_gemm.cpp"
     changed.write_text(build.SOURCES[0].read_text() + "// changed\n")
     monkeypatch.setattr(build, "SOURCES", (changed, *build.SOURCES[1:]))
+    assert build.library_path(tmp_path, "g++") != first
+    monkeypatch.setattr(build, "SOURCES", build.SOURCES)
+    header = tmp_path / "vector_math.h"
+    header.write_text(build.HEADERS[0].read_text() + "// changed\n")
+    monkeypatch.setattr(build, "HEADERS", (header,))
     assert build.library_path(tmp_path, "g++") != first
 
 
