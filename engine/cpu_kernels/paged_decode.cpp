@@ -16,7 +16,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
-#include "vector_math.h"
+#include "attention_shared.h"
 
 #include <algorithm>
 #include <cmath>
@@ -25,7 +25,8 @@
 
 namespace {
 
-using kvserve_cpu::exp_nonpositive;
+using kvserve_cpu::check_queries_and_caches;
+using kvserve_cpu::exp_shifted_in_place;
 using kvserve_cpu::hsum;
 
 // Eight cache values as float32.
@@ -119,16 +120,7 @@ void attend(const Decode<T>& a, int64_t b, int64_t h0, int64_t h1, Span span,
   for (int64_t head = 0; head < heads; ++head) {  // softmax's exponentials, their sum
     float* s = scores + head * len;
     const float top = *std::max_element(s, s + len);
-    const __m256 shift = _mm256_set1_ps(top);
-    __m256 total = _mm256_setzero_ps();
-    int64_t t = 0;
-    for (; t + 8 <= len; t += 8) {
-      const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + t), shift));
-      _mm256_storeu_ps(s + t, e);
-      total = _mm256_add_ps(total, e);
-    }
-    float sum = hsum(total);
-    for (; t < len; ++t) sum += (s[t] = std::exp(s[t] - top));
+    const float sum = exp_shifted_in_place(s, len, top);
     inv[head] = stats ? 1.0f : 1.0f / sum;
     if (stats) {
       stats[2 * head] = top;
@@ -225,20 +217,10 @@ void decode_all(const Decode<T>& a, int64_t batch) {
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
                         const at::Tensor& v_cache, const at::Tensor& block_tables,
                         const at::Tensor& seq_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "paged_decode: q [B, Hq, D] and caches [N, block, Hkv, D], got ", q.sizes(),
-              " and ", k_cache.sizes());
+  check_queries_and_caches("paged_decode", "[B, Hq, D]", q, k_cache, v_cache);
   const auto dtype = k_cache.scalar_type();
-  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) &&
-                  v_cache.scalar_type() == dtype && q.scalar_type() == dtype,
-              "paged_decode: float32 or bfloat16 queries and caches, all of one dtype");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "paged_decode: the caches must be contiguous");
   const int64_t batch = q.size(0), q_heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == dim && dim % 8 == 0 && q_heads % kv_heads == 0,
-              "paged_decode: head_dim ", dim, " (a multiple of 8, the caches' too) and ",
-              q_heads, " query heads over ", kv_heads, " KV heads");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == batch &&
                   block_tables.scalar_type() == at::kInt && seq_lens.numel() == batch &&
                   seq_lens.scalar_type() == at::kInt,

@@ -18,7 +18,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
-#include "vector_math.h"
+#include "attention_shared.h"
 
 #include <algorithm>
 #include <cmath>
@@ -27,8 +27,8 @@
 
 namespace {
 
-using kvserve_cpu::exp_nonpositive;
-using kvserve_cpu::hsum;
+using kvserve_cpu::check_queries_and_caches;
+using kvserve_cpu::exp_shifted_in_place;
 
 inline float widen(float x) { return x; }
 inline float widen(at::BFloat16 x) { return static_cast<float>(x); }
@@ -177,7 +177,7 @@ void prefill(const float* q, const T* k_cache, const T* v_cache, const int32_t* 
   // the tasks in contiguous ranges: tiles are ordered first, last, second, second to
   // last..., so every range holds as many cheap tiles as dear ones.
   at::parallel_for(0, kv_heads * tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qs, s, o;
+    std::vector<float> qs, s, o, inv;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task % kv_heads, order = task / kv_heads;
       const int64_t tile = order % 2 == 0 ? order / 2 : tiles - 1 - order / 2;
@@ -196,23 +196,13 @@ void prefill(const float* q, const T* k_cache, const T* v_cache, const int32_t* 
       s.resize(rows * n_tile);
       scores_rows(qs.data(), rows, dim, kts.data() + h * dim * n_pad, n_tile, s.data(),
                   n_tile);
-      std::vector<float> inv(rows);
+      inv.resize(rows);
       for (int64_t r = 0; r < rows; ++r) {  // softmax over the keys the row's position sees
         float* row = s.data() + r * n_tile;
         const int64_t seen = first + i0 + r / groups + 1;
         const float top = *std::max_element(row, row + seen);
-        const __m256 shift = _mm256_set1_ps(top);
-        __m256 total = _mm256_setzero_ps();
-        int64_t t = 0;
-        for (; t + 8 <= seen; t += 8) {
-          const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(row + t), shift));
-          _mm256_storeu_ps(row + t, e);
-          total = _mm256_add_ps(total, e);
-        }
-        float sum = hsum(total);
-        for (; t < seen; ++t) sum += (row[t] = std::exp(row[t] - top));
+        inv[r] = 1.0f / exp_shifted_in_place(row, seen, top);
         std::fill(row + seen, row + n_tile, 0.0f);  // masked: weigh nothing
-        inv[r] = 1.0f / sum;
       }
       o.resize(rows * dim);
       values_rows(s.data(), rows, n_tile, vs.data() + h * ctx_len * dim, dim, n, o.data());
@@ -229,20 +219,10 @@ void prefill(const float* q, const T* k_cache, const T* v_cache, const int32_t* 
 at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache,
                          const at::Tensor& v_cache, const at::Tensor& block_table,
                          int64_t ctx_len, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "paged_prefill: q [L, Hq, D] and caches [N, block, Hkv, D], got ", q.sizes(),
-              " and ", k_cache.sizes());
+  check_queries_and_caches("paged_prefill", "[L, Hq, D]", q, k_cache, v_cache);
   const auto dtype = k_cache.scalar_type();
-  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) &&
-                  v_cache.scalar_type() == dtype && q.scalar_type() == dtype,
-              "paged_prefill: float32 or bfloat16 queries and caches, all of one dtype");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "paged_prefill: the caches must be contiguous");
   const int64_t q_len = q.size(0), q_heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = k_cache.size(2), block_size = k_cache.size(1);
-  TORCH_CHECK(k_cache.size(3) == dim && dim % 8 == 0 && q_heads % kv_heads == 0,
-              "paged_prefill: head_dim ", dim, " (a multiple of 8, the caches' too) and ",
-              q_heads, " query heads over ", kv_heads, " KV heads");
   TORCH_CHECK(block_table.dim() == 1 && block_table.scalar_type() == at::kInt &&
                   block_table.size(0) >= 1 && ctx_len >= q_len,
               "paged_prefill: an int32 block table [W] and a context of at least the "

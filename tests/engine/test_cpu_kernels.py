@@ -684,7 +684,7 @@ def test_package_data_ships_the_kernel_source():
     globs = data["tool"]["setuptools"]["package-data"]["engine.cpu_kernels"]
     folder = build.SOURCES[0].parent
     assert set(build.SOURCES) | set(build.HEADERS) <= {p for g in globs for p in folder.glob(g)}
-    assert {h.name for h in build.HEADERS} == {"vector_math.h"}
+    assert {h.name for h in build.HEADERS} == {"attention_shared.h"}
     assert {s.name for s in build.SOURCES} == {"packed_gemm.cpp", "paged_decode.cpp",
                                                "paged_prefill.cpp"}
 
@@ -697,7 +697,7 @@ def test_the_library_name_follows_the_sources_headers_and_compiler(tmp_path, mon
     monkeypatch.setattr(build, "SOURCES", (changed, *build.SOURCES[1:]))
     assert build.library_path(tmp_path, "g++") != first
     monkeypatch.setattr(build, "SOURCES", build.SOURCES)
-    header = tmp_path / "vector_math.h"
+    header = tmp_path / "attention_shared.h"
     header.write_text(build.HEADERS[0].read_text() + "// changed\n")
     monkeypatch.setattr(build, "HEADERS", (header,))
     assert build.library_path(tmp_path, "g++") != first
