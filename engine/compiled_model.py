@@ -62,6 +62,9 @@ log = logging.getLogger("kvserve.compile")
 # start, and workload a of bench/compare_cpu.py ran at 62-72 tok/s instead of 76-95.
 # Where the template covers no choice for a GEMM (some float32 shapes), the graph is
 # built again with oneDNN allowed.
+# CPU only: on CUDA the CPP template has no kernel for any GEMM (every batch-1 graph
+# would fail once and be built again), and cuBLAS through Inductor's defaults is
+# what a decode step replays in its CUDA graph.
 BATCH_ONE = {"max_autotune": True, "max_autotune_gemm_backends": "CPP"}
 BATCH_ONE_FALLBACK = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
@@ -147,8 +150,10 @@ class CompiledModel:
     """The model's decode logits and hidden states, compiled once `ready`."""
 
     def __init__(self, model: LlamaForCausalLM, paged_decode: bool = False,
-                 lora: bool = False, cpp_wrapper: bool = False):
+                 lora: bool = False, cpp_wrapper: bool = False,
+                 device: torch.device = torch.device("cpu")):
         self.model = model
+        self.on_cpu = device.type == "cpu"
         # With LoRA on, each graph has a twin taking a step's adapters (LoRAStep's
         # stacks are graph inputs), built beside it so no step waits for one.
         self.lora = lora
@@ -156,8 +161,10 @@ class CompiledModel:
         # the attention custom op; a graph is built for one of the two only.
         self.paged_decode = paged_decode
         # Frozen weights (constants, prepacked once for oneDNN) where torch does the
-        # GEMMs. Set globally: passed in `options`, freezing is not applied.
-        torch._inductor.config.freezing = self.frozen = torch_gemms(model)
+        # GEMMs on CPU. Not on CUDA: nothing is prepacked for cuBLAS, and frozen
+        # graphs are never cached (every start would trace and lower them again).
+        # Set globally: passed in `options`, freezing is not applied.
+        torch._inductor.config.freezing = self.frozen = self.on_cpu and torch_gemms(model)
         self._compile_graphs(cpp_wrapper)
         self.ready = threading.Event()
         self.failed: BaseException | None = None
@@ -167,7 +174,7 @@ class CompiledModel:
         """The three graphs' functions (each built at its first call)."""
         self.cpp_wrapper = cpp_wrapper
         self.options = {**MODEL_UNCHECKED, **(CPP_WRAPPER if cpp_wrapper else {})}
-        self._one = self._batch_one(BATCH_ONE)
+        self._one = self._batch_one(BATCH_ONE if self.on_cpu else {})
         # A copy each: torch.compile pops guard_filter_fn from the dict it is given.
         self._many = torch.compile(_own_code(CompiledModel._decode_many, self),
                                    options=dict(self.options))
@@ -178,6 +185,7 @@ class CompiledModel:
         """The batch-1 decode graph. With the paged decode (CPU) its steps call it
         directly, past Dynamo's frame, once it is built (engine/direct_graph.py)."""
         options = {**options, **self.options}
+        self.batch_one_options = dict(options)  # (for tests: `options` is popped)
         self.direct_one: DirectCall | None = None
         self._recorder = None
         fn = _own_code(CompiledModel._decode_one, self)
@@ -322,7 +330,7 @@ class CompiledModel:
         try:
             run_step(fn, tokens, decode, lora)
         except Exception as exc:  # noqa: BLE001 - one kind is retried, the rest raised
-            if tokens != 1 or "NoValidChoicesError" not in str(exc):
+            if tokens != 1 or not self.on_cpu or "NoValidChoicesError" not in str(exc):
                 raise
             log.info("batch-1 decode: Inductor's GEMV template does not cover every "
                      "GEMM of this model; oneDNN allowed where it does not")

@@ -23,7 +23,7 @@ import torch
 
 from engine.attention import clear_attention_context, set_attention_context
 from engine.attention.context import AttentionMetadata
-from engine.attention.step_metadata import HostStep
+from engine.attention.step_metadata import HostStep, upload
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -116,14 +116,22 @@ class DecodeGraphs:
 
     def _load(self, host: HostStep, input_ids: torch.Tensor, n: int, b: int,
               lora_slots: torch.Tensor | None) -> None:
+        """The step's inputs into the static rows. The host values go up first through
+        pinned memory, one transfer per dtype (upload): a copy straight from pageable
+        memory into a static buffer would wait for the stream to drain, i.e. for the
+        step launched before, and undo async scheduling. The rest are copies on the
+        device. input_ids and lora_slots are on the device already."""
         s, nb = self.static, host.block_tables.shape[1]
+        positions, slots, seq_lens, tables = upload(
+            [host.positions, host.slot_mapping, host.seq_lens, host.block_tables],
+            self.device)
         if lora_slots is not None:  # padded rows keep -1
             s.lora_slots[:n].copy_(lora_slots, non_blocking=True)
         s.input_ids[:n].copy_(input_ids, non_blocking=True)
-        s.positions[:n].copy_(host.positions, non_blocking=True)
-        s.slot_mapping[:n].copy_(host.slot_mapping, non_blocking=True)
-        s.seq_lens[:n].copy_(host.seq_lens, non_blocking=True)
-        s.block_tables[:n, :nb].copy_(host.block_tables, non_blocking=True)
+        s.positions[:n].copy_(positions, non_blocking=True)
+        s.slot_mapping[:n].copy_(slots, non_blocking=True)
+        s.seq_lens[:n].copy_(seq_lens, non_blocking=True)
+        s.block_tables[:n, :nb].copy_(tables, non_blocking=True)
         if b > n:  # padding rows: a 1-token context, written nowhere
             s.slot_mapping[n:b].fill_(-1)
             s.lora_slots[n:b].fill_(-1)

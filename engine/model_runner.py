@@ -76,7 +76,8 @@ class ModelRunner:
         paged = isinstance(self.attn_backend, TorchBackend) and self.device.type == "cpu"
         compiled = self.compiling = CompiledModel(self.model, paged_decode=paged,
                                                   lora=self.lora is not None,
-                                                  cpp_wrapper=self.device.type == "cpu")
+                                                  cpp_wrapper=self.device.type == "cpu",
+                                                  device=self.device)
         warm_backend = TorchBackend(in_place=True) if paged else self.attn_backend
 
         def ready() -> None:

@@ -33,8 +33,9 @@ torch._dynamo.config.recompile_limit = 64
 # on a cold cache) would take hours. KVSERVE_TEST_COMPILE=wait runs it compiled
 # (engines left at --compile auto compile before their first step); the compiled path
 # has tests of its own (tests/engine/test_compiled_forward.py) either way.
-# Likewise float32 where the dtype is left at auto (which picks bf16 on CPUs with
-# native bf16): the tests compare against float32 references, the same on any CPU.
+# Likewise float32 where the dtype is left at auto (which picks bf16 on CUDA and on
+# CPUs with native bf16): the tests compare against float32 references, the same on
+# any CPU and on a GPU (bench/gpu_session.sh runs the engine tests there).
 # And float32 runs on kvserve's CPU kernels (engine/cpu_kernels) wherever the CPU
 # has AVX2 and FMA, not only where --cpu-kernels auto picks it (no AVX-512), so every
 # CI machine tests the same path. Servers started as subprocesses keep kvserve's own
@@ -45,8 +46,8 @@ TEST_COMPILE = os.environ.get("KVSERVE_TEST_COMPILE", "off")
 @pytest.fixture(scope="session", autouse=True)
 def _compile_mode():
     """Engines built in this process with compile, dtype or cpu_kernels "auto" get
-    TEST_COMPILE, float32 and kvserve (CPUs with AVX2, FMA and F16C). Session-wide, so
-    module- and session-scoped engines get it too."""
+    TEST_COMPILE, float32 (on any device) and kvserve (CPUs with AVX2, FMA and F16C).
+    Session-wide, so module- and session-scoped engines get it too."""
     import dataclasses
 
     from engine.cpu_kernels.setup import NEEDED_FLAGS
@@ -60,7 +61,7 @@ def _compile_mode():
         if config.compile == "auto":
             config = dataclasses.replace(config, compile=TEST_COMPILE)
         on_cpu = resolve_device(config.device).type == "cpu"
-        if config.dtype == "auto" and on_cpu:
+        if config.dtype == "auto":
             config = dataclasses.replace(config, dtype="float32")
         if (config.cpu_kernels == "auto" and on_cpu and config.dtype == "float32"
                 and packable):

@@ -71,7 +71,7 @@ def get_attention_metadata() -> Any:
     return _current()[1]
 
 
-@torch.library.custom_op("kvserve::paged_attention", mutates_args=())
+@torch.library.custom_op("kvserve::paged_attention", mutates_args=("k_cache", "v_cache"))
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
                     k_scale: Optional[torch.Tensor] = None,

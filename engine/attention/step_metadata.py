@@ -3,6 +3,7 @@ loop), and moves them to the device with one copy per dtype."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 from dataclasses import dataclass
 
 import numpy as np
@@ -87,20 +88,37 @@ def context_slots(block_tables: torch.Tensor, positions: torch.Tensor,
     return tables.gather(-1, idx) * block_size + positions % block_size
 
 
-def upload(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+ALIGN_BYTES = 16
+
+
+def upload(tensors: list[torch.Tensor], device: torch.device,
+           pack: bool | None = None) -> list[torch.Tensor]:
     """The tensors on `device`. On CUDA those of one dtype are packed into one pinned
     host buffer and copied with one non-blocking transfer (the caching host
-    allocator keeps the buffer alive until the copy is done)."""
-    if device.type == "cpu":
+    allocator keeps the buffer alive until the copy is done). Each one starts
+    16-byte aligned in it: Triton compiles a kernel for each alignment of its
+    pointers, and a piece's alignment would otherwise change with the lengths of
+    those before it (a compile mid-serving each time, and no vector loads).
+    pack: packed on the CPU too (bench/triton_aot_check.py lays steps out so)."""
+    if not (device.type != "cpu" if pack is None else pack):
         return list(tensors)
     out: list[torch.Tensor | None] = [None] * len(tensors)
     for dtype in dict.fromkeys(t.dtype for t in tensors):
         idx = [i for i, t in enumerate(tensors) if t.dtype == dtype]
-        flat = [tensors[i].reshape(-1) for i in idx]
-        buf = torch.empty(sum(f.numel() for f in flat), dtype=dtype,
-                          pin_memory=device.type == "cuda")
-        torch.cat(flat, out=buf)
-        pieces = buf.to(device, non_blocking=True).split([f.numel() for f in flat])
-        for i, piece in zip(idx, pieces):
-            out[i] = piece.view(tensors[i].shape)
+        buf, starts = pack_aligned([tensors[i] for i in idx], pin=device.type == "cuda")
+        moved = buf.to(device, non_blocking=True)
+        for i, start in zip(idx, starts):
+            out[i] = moved[start:start + tensors[i].numel()].view(tensors[i].shape)
     return out
+
+
+def pack_aligned(tensors: list[torch.Tensor], pin: bool) -> tuple[torch.Tensor, list[int]]:
+    """One flat buffer (pinned if `pin`) holding tensors of one dtype, each starting
+    ALIGN_BYTES-aligned, and where each starts (elements)."""
+    unit = max(1, ALIGN_BYTES // tensors[0].element_size())
+    sizes = [t.numel() for t in tensors]
+    starts = list(accumulate((-(-n // unit) * unit for n in sizes[:-1]), initial=0))
+    buf = torch.empty(starts[-1] + sizes[-1], dtype=tensors[0].dtype, pin_memory=pin)
+    for t, start, n in zip(tensors, starts, sizes):
+        buf[start:start + n].copy_(t.reshape(-1))
+    return buf, starts

@@ -15,7 +15,10 @@ from engine.attention.triton import decode_attention, prefill_attention, store_k
 @dataclass
 class TritonAttentionMetadata:
     common: AttentionMetadata
-    max_decode_seq_len: int  # sizes the decode kernel's splits; 0 without decodes
+    # The longest context the decodes may hold (the model's limit in a CUDA graph):
+    # sizes the decode kernel's split grid, each request dividing its own context
+    # among the splits on the device; 0 without decodes.
+    max_decode_seq_len: int
 
 
 class TritonBackend(AttentionBackend):

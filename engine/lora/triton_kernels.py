@@ -5,6 +5,10 @@ stored transposed, [slots, r, out]), one program per token and block of outputs.
 alone. Vector products (tl.sum), not tl.dot: a decode token is one row, below the
 16 rows tl.dot needs; a segment kernel (SGMV) for long prompt chunks is the next step.
 
+Offsets are int64 (the program id and the slot widened before any product, as in
+the attention kernels): token x stride passes 2**31 at, e.g., 16k tokens of a
+128k-wide output, where int32 products would wrap and address another token's row.
+
 Run on CPU through Triton's interpreter in the tests; their speed is measured on
 the GPU (bench/gpu_session.sh)."""
 from __future__ import annotations
@@ -20,8 +24,8 @@ BLOCK_OUT = 64
 @triton.jit
 def _shrink(x_ptr, a_ptr, slots_ptr, tmp_ptr, IN, R, stride_x, stride_as, stride_ar,
             stride_tmp, BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr):
-    t = tl.program_id(0)
-    slot = tl.load(slots_ptr + t)
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
     if slot >= 0:
         r = tl.arange(0, BLOCK_R)
         acc = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -37,8 +41,8 @@ def _shrink(x_ptr, a_ptr, slots_ptr, tmp_ptr, IN, R, stride_x, stride_as, stride
 @triton.jit
 def _expand(tmp_ptr, b_ptr, slots_ptr, y_ptr, OUT, R, stride_tmp, stride_bs, stride_br,
             stride_y, BLOCK_R: tl.constexpr, BLOCK_O: tl.constexpr):
-    t = tl.program_id(0)
-    slot = tl.load(slots_ptr + t)
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
     if slot >= 0:
         o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
         r = tl.arange(0, BLOCK_R)

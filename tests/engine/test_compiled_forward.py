@@ -166,6 +166,33 @@ def test_graphs_are_cpp_and_check_no_input_sizes_at_each_call(compiled_factory):
     assert not any("assert_size_stride(" in c or "assert_alignment(" in c for c in codes)
 
 
+def test_attention_op_writes_the_kv_cache_in_place(compiled_factory):
+    """kvserve::paged_attention declares the caches it writes, so Inductor may never
+    reorder a read of them around it, and it writes them where they lie: the mixed
+    step's graph allocates no copy of a cache (a clone of every layer's cache a step
+    would cost more than the step). Steps write the caches the runner holds."""
+    from unittest import mock
+
+    from torch._inductor.graph import GraphLowering
+
+    schema = torch.ops.kvserve.paged_attention.default._schema
+    written = {a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write}
+    assert written == {"k_cache", "v_cache"}
+    codes = []
+    with mock.patch.object(GraphLowering, "save_output_code", codes.append):
+        engine = compiled_factory(load_format="random", seed=6)
+    mixed = [c for c in codes if "kvserve::paged_attention" in c]
+    assert mixed, "no graph calls the attention op"
+    blocks, block_size, kv_heads, head_dim = engine.runner.kv_caches[0][0].shape
+    cache_shape = f"{{{blocks}L, {block_size}L, {kv_heads}L, {head_dim}L}}"
+    assert not any(cache_shape in c for c in mixed), "a KV cache was copied"
+    before = [k.clone() for k, _ in engine.runner.kv_caches]
+    ptrs = [k.data_ptr() for k, _ in engine.runner.kv_caches]
+    engine.generate(varied_prompts(400, count=2, seed=6, lengths=(40, 70)), greedy(3))
+    assert [k.data_ptr() for k, _ in engine.runner.kv_caches] == ptrs
+    assert all(not torch.equal(b, k) for b, (k, _) in zip(before, engine.runner.kv_caches))
+
+
 def test_batch_one_decode_steps_call_their_graph_past_dynamo(compiled, tiny_engine_factory,
                                                              ref):
     """engine/direct_graph.py: once built, the batch-1 graph is called with the
@@ -205,6 +232,23 @@ def test_every_graph_drops_dynamo_s_guards_on_the_model(tiny_engine_factory):
         with mock.patch("torch.compile", compile_spy):
             CompiledModel(model, paged_decode=paged, cpp_wrapper=True)
         assert filters == [_unguarded_model] * 3
+
+
+def test_cuda_graphs_take_neither_cpu_gemm_options_nor_freezing(tiny_engine_factory):
+    """On CUDA the batch-1 graph is built with Inductor's defaults (the CPP GEMM
+    template has no CUDA kernel: it would fail once, then be built again) and the
+    weights are not frozen (frozen graphs are never cached). Nothing is compiled:
+    torch.compile builds at the first call."""
+    from engine.compiled_model import CompiledModel
+
+    model = tiny_engine_factory(compile="off", cpu_kernels="torch").runner.model
+    with torch._inductor.config.patch(freezing=torch._inductor.config.freezing):
+        cpu = CompiledModel(model, cpp_wrapper=True)
+        cuda = CompiledModel(model, device=torch.device("cuda"))
+    assert cpu.frozen and cpu.batch_one_options["max_autotune_gemm_backends"] == "CPP"
+    assert not cuda.frozen
+    assert not {"max_autotune", "max_autotune_gemm_backends", "cpp_wrapper"} & set(
+        cuda.batch_one_options)
 
 
 def test_graphs_fall_back_to_python_wrappers(tiny_engine_factory):

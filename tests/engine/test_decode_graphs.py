@@ -1,6 +1,11 @@
 """The padded static-shape decode path that CUDA graphs replay, run without capture
 on CPU: bucket choice, padding that writes nowhere, and tokens identical to the
-eager path (greedy and seeded, batches that need padding, one-token prompts)."""
+eager path (greedy and seeded, batches that need padding, one-token prompts).
+
+The engines are pinned to the CPU where a test means it (on a GPU machine the
+default device is CUDA, where graphs would be captured already); the dtype is
+float32 wherever it is left at auto (tests/conftest.py). The Triton planning test
+runs on the kernels' device: interpreted here, on the GPU there."""
 from __future__ import annotations
 
 import os
@@ -10,6 +15,7 @@ import torch
 
 from engine.cuda_graphs import DecodeGraphPlan, batch_buckets
 from scheduler.sampling_params import SamplingParams
+from tests.engine.attention.paged_batch import DEVICE, needs_kernel_device
 from tests.support.reference import varied_prompts
 
 
@@ -26,8 +32,8 @@ def _run(engine, prompts, params):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_padded_decode_matches_eager(tiny_engine_factory, arch):
-    eager = tiny_engine_factory(arch, max_num_seqs=16)
-    padded = tiny_engine_factory(arch, max_num_seqs=16)
+    eager = tiny_engine_factory(arch, max_num_seqs=16, device="cpu")
+    padded = tiny_engine_factory(arch, max_num_seqs=16, device="cpu")
     padded.runner.use_decode_graphs(DecodeGraphPlan(16, padded.max_model_len, capture=False))
     calls = []
     run = padded.runner.decode_graphs.run
@@ -45,7 +51,7 @@ def test_padded_decode_matches_eager(tiny_engine_factory, arch):
 
 
 def test_padding_rows_write_nothing(tiny_engine_factory):
-    engine = tiny_engine_factory("llama", max_num_seqs=8)
+    engine = tiny_engine_factory("llama", max_num_seqs=8, device="cpu")
     engine.runner.use_decode_graphs(DecodeGraphPlan(8, engine.max_model_len, capture=False))
     before = [k.clone() for k, _ in engine.runner.kv_caches]
     prompts = varied_prompts(engine.model_config.vocab_size, count=3, lengths=(5, 9, 20))
@@ -57,18 +63,45 @@ def test_padding_rows_write_nothing(tiny_engine_factory):
     assert len(changed) == 4
 
 
+def test_graph_steps_upload_host_values_through_pinned_memory(tiny_engine_factory,
+                                                              monkeypatch):
+    """Each graph step's host metadata goes to the device through `upload` (pinned,
+    one non-blocking transfer per dtype on CUDA), never by a copy from pageable
+    memory into a static buffer, which would wait for the step before to finish."""
+    import engine.cuda_graphs as cuda_graphs
+
+    engine = tiny_engine_factory("llama", max_num_seqs=4, device="cpu")
+    engine.runner.use_decode_graphs(DecodeGraphPlan(4, engine.max_model_len, capture=False))
+    loads, real = [], cuda_graphs.upload
+
+    def spy(tensors, device):
+        loads.append([t.dtype for t in tensors])
+        return real(tensors, device)
+
+    monkeypatch.setattr(cuda_graphs, "upload", spy)
+    steps = []
+    run = engine.runner.decode_graphs.run
+    engine.runner.decode_graphs.run = lambda *a: steps.append(1) or run(*a)
+    prompts = varied_prompts(engine.model_config.vocab_size, count=3, lengths=(5, 9, 20))
+    engine.generate(prompts, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    assert steps and len(loads) == len(steps)
+    assert all(d == [torch.long, torch.long, torch.int32, torch.int32] for d in loads)
+
+
 def test_capture_needs_cuda(tiny_engine_factory):
-    engine = tiny_engine_factory("llama")
+    engine = tiny_engine_factory("llama", device="cpu")
     with pytest.raises(ValueError, match="CUDA graphs need CUDA"):
         engine.runner.use_decode_graphs(DecodeGraphPlan(8, engine.max_model_len, capture=True))
 
 
+@needs_kernel_device
 def test_triton_planning_for_a_captured_graph(tiny_engine_factory):
     """Inside a capture there are no host lengths: the Triton backend plans its
     decode splits for max_model_len. Run exactly that body (interpreted on CPU) and
     check the tokens against the eager torch path."""
-    eager = tiny_engine_factory("llama", max_num_seqs=4)
-    graphed = tiny_engine_factory("llama", max_num_seqs=4, attention_backend="triton")
+    eager = tiny_engine_factory("llama", max_num_seqs=4, device=DEVICE, enforce_eager=True)
+    graphed = tiny_engine_factory("llama", max_num_seqs=4, attention_backend="triton",
+                                  device=DEVICE, enforce_eager=True)
     graphed.runner.use_decode_graphs(DecodeGraphPlan(4, graphed.max_model_len, capture=False))
     g = graphed.runner.decode_graphs
 

@@ -66,11 +66,13 @@ def test_the_triton_backend_reads_and_writes_the_fp8_cache_as_the_torch_backend(
 
 
 def test_compiled_decode_graphs_read_the_fp8_cache_as_eager_steps_do(tiny_engine_factory):
-    """Decode steps through the compiled graphs (attention traced in, scales
-    applied to scores and outputs) give the eager fp8 path's logits."""
+    """Decode steps through the compiled CPU graphs (attention traced in, scales
+    applied to scores and outputs) give the eager fp8 path's logits. On the CPU even
+    beside a GPU: there, decode steps would replay CUDA graphs past forward_logits."""
     runs = []
     for compile in ("off", "wait"):
-        engine = tiny_engine_factory(dtype="float32", kv_cache_dtype="fp8", compile=compile)
+        engine = tiny_engine_factory(dtype="float32", kv_cache_dtype="fp8", compile=compile,
+                                     device="cpu")
         steps = record_logits(engine)
         runs.append((engine.generate(prompts(20, 7, seed=8), GREEDY), steps))
     (eager, eager_steps), (compiled, compiled_steps) = runs

@@ -46,7 +46,8 @@ def test_tiny_model_first_step_logits(arch, tiny_engine_factory, tiny_model_dir)
     engine = tiny_engine_factory(arch)
     ref = load_reference(tiny_model_dir(arch))
     for prompt in varied_prompts(engine.model_config.vocab_size, count=4, seed=1):
-        diff = (first_step_logits(engine, prompt) - reference_logits(ref, prompt)).abs().max()
+        ours = first_step_logits(engine, prompt).cpu()  # the reference runs on the CPU
+        diff = (ours - reference_logits(ref, prompt)).abs().max()
         assert diff < 1e-4
 
 
@@ -70,5 +71,6 @@ def test_default_model_greedy_matches_transformers(default_model_dir):
     for prompt, got in zip(prompts, ours):
         assert got == reference_greedy(ref, prompt, 64), f"prompt of {len(prompt)} tokens"
     for prompt in prompts[:4]:
-        diff = (first_step_logits(engine, prompt) - reference_logits(ref, prompt)).abs().max()
+        ours = first_step_logits(engine, prompt).cpu()  # the reference runs on the CPU
+        diff = (ours - reference_logits(ref, prompt)).abs().max()
         assert diff < 1e-4

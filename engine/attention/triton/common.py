@@ -35,8 +35,11 @@ def cache_scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    """fp32 models get exact products, like the torch reference, rather than tf32."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+    """fp32 models get products as accurate as fp32's (the torch reference's) rather
+    than tf32's: three tf32 products on the tensor cores ("tf32x3"), not "ieee" on the
+    FMA units, whose operands in registers spilled at head_dim 64-128 on sm_90
+    (bench/results/triton_aot_*). 16-bit dots are exact on the tensor cores anyway."""
+    return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
 def parallelism(device: torch.device) -> int:

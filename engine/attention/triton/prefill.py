@@ -16,10 +16,21 @@ from engine.attention.triton.common import (LOG2E, cache_scales, check_cache,
                                             upcast_on_load)
 from engine.attention.triton.paged_tile import attend_paged
 
-BLOCK_M = 64
+def tiles(dtype: torch.dtype, block_d: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps), chosen by what each compiles to for sm_90 and
+    sm_80 (bench/triton_aot_check.py, bench/results/triton_aot_*): from head_dim 128
+    with 8 warps, or a thread's share of Q, K, V and the accumulator outgrows its 255
+    registers (bf16 on sm_80: a spill at 4 warps). 16-bit models in 64 x 64 tiles;
+    fp32 ones (three tf32 products a dot) in 32 x 32, twice the bytes a value."""
+    warps = 8 if block_d >= 128 else 4
+    if dtype == torch.float32:
+        return 32, 32, warps
+    return 64, 64 if block_d <= 128 else 32, warps
 
 
-@triton.jit
+# first_req and the table's stride change from step to step: specialised (equal to 1,
+# divisible by 16), each value would be a compile of its own mid-serving.
+@triton.jit(do_not_specialize=["first_req", "stride_table"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
                     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
                     k_scale_ptr, v_scale_ptr, scale_log2, first_req,
@@ -80,7 +91,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     _, num_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     block_d = dot_tile(head_dim)
-    grid = (triton.cdiv(max_query_len, BLOCK_M), num_reqs, num_heads)
+    block_m, block_n, warps = tiles(q.dtype, block_d)
+    grid = (triton.cdiv(max_query_len, block_m), num_reqs, num_heads)
     k_scale, v_scale, fp8 = cache_scales(k_scale, v_scale, k_cache)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, k_scale, v_scale,
@@ -88,6 +100,6 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=num_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_M=BLOCK_M, BLOCK_N=64 if block_d <= 128 else 32, BLOCK_D=block_d,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         UPCAST=upcast_on_load(q), DOT_PRECISION=dot_precision(q.dtype), KV_FP8=fp8,
-        num_warps=4, num_stages=2)
+        num_warps=warps, num_stages=2)

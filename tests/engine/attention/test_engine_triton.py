@@ -39,7 +39,10 @@ def record_logits(engine) -> list[torch.Tensor]:
 
 
 def run(factory, backend: str, arch: str, waves, params, **config):
-    engine = factory(arch, attention_backend=backend, device=DEVICE, dtype="float32", **config)
+    # Eager: on CUDA, decode steps would otherwise replay graphs past forward_logits,
+    # and the two backends' recorded steps would not line up.
+    engine = factory(arch, attention_backend=backend, device=DEVICE, dtype="float32",
+                     enforce_eager=True, **config)
     steps = record_logits(engine)
     tokens = [engine.generate(wave, params) for wave in waves]
     return tokens, steps, engine

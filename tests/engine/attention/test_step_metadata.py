@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.step_metadata import build_host_step, upload
+from engine.attention.step_metadata import build_host_step, pack_aligned, upload
 
 
 def naive(starts, lens, tables, block_size):
@@ -49,3 +49,18 @@ def test_decodes_must_come_first():
 def test_upload_on_cpu_moves_nothing():
     t = torch.arange(4)
     assert upload([t], torch.device("cpu"))[0] is t
+
+
+def test_uploaded_pieces_start_16_byte_aligned():
+    """Pieces packed for one transfer each start on 16 bytes whatever the lengths
+    before them: Triton compiles a kernel per pointer alignment, so an unaligned
+    block table (after 3 int32 lengths, say) would be a compile of its own."""
+    int32 = [torch.arange(3, dtype=torch.int32), torch.arange(6, dtype=torch.int32).view(2, 3),
+             torch.arange(5, dtype=torch.int32)]
+    buf, starts = pack_aligned(int32, pin=False)
+    assert starts == [0, 4, 12]
+    for t, start in zip(int32, starts):
+        assert torch.equal(buf[start:start + t.numel()].view(t.shape), t)
+    moved = upload([torch.zeros(3, dtype=torch.long), *int32], torch.device("meta"))
+    assert [tuple(m.shape) for m in moved] == [(3,), (3,), (2, 3), (5,)]
+    assert all(m.storage_offset() * m.element_size() % 16 == 0 for m in moved)

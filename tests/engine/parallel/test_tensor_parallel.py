@@ -1,5 +1,10 @@
 """Tensor parallelism on CPU (gloo): greedy output token-identical to one rank in
-float32, through chunked prefill, prefix-cache hits and copy-on-write forks."""
+float32, through chunked prefill, prefix-cache hits and copy-on-write forks.
+
+The engines are pinned to the CPU: on a machine with one GPU, device "auto" would
+put rank 1 on cuda:1, which does not exist; it would die, and the group's watcher
+would end the process it watches from, pytest itself (os._exit). A rank that dies
+anyway fails its test instead."""
 from __future__ import annotations
 
 import contextlib
@@ -14,16 +19,31 @@ from scheduler.sampling_params import SamplingParams
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
 
+def tp_config(model_dir, tp: int, **overrides) -> EngineConfig:
+    cfg = dict(model=str(model_dir), dtype="float32", compile="off", num_kv_blocks=256,
+               max_num_batched_tokens=64, tensor_parallel_size=tp, device="cpu")
+    cfg.update(overrides)
+    return EngineConfig(**cfg)
+
+
 @contextlib.contextmanager
 def engine(model_dir, tp: int, **overrides):
-    cfg = dict(model=str(model_dir), dtype="float32", compile="off", num_kv_blocks=256,
-               max_num_batched_tokens=64, tensor_parallel_size=tp)
-    cfg.update(overrides)
-    e = Engine(EngineConfig(**cfg))
+    e = Engine(tp_config(model_dir, tp, **overrides))
+    deaths: list[str] = []
+    e.on_rank_death(deaths.append)  # not os._exit: the test fails, pytest goes on
     try:
         yield e
     finally:
         e.close()
+    assert not deaths, deaths
+
+
+def test_ranks_stay_on_the_cpu_beside_a_gpu(tiny_model_dir, monkeypatch):
+    from engine.loader import resolve_device
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    assert resolve_device(EngineConfig(model="m").device).type == "cuda"  # (the fake)
+    assert resolve_device(tp_config(tiny_model_dir("llama"), 2).device).type == "cpu"
 
 
 def prompts(vocab: int) -> list[list[int]]:
@@ -100,7 +120,6 @@ def test_unsplittable_and_unsupported_are_refused(tiny_model_dir):
     from modelstore.errors import ModelLoadError
 
     with pytest.raises(ModelLoadError, match="does not divide the model's 6 attention"):
-        Engine(EngineConfig(model=str(tiny_model_dir("llama")), tensor_parallel_size=4))
+        Engine(tp_config(tiny_model_dir("llama"), 4))
     with pytest.raises(ModelLoadError, match="weight quantization"):
-        Engine(EngineConfig(model=str(tiny_model_dir("llama")), tensor_parallel_size=2,
-                            quantization="int8"))
+        Engine(tp_config(tiny_model_dir("llama"), 2, quantization="int8"))
