@@ -15,7 +15,7 @@ comma := ,
 serve_extras := $(if $(EXTRAS),[$(EXTRAS)])
 test_extras := [test$(if $(EXTRAS),$(comma)$(EXTRAS))]
 
-.PHONY: install install-test serve test test-fast clean
+.PHONY: install install-test serve test test-fast gpu-dry-run clean
 
 install: $(SERVE_STAMP)
 install-test: $(TEST_STAMP)
@@ -50,6 +50,12 @@ test: $(TEST_STAMP)
 # Without the tests that load the default model.
 test-fast: $(TEST_STAMP)
 	$(PYTEST) -m "not slow" $(ARGS)
+
+# bench/gpu_session.sh (a lent GPU's one call) on this CPU: every stage with tiny
+# shapes, importing as the GPU image would; fails if any stage does not end ok.
+gpu-dry-run: $(TEST_STAMP)
+	KVSERVE_GPU_DRY_RUN=1 PYTHON=$(BIN)/python OUT=$(or $(OUT),/tmp/kvserve-gpu-dry-run) \
+		bash bench/gpu_session.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -8,6 +8,11 @@ is minutes of a 15-minute budget; an ImportError there should be found here firs
   python bench/gpu_image_check.py --site /tmp/site bench/gpu_decode.py --preset llama-tiny
   python bench/gpu_image_check.py --site /tmp/site -m pytest -q tests/bench
 
+Or, without downloading anything, with the wheels' list taken as installed there
+(what `KVSERVE_GPU_DRY_RUN=1 bash bench/gpu_session.sh` does):
+
+  python bench/gpu_image_check.py --allow-listed bench/gpu_wheels.txt bench/gpu_decode.py
+
 The image's packages are those /work/.library/device/KINDS.md lists (read 2026-11-17)."""
 from __future__ import annotations
 
@@ -69,9 +74,16 @@ def _dependencies(names: set[str]) -> set[str]:
     return found
 
 
-def absent_distributions() -> set[str]:
-    """The distributions installed here that the image lacks (normalised names)."""
-    listed = {_norm(n) for n in IMAGE.split()}
+def listed_in(path: str) -> set[str]:
+    """The distributions a requirements file names (bench/gpu_wheels.txt)."""
+    lines = (line.split("#")[0].strip() for line in open(path, encoding="utf-8"))
+    return {_norm(Requirement(line).name) for line in lines if line}
+
+
+def absent_distributions(brought: set[str] = frozenset()) -> set[str]:
+    """The distributions installed here that the image lacks (normalised names);
+    brought: those the session carries as wheels, taken as present."""
+    listed = {_norm(n) for n in IMAGE.split()} | brought
     ours = {_norm(Requirement(line).name) for line in importlib.metadata.requires("kvserve")}
     image = listed | (_dependencies(listed) - ours)  # what kvserve asks for: as listed
     installed = {_norm(d.metadata["Name"]) for d in importlib.metadata.distributions()}
@@ -116,16 +128,20 @@ class ImageFinder(importlib.abc.MetaPathFinder):
 
 
 def main() -> None:
-    """[--site DIR]... (SCRIPT | -m MODULE | -c CODE) ARGS...: the arguments after the
-    script, module or code are its own (argparse here would take its --help)."""
-    argv, site = sys.argv[1:], []
-    while argv[:1] == ["--site"] and len(argv) > 1:
-        site.append(argv[1])
+    """[--site DIR]... [--allow-listed FILE]... (SCRIPT | -m MODULE | -c CODE) ARGS...:
+    the arguments after the script, module or code are its own (argparse here would
+    take its --help)."""
+    argv, site, brought = sys.argv[1:], [], set()
+    while argv[:1] in (["--site"], ["--allow-listed"]) and len(argv) > 1:
+        if argv[0] == "--site":
+            site.append(argv[1])
+        else:
+            brought |= listed_in(argv[1])
         argv = argv[2:]
     flag = argv[0] if argv[:1] in (["-m"], ["-c"]) and len(argv) > 1 else None
     if not argv or argv[0].startswith("-") and flag is None:
         sys.exit(__doc__)
-    dists = absent_distributions()
+    dists = absent_distributions(brought)
     absent = absent_modules(dists)
     hide_distributions(dists, site)
     for name in [m for m in sys.modules if m.partition(".")[0] in absent]:

@@ -4,6 +4,7 @@ result cut short by a time limit still has its earlier phases; missing numbers p
 as '-'.
 
 Usage: python bench/gpu_summary.py RESULT.json [RESULT.json ...]
+       python bench/gpu_summary.py $OUT/results.json   (a session's, every stage)
 """
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ COLUMNS = [  # (header, path into the result, scale)
 ]
 
 
+SCALARS = 12  # a result of another benchmark: its first numbers, on one line
+
+
 def lookup(result: dict, path: str, scale: float) -> str:
     value = result
     for key in path.split("."):
@@ -39,20 +43,39 @@ def lookup(result: dict, path: str, scale: float) -> str:
     return f"{value * scale:.3g}" if isinstance(value, (int, float)) else "-"
 
 
+def result_lines(result: dict, title: str | None = None, compact: bool = True) -> list[str]:
+    """Two lines for one result: what ran where, then its figures (compact: those it
+    has; else every column, '-' where missing). A result of another benchmark
+    (bench/step_overhead.py, bench/lora_overhead.py) shows its top-level numbers."""
+    name = result.get("preset") or result.get("model") or "?"
+    head = f"{name} {result.get('dtype', '?')} on {result.get('device', '?')}"
+    head = f"{title}: {head}" if title else head
+    if "kvserve" not in result and "copy_bandwidth" not in result:
+        numbers = [(k, v) for k, v in result.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        return [head, "  " + " | ".join(f"{k}: {v:.4g}" for k, v in numbers[:SCALARS])]
+    cells = [(h, lookup(result, p, s)) for h, p, s in COLUMNS]
+    if compact:
+        cells = [(h, c) for h, c in cells if c != "-"]
+    return [head, "  " + " | ".join(f"{h}: {c}" for h, c in cells)]
+
+
 def main(paths: list[str]) -> None:
-    rows = []
+    """Each file: a bench/gpu_decode.py result, or bench/gpu_session.py's results.json
+    (every run of every stage)."""
     for path in paths:
         try:
             r = json.loads(Path(path).read_text())
         except (OSError, ValueError) as exc:
             print(f"{path}: no result ({exc})")
             continue
-        name = r.get("preset") or r.get("model") or "?"
-        head = f"{name} {r.get('dtype', '?')} on {r.get('device', '?')}"
-        rows.append((head, [lookup(r, p, s) for _, p, s in COLUMNS]))
-    for head, cells in rows:
-        print(head)
-        print("  " + " | ".join(f"{h}: {c}" for (h, _, _), c in zip(COLUMNS, cells)))
+        if "stages" in r:
+            for stage, st in r["stages"].items():
+                for label, run in st.get("runs", {}).items():
+                    if "result" in run:
+                        print("\n".join(result_lines(run["result"], f"{stage} {label}".strip())))
+            continue
+        print("\n".join(result_lines(r, compact=False)))
 
 
 if __name__ == "__main__":

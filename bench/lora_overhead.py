@@ -112,7 +112,8 @@ def main() -> None:
                 for _ in range(args.rounds)]
     b, m, off = (statistics.median(x) for x in (base, with_lora, lora_off))
     result = {**where_from(device, "python bench/lora_overhead.py"),
-              "dtype": str(dtype).replace("torch.", ""), "requests": args.requests,
+              "model": args.model, "dtype": str(dtype).replace("torch.", ""),
+              "requests": args.requests,
               "adapters": args.adapters, "rank": args.rank, "prompt_len": args.prompt_len,
               "output_len": args.output_len, "base_tok_s": base, "lora_tok_s": with_lora,
               "lora_off_tok_s": lora_off, "overhead": 1 - m / b,

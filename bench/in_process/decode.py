@@ -105,19 +105,24 @@ def ours_split(engine: Engine, clock: Clock, args) -> dict:
     return split_row(r["first_token_s"], r["decode_s"], args.split_decode_tokens)
 
 
-def run_ours(args, device: torch.device, dtype: torch.dtype) -> dict:
+def run_ours(args, device: torch.device, dtype: torch.dtype,
+             on_phase=lambda row: None) -> dict:
+    """kvserve's row; on_phase(row so far) after each phase (a time limit may cut
+    the next: an 8B load and its decode are minutes of a GPU call)."""
     clock = Clock(device)
     reset_peak_memory(device)
     t0 = clock.now()
     engine = build_engine(args, device)
-    load_s = clock.now() - t0
-    load_peak = peak_memory(device)
+    row = {"load_s": clock.now() - t0, "load_peak_bytes": peak_memory(device),
+           "attention_backend": engine.runner.attn_backend.name}
+    on_phase(row)
     vocab = engine.model_config.vocab_size
     run_request(engine, clock, make_prompt(vocab, args.prompt_len, 1), 4)  # warm-up
-    row = {"load_s": load_s, "load_peak_bytes": load_peak,
-           "attention_backend": engine.runner.attn_backend.name,
-           "decode": ours_decode(engine, clock, args, dtype),
-           "ttft": ours_ttft(engine, clock, args), "split": ours_split(engine, clock, args)}
+    for phase, measure in (("decode", lambda: ours_decode(engine, clock, args, dtype)),
+                           ("ttft", lambda: ours_ttft(engine, clock, args)),
+                           ("split", lambda: ours_split(engine, clock, args))):
+        row[phase] = measure()
+        on_phase(row)
     del engine
     free_device_memory(device)
     return row
@@ -193,7 +198,9 @@ def run(args, command: str | None = None) -> dict:
               "peak_flops": peak_tflops(device, dtype, args.matmul_size, args.repeats)}
     copy_gbps, peak = result["copy_bandwidth"]["gbps"], result["peak_flops"]["tflops"]
     free_device_memory(device)
-    result["kvserve"] = run_ours(args, device, dtype)
+    save(result, args.json)  # the device's figures first
+    result["kvserve"] = run_ours(args, device, dtype,
+                                 lambda row: save({**result, "kvserve": row}, args.json))
     add_utilisation(result["kvserve"], cfg, args.prompt_len, copy_gbps, peak)
     save(result, args.json)  # each phase is kept even if a later one hangs or dies
     if args.transformers == "on":

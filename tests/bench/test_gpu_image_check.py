@@ -5,7 +5,6 @@ session's minutes are not spent on an ImportError."""
 from __future__ import annotations
 
 import importlib.metadata
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,9 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def wheel_list() -> set[str]:
-    """The distributions bench/gpu_wheels.sh downloads (name==version arguments)."""
-    text = (ROOT / "bench" / "gpu_wheels.sh").read_text()
-    return {gpu_image_check._norm(name) for name in re.findall(r"([A-Za-z0-9_.-]+)==\S+", text)}
+    """The distributions bench/gpu_wheels.sh downloads (bench/gpu_wheels.txt)."""
+    return gpu_image_check.listed_in(str(ROOT / "bench" / "gpu_wheels.txt"))
 
 
 def test_the_wheels_bring_every_runtime_dependency_the_image_lacks():
@@ -30,7 +28,7 @@ def test_the_wheels_bring_every_runtime_dependency_the_image_lacks():
     # What the test suite's GPU stage imports beyond them (tests/server/conftest.py,
     # the structured outputs' tests).
     needed = (runtime | {"openai", "jsonschema"}) - listed
-    assert needed <= wheel_list(), f"add to bench/gpu_wheels.sh: {sorted(needed - wheel_list())}"
+    assert needed <= wheel_list(), f"add to bench/gpu_wheels.txt: {sorted(needed - wheel_list())}"
 
 
 def test_the_emulation_refuses_what_the_image_lacks(tmp_path):
@@ -46,3 +44,18 @@ def test_the_emulation_refuses_what_the_image_lacks(tmp_path):
     lines = set(proc.stdout.split("\n"))
     # torch is on the image; engine needs xgrammar, which is not.
     assert {"xgrammar refused", "pydantic refused", "torch ok", "engine.engine refused"} <= lines
+
+
+def test_the_wheels_list_taken_as_installed_lets_the_engine_import():
+    """--allow-listed bench/gpu_wheels.txt: the image plus the carried wheels, with
+    nothing downloaded (the dry run of bench/gpu_session.sh imports so)."""
+    code = ("import engine.engine, server.app, bench.gpu_decode\n"
+            "try:\n"
+            "    import schemathesis\n"
+            "except ImportError as exc:\n"
+            "    print('refused' if 'GPU image' in str(exc) else exc)\n")
+    proc = subprocess.run([sys.executable, "bench/gpu_image_check.py", "--allow-listed",
+                           "bench/gpu_wheels.txt", "-c", code], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["refused"]  # a test-only package stays refused
