@@ -16,16 +16,17 @@ from engine.attention.triton.common import (LOG2E, cache_scales, check_cache,
                                             upcast_on_load)
 from engine.attention.triton.paged_tile import attend_paged
 
-def tiles(dtype: torch.dtype, block_d: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps), chosen by what each compiles to for sm_90 and
-    sm_80 (bench/triton_aot_check.py, bench/results/triton_aot_*): from head_dim 128
-    with 8 warps, or a thread's share of Q, K, V and the accumulator outgrows its 255
-    registers (bf16 on sm_80: a spill at 4 warps). 16-bit models in 64 x 64 tiles;
-    fp32 ones (three tf32 products a dot) in 32 x 32, twice the bytes a value."""
+def tiles(dtype: torch.dtype, block_d: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages), chosen by what each compiles to for
+    sm_90 and sm_80 (bench/triton_aot_check.py, bench/results/triton_aot_*): from
+    head_dim 128 with 8 warps, or a thread's share of Q, K, V and the accumulator
+    outgrows its 255 registers (bf16 on sm_80: a spill at 4 warps). 16-bit models in
+    64 x 64 tiles; fp32 ones (three tf32 products a dot) in 32 x 32, twice the bytes a
+    value, and below head_dim 128 unpipelined (sm_90, block size 32: 12 B spilled)."""
     warps = 8 if block_d >= 128 else 4
     if dtype == torch.float32:
-        return 32, 32, warps
-    return 64, 64 if block_d <= 128 else 32, warps
+        return 32, 32, warps, 2 if block_d >= 128 else 1
+    return 64, 64 if block_d <= 128 else 32, warps, 2
 
 
 # first_req and the table's stride change from step to step: specialised (equal to 1,
@@ -91,7 +92,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     _, num_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     block_d = dot_tile(head_dim)
-    block_m, block_n, warps = tiles(q.dtype, block_d)
+    block_m, block_n, warps, stages = tiles(q.dtype, block_d)
     grid = (triton.cdiv(max_query_len, block_m), num_reqs, num_heads)
     k_scale, v_scale, fp8 = cache_scales(k_scale, v_scale, k_cache)
     _prefill_kernel[grid](
@@ -102,4 +103,4 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         GROUP=num_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         UPCAST=upcast_on_load(q), DOT_PRECISION=dot_precision(q.dtype), KV_FP8=fp8,
-        num_warps=warps, num_stages=2)
+        num_warps=warps, num_stages=stages)
