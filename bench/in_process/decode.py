@@ -199,8 +199,15 @@ def run(args, command: str | None = None) -> dict:
     copy_gbps, peak = result["copy_bandwidth"]["gbps"], result["peak_flops"]["tflops"]
     free_device_memory(device)
     save(result, args.json)  # the device's figures first
-    result["kvserve"] = run_ours(args, device, dtype,
-                                 lambda row: save({**result, "kvserve": row}, args.json))
+
+    def keep(row: dict) -> None:
+        """kvserve's row so far, with its decode MBU as soon as it has a decode."""
+        d = row.get("decode")
+        if d is not None:
+            d["mbu"] = mbu(d["bytes_read_per_step"], d["step_ms"] / 1e3, copy_gbps)
+        save({**result, "kvserve": row}, args.json)
+
+    result["kvserve"] = run_ours(args, device, dtype, keep)
     add_utilisation(result["kvserve"], cfg, args.prompt_len, copy_gbps, peak)
     save(result, args.json)  # each phase is kept even if a later one hangs or dies
     if args.transformers == "on":

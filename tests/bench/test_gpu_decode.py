@@ -63,3 +63,24 @@ def test_summary_table_reads_full_and_missing_results(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "llama-3.1-8b" in out and "ours tok/s: 80" in out and "hf tok/s: -" in out
     assert "missing.json: no result" in out
+
+
+def test_a_cut_run_keeps_its_phases(tmp_path, monkeypatch):
+    """bench/gpu_session.py copies the JSON in while a run goes on: after kvserve's
+    decode phase the file already holds its tok/s and MBU (the 8B stage's number),
+    before TTFT, the split and transformers."""
+    from bench import gpu_decode
+    from bench.in_process import decode
+
+    out, seen = tmp_path / "r.json", []
+    ttft = decode.ours_ttft
+
+    def spy(*args):
+        seen.append(json.loads(out.read_text()))  # as a cut here would leave it
+        return ttft(*args)
+
+    monkeypatch.setattr(decode, "ours_ttft", spy)
+    gpu_decode.main([*SMALL, "--transformers", "off", "--json", str(out)])
+    first = seen[0]
+    assert first["kvserve"]["decode"]["tok_s"] > 0 and first["kvserve"]["decode"]["mbu"] > 0
+    assert "ttft" not in first["kvserve"] and first["copy_bandwidth"]["gbps"] > 0
