@@ -47,6 +47,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,7 +124,10 @@ class Settings:
 
 def stages(s: Settings) -> list[Stage]:
     """Every stage, in order of value, with its limit (seconds) and commands."""
-    py, tmp = s.python, Path("/tmp/kvserve-gpu-runs")
+    # Where each run saves its JSON as it goes (copied into results.json): this
+    # process's own, so two sessions on one machine (a dry run beside the suite's)
+    # never read each other's.
+    py, tmp = s.python, Path(tempfile.gettempdir()) / f"kvserve-gpu-runs-{os.getpid()}"
     small = (["--prompt-len", "32", "--decode-tokens", "4", "--split-decode-tokens", "4",
               "--repeats", "1", "--copy-mib", "8", "--matmul-size", "128"] if s.dry else [])
 
