@@ -9,6 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from engine.client.engine_client import EngineClient
+from server.auth import current_principal
 from server.chat import ChatService
 from server.completions import CompletionService
 from server.embeddings import EmbeddingRequest, EmbeddingService
@@ -40,6 +41,7 @@ def build_app(engine: EngineClient, model_names: list[str], model_root: str = ""
     the host, port and the rest are for the process that serves the app)."""
 
     tokenization = Tokenization(engine.tokenizer, engine.max_model_len)
+    tokenize_routes = tokenization.copy()  # /tokenize, /detokenize: never ahead of a prompt
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -50,11 +52,12 @@ def build_app(engine: EngineClient, model_names: list[str], model_root: str = ""
         finally:
             await engine_view.stop()
             tokenization.shutdown()
+            tokenize_routes.shutdown()
             engine.shutdown()
 
     app = FastAPI(title="kvserve", version=VERSION, lifespan=lifespan)
     install_error_handlers(app)
-    metrics = install_ops(app, engine, model_names, VERSION, config, tokenization)
+    metrics = install_ops(app, engine, model_names, VERSION, config, tokenize_routes)
     admission = app.state.admission
 
     def closing() -> str | None:  # the drain is over: nothing left to watch
@@ -94,17 +97,19 @@ def build_app(engine: EngineClient, model_names: list[str], model_root: str = ""
 
 
 def _install_responses(app: FastAPI, responses: ResponsesService) -> None:
+    """Each stored response belongs to the key that made it (server/auth.py)."""
     @app.post("/v1/responses")
     async def create_response(req: ResponsesRequest, request: Request):
-        return await _cancel_on_disconnect(request, responses.create(req))
+        owner = current_principal().owner
+        return await _cancel_on_disconnect(request, responses.create(req, owner))
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str):
-        return responses.retrieve(response_id)
+        return responses.retrieve(response_id, current_principal().owner)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str):
-        return responses.delete(response_id)
+        return responses.delete(response_id, current_principal().owner)
 
 
 async def _cancel_on_disconnect(request: Request, coro):

@@ -1,13 +1,23 @@
-"""API keys (`--api-key`): every /v1 route needs `Authorization: Bearer <key>`.
+"""API keys (`--api-key`, `--admin-api-key`): every /v1 route, /tokenize and
+/detokenize need `Authorization: Bearer <key>` when any key is set.
 
-As in vLLM, only /v1 is guarded: /health, /version, /metrics, /tokenize and
-/detokenize stay open for probes and scrapers, unless `--protect-metrics` guards
-/health, /version and /metrics too. No key is ever logged."""
+/health, /version and /metrics stay open for probes and scrapers, unless
+`--protect-metrics` guards them too. /tokenize and /detokenize are behind the key
+(as in recent vLLM): they run the tokenizer, which costs the server CPU time.
+
+Each request that passed the check runs with its Principal (current_principal()):
+`owner`, the SHA-256 of its key (stored responses record it, and another key's
+requests find them absent; the engine page shows a key the ids of its own
+requests), and whether it sees every request's engine id on /v1/engine/stream
+(admin keys only). Without any key there is one tenant, the anonymous one, and it
+sees them all. No key is ever logged or stored."""
 from __future__ import annotations
 
 import hashlib
 import hmac
 from collections.abc import Iterable
+from contextvars import ContextVar
+from dataclasses import dataclass
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -20,13 +30,36 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
+@dataclass(frozen=True)
+class Principal:
+    """Who sent a request: its key's owner tag and what it may see."""
+    owner: str  # the SHA-256 of its key (hex), or "anonymous" when no key is set
+    sees_request_ids: bool  # the engine stream shows it request ids
+
+
+ANONYMOUS = Principal("anonymous", sees_request_ids=True)
+# Set by ApiKeyMiddleware for the whole of a request (its response streamed
+# included): the tasks a request starts copy it. A context variable, like the
+# request's latency clock (server/metrics/frontend.py), so that what the request
+# runs need not hand it down.
+_CURRENT: ContextVar[Principal] = ContextVar("kvserve_principal", default=ANONYMOUS)
+
+
+def current_principal() -> Principal:
+    """Who sent the request being served; ANONYMOUS without keys."""
+    return _CURRENT.get()
+
+
 class ApiKeyMiddleware:
     """Pure ASGI (no BaseHTTPMiddleware): it must not buffer or re-task streaming
-    responses, and it answers 401 before the body is read."""
+    responses, and it answers 401 before the body is read. `admin_keys` are keys
+    too, whose holders also see the engine's request ids."""
 
-    def __init__(self, app: ASGIApp, keys: Iterable[str], protect_metrics: bool = False):
+    def __init__(self, app: ASGIApp, keys: Iterable[str], admin_keys: Iterable[str] = (),
+                 protect_metrics: bool = False):
         self.app = app
-        self._digests = [_digest(k) for k in keys]
+        self._digests = [(_digest(k), False) for k in keys]
+        self._digests += [(_digest(k), True) for k in admin_keys]
         if not self._digests:
             raise ValueError("ApiKeyMiddleware needs at least one key")
         self.protect_metrics = protect_metrics
@@ -35,33 +68,42 @@ class ApiKeyMiddleware:
         if (scope["type"] != "http" or scope["method"] == "OPTIONS"  # CORS preflight
                 or not guarded(scope["path"], self.protect_metrics)):
             return await self.app(scope, receive, send)
-        problem = self._problem(Headers(scope=scope).get("authorization"))
-        if problem is None:
-            return await self.app(scope, receive, send)
-        message, code = problem
+        found = self._principal(Headers(scope=scope).get("authorization"))
+        if isinstance(found, Principal):
+            token = _CURRENT.set(found)
+            try:
+                return await self.app(scope, receive, send)
+            finally:
+                _CURRENT.reset(token)
+        message, code = found
         response = error_response(401, message, code=code,
                                   headers={"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)
 
-    def _problem(self, header: str | None) -> tuple[str, str] | None:
-        """None when the header carries a valid key, else (message, code)."""
+    def _principal(self, header: str | None) -> Principal | tuple[str, str]:
+        """The Principal of the header's key if it is valid, else (message, code)."""
         scheme, _, token = (header or "").strip().partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             return ("Missing API key: send it as `Authorization: Bearer <key>`.",
                     "missing_api_key")
         given = _digest(token.strip())
         # Compare against every key, without stopping at a match, in constant time.
-        ok = False
-        for digest in self._digests:
-            ok |= hmac.compare_digest(given, digest)
-        return None if ok else ("Incorrect API key provided.", "invalid_api_key")
+        ok = admin = False
+        for digest, is_admin in self._digests:
+            match = hmac.compare_digest(given, digest)
+            ok |= match
+            admin |= match and is_admin
+        if not ok:
+            return ("Incorrect API key provided.", "invalid_api_key")
+        return Principal(given.hex(), sees_request_ids=admin)
 
 
 PROBE_PATHS = frozenset({"/health", "/version", "/metrics"})
+TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize"})
 
 
 def guarded(path: str, protect_metrics: bool = False) -> bool:
     """Whether a request to `path` needs a key (when keys are configured)."""
     if protect_metrics and path.rstrip("/") in PROBE_PATHS:
         return True
-    return path == "/v1" or path.startswith("/v1/")
+    return path == "/v1" or path.startswith("/v1/") or path.rstrip("/") in TOKENIZER_PATHS

@@ -102,15 +102,17 @@ def serve(args) -> None:
             ValueError) as exc:  # ValueError: settings that contradict each other
         raise SystemExit(f"kvserve: {exc}") from None
     app = build_app(engine, names, model_root=path, config=config)
-    guarded = "/v1, /health, /version and /metrics" if config.protect_metrics else "/v1"
+    guarded = ("/v1, /tokenize, /detokenize" + (", /health, /version and /metrics"
+                                                if config.protect_metrics else ""))
+    keys = len(config.api_keys) + len(config.admin_api_keys)
     log.info("serving %s on http://%s:%d%s", ", ".join(names), config.host, config.port,
-             f" ({len(config.api_keys)} API key(s) required on {guarded})"
-             if config.api_keys else "")
+             f" ({keys} API key(s) required on {guarded})" if keys else "")
     # The drain has already waited for responses in flight; uvicorn's own wait after
     # it only has to outlast stragglers, so it is short.
     uvicorn_config = uvicorn.Config(app, host=config.host, port=config.port,
                                     log_level=config.log_level, timeout_graceful_shutdown=5,
-                                    timeout_keep_alive=config.timeout_keep_alive)
+                                    timeout_keep_alive=config.timeout_keep_alive,
+                                    limit_concurrency=config.max_connections or None)
     server = GracefulServer(uvicorn_config, app.state.admission, config.shutdown_timeout)
     server.run()
     if server.engine_died:

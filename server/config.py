@@ -27,6 +27,11 @@ class ServerConfig:
         help="require `Authorization: Bearer <key>` on /v1 routes; comma-separated "
         "and/or repeated for several keys", flag="--api-key", secret_list=True,
         default_factory=list)
+    admin_api_keys: list[str] = setting(
+        help="keys that also see the engine's request ids on /v1/engine/stream (the "
+        "operator's: with --api-key set, other keys see requests without ids; with no "
+        "key at all, everyone does); comma-separated and/or repeated",
+        flag="--admin-api-key", secret_list=True, default_factory=list)
     protect_metrics: bool = setting(
         False, "require the API key on /health, /version and /metrics too (needs "
         "--api-key; probes and scrapers must then send it)", parse=parse_bool)
@@ -40,10 +45,21 @@ class ServerConfig:
     max_request_body_bytes: int = setting(
         DEFAULT_MAX_BODY_BYTES, "answer 413 to a request body larger than this (0: no "
         "limit)", parse=non_negative(int))
+    body_read_timeout: float = setting(
+        30.0, "seconds a request body may take to arrive, whole; a slower one is a 408 "
+        "and its connection is closed (0: no limit)", parse=non_negative(float))
+    max_connections: int = setting(
+        4096, "most HTTP connections (and requests on them) served at once; past it a "
+        "new one gets 503 (uvicorn's limit_concurrency; 0: no limit)",
+        parse=non_negative(int))
     max_prompts_per_request: int = setting(
         1024, "most prompts in one /v1/completions list prompt (0: no limit)",
         parse=non_negative(int))
     max_n: int = setting(16, "most choices (`n`) one request may ask for", parse=positive_int)
+    max_stop_strings: int = setting(
+        64, "most stop strings (`stop`) one request may give, each at most 256 "
+        "characters (OpenAI allows 4): every token's text is searched for them, on "
+        "the server's event loop", parse=positive_int)
     request_timeout: float = setting(
         0.0, "seconds a generation request may run; then it is aborted and its choices "
         "end with finish reason \"abort\", keeping the text made so far (0: no limit)",
@@ -86,5 +102,10 @@ class ServerConfig:
         "aborted", parse=non_negative(float))
 
     def __post_init__(self) -> None:
-        if self.protect_metrics and not self.api_keys:
+        if self.protect_metrics and not self.any_keys:
             raise ValueError("--protect-metrics needs --api-key (or KVSERVE_API_KEY)")
+
+    @property
+    def any_keys(self) -> bool:
+        """Whether requests need a key (any key, admin or not)."""
+        return bool(self.api_keys or self.admin_api_keys)

@@ -5,9 +5,14 @@ ones), so the cost per step does not grow with the output, and text is released 
 once it is final: a window ending in U+FFFD is an incomplete multi-byte character and
 waits for the next token. Stop strings are searched only where a new match can start,
 and a streaming caller is never handed characters that might still turn out to be the
-beginning of a stop string."""
+beginning of a stop string. All of a request's stop strings are searched for in one
+pass of one compiled pattern (at most --max-stop-strings of them, each at most
+MAX_STOP_CHARS long: the search runs on the event loop, for every token)."""
 from __future__ import annotations
 
+import re
+
+MAX_STOP_CHARS = 256  # a stop string's longest (server/service.py refuses longer ones)
 _CONTEXT_TOKENS = 5  # earlier tokens kept so a word boundary decodes the same way
 
 
@@ -34,6 +39,8 @@ class IncrementalDetokenizer:
         self.stop = list(stop)
         self.include_stop = include_stop_str_in_output
         self.hold_back = max((len(s) for s in self.stop), default=1) - 1
+        # Leftmost match first; at one position, the first listed stop that matches.
+        self._stops = re.compile("|".join(map(re.escape, self.stop))) if self.stop else None
         self.text = ""  # all output text so far (cut at a stop string once matched)
         self.sent = 0  # characters of self.text already handed out
         self.stop_reason: str | None = None
@@ -57,13 +64,13 @@ class IncrementalDetokenizer:
             self._check_stop(old_len)
 
     def _check_stop(self, old_len: int) -> None:
-        best = None
-        for s in self.stop:
-            i = self.text.find(s, max(0, old_len - len(s) + 1))
-            if i != -1 and (best is None or i < best[0]):
-                best = (i, s)
-        if best is not None:
-            i, s = best
+        """A stop string that ends in the text added since old_len (one wholly before
+        it was looked for when that text was added)."""
+        if self._stops is None:
+            return
+        found = self._stops.search(self.text, max(0, old_len - self.hold_back))
+        if found is not None:
+            i, s = found.start(), found.group()
             self.text = self.text[:i + len(s)] if self.include_stop else self.text[:i]
             self.stop_reason = s
 

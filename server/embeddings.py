@@ -8,7 +8,6 @@ import asyncio
 import base64
 import math
 import struct
-import uuid
 from typing import Literal
 
 from pydantic import Field
@@ -18,6 +17,7 @@ from scheduler.sampling_params import SamplingParams
 from server.errors import APIError
 from server.generation import EXPECTED_ERRORS, status_of
 from server.protocol import OpenAIRequest, TokenIds
+from server.request_owners import engine_request_id
 from server.tokenization import Tokenization
 from server.validation import check_model, lora_of, prompt_token_ids
 
@@ -60,7 +60,7 @@ class EmbeddingService:
             self.tokenization.refuse_if_too_long(text, "input")
         ids = await self.tokenization.run(
             lambda: [prompt_token_ids(self.engine, x, "input") for x in inputs])
-        rid = f"embd-{uuid.uuid4().hex}"
+        rid = engine_request_id()
         lora = lora_of(self.engine, model)
         tasks = [asyncio.create_task(self._embed(f"{rid}-{i}", x, lora))
                  for i, x in enumerate(ids)]

@@ -123,13 +123,14 @@ class _Sequence:
 Emit = Callable[[ChoiceDelta], Awaitable[None]]
 
 
-async def run_group(engine: EngineClient, rid: str, group: PromptGroup, opts: TextOptions,
-                    emit: Emit) -> None:
+async def run_group(engine: EngineClient, base_id: str, group: PromptGroup,
+                    opts: TextOptions, emit: Emit) -> None:
     """Drive one prompt's n sequences to the end, calling emit(delta) as text becomes
     final. A stop string ends its sequence early (aborted in the engine); leaving
-    early aborts whatever still runs."""
+    early aborts whatever still runs. base_id: the request's engine id
+    (server/request_owners.engine_request_id)."""
     seqs = [_Sequence(engine.tokenizer, group, opts) for _ in range(group.params.n)]
-    engine_id = f"{rid}-{group.index}"
+    engine_id = f"{base_id}-{group.index}"
     gen = engine.generate(engine_id, group.prompt_ids, group.params,
                           cache_salt=opts.cache_salt, priority=opts.priority,
                           lora_name=opts.lora_name)
@@ -174,7 +175,7 @@ def _deadline(engine: EngineClient, engine_id: str, timeout: float):
         timer.cancel()
 
 
-async def collect(engine: EngineClient, rid: str, groups: list[PromptGroup],
+async def collect(engine: EngineClient, base_id: str, groups: list[PromptGroup],
                   opts: TextOptions) -> dict[int, list[ChoiceDelta]]:
     """Every choice's deltas, in order, once all are finished."""
     results: dict[int, list[ChoiceDelta]] = {}
@@ -186,7 +187,7 @@ async def collect(engine: EngineClient, rid: str, groups: list[PromptGroup],
         # token's latency the whole request's (vLLM times it here too).
         clock.sent((d,))
 
-    tasks = [asyncio.create_task(run_group(engine, rid, g, opts, keep)) for g in groups]
+    tasks = [asyncio.create_task(run_group(engine, base_id, g, opts, keep)) for g in groups]
     try:
         await asyncio.gather(*tasks)
     except EXPECTED_ERRORS as exc:
@@ -197,7 +198,7 @@ async def collect(engine: EngineClient, rid: str, groups: list[PromptGroup],
     return results
 
 
-async def stream(engine: EngineClient, rid: str, groups: list[PromptGroup],
+async def stream(engine: EngineClient, base_id: str, groups: list[PromptGroup],
                  opts: TextOptions) -> AsyncIterator[list[ChoiceDelta | APIError]]:
     """Deltas of all choices as they come, in batches of whatever is ready, so a
     front end that fell behind the engine catches up with one write per batch. An
@@ -207,7 +208,7 @@ async def stream(engine: EngineClient, rid: str, groups: list[PromptGroup],
 
     async def pump(group: PromptGroup):
         try:
-            await run_group(engine, rid, group, opts, queue.put)
+            await run_group(engine, base_id, group, opts, queue.put)
             await queue.put(None)
         except asyncio.CancelledError:
             raise

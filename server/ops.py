@@ -1,6 +1,6 @@
-"""The operational side of the app: API keys (/v1 needs `Authorization: Bearer
-<key>` when any are given; /health, /version and /metrics too with
-`protect_metrics`), admission (at most `max_waiting_requests` waiting to be
+"""The operational side of the app: API keys (/v1, /tokenize and /detokenize need
+`Authorization: Bearer <key>` when any are given; /health, /version and /metrics too
+with `protect_metrics`), admission (at most `max_waiting_requests` waiting to be
 scheduled, or `max_waiting_tokens` prompt tokens, 0: no limit; nothing while
 draining), the request body's size limit, /health, /version, /metrics,
 /tokenize and /detokenize; and the error responses all of these give, in the OpenAPI
@@ -25,14 +25,19 @@ from server.tokenize_api import tokenize_router
 
 def install_ops(app: FastAPI, engine: EngineClient, model_names: list[str], version: str,
                 config: ServerConfig, tokenization: Tokenization) -> ServerMetrics:
+    """tokenization: the thread and tokenizer of /tokenize and /detokenize (their own,
+    not generation's)."""
     admission = Admission(engine, config.max_waiting_requests, config.max_waiting_tokens)
     app.state.admission = admission  # the shutdown drain finds it here
+    # Middlewares run outermost (added last) first: arrival, key, body, admission.
     app.add_middleware(AdmissionMiddleware, admission=admission)
-    if config.api_keys:  # added after admission, so outside it: no key, never admitted
+    # Outside admission: an oversized or slow body is refused before anything parses it.
+    app.add_middleware(BodyLimitMiddleware, limit=config.max_request_body_bytes,
+                       read_timeout=config.body_read_timeout)
+    if config.any_keys:  # outside the body's read: no key, no byte of it read
         app.add_middleware(ApiKeyMiddleware, keys=list(config.api_keys),
+                           admin_keys=list(config.admin_api_keys),
                            protect_metrics=config.protect_metrics)
-    # Outside auth and admission: an oversized body is refused before anything reads it.
-    app.add_middleware(BodyLimitMiddleware, limit=config.max_request_body_bytes)
     server_metrics = ServerMetrics(engine, model_names[0] if model_names else "")
     # Outermost: a request's latency counts from its arrival, auth and admission included.
     app.add_middleware(ArrivalMiddleware, hist=server_metrics.frontend)
@@ -55,7 +60,7 @@ def install_ops(app: FastAPI, engine: EngineClient, model_names: list[str], vers
     async def metrics():
         return server_metrics.response()
 
-    _document_errors(app, keys=bool(config.api_keys), protect_metrics=config.protect_metrics,
+    _document_errors(app, keys=config.any_keys, protect_metrics=config.protect_metrics,
                      queue_limit=bool(config.max_waiting_requests
                                       or config.max_waiting_tokens),
                      body_limit=bool(config.max_request_body_bytes))

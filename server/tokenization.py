@@ -11,6 +11,7 @@ text that cannot fit the context whatever it tokenizes to is refused at once
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +24,12 @@ T = TypeVar("T")
 
 
 class Tokenization:
+    """One tokenizer and the one thread that uses it. The server has two: one for
+    generation prompts, one (with a copy of the tokenizer: `copy()`) for /tokenize and
+    /detokenize, so that those can never delay a prompt."""
+
     def __init__(self, tokenizer, max_model_len: int):
+        self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.bound = token_bound(tokenizer) if tokenizer is not None else None
         self._worker = ThreadPoolExecutor(max_workers=1,
@@ -46,6 +52,12 @@ class Tokenization:
                            f"characters, and no token of this model covers more than "
                            f"{self.bound.chars_per_token}) but this model's maximum "
                            f"context length is {self.max_model_len} tokens", param)
+
+    def copy(self) -> "Tokenization":
+        """Another thread with a tokenizer of its own (a deep copy: the same vocabulary
+        and settings, never borrowed by this one's thread)."""
+        tokenizer = copy.deepcopy(self.tokenizer) if self.tokenizer is not None else None
+        return Tokenization(tokenizer, self.max_model_len)
 
     def shutdown(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)

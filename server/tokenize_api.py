@@ -1,5 +1,11 @@
-"""POST /tokenize and POST /detokenize, as vLLM serves them (outside /v1, so no API
-key is needed). /tokenize takes either a prompt or chat messages."""
+"""POST /tokenize and POST /detokenize, as vLLM serves them (outside /v1, but behind
+the API key when one is set: server/auth.py). /tokenize takes either a prompt or chat
+messages.
+
+Neither can delay generation: they run on a thread of their own with a tokenizer of
+their own (`tokenization`, not the one chat and completions prompts queue on), and
+refuse what generation would refuse for length: a prompt (or rendered chat) that
+cannot fit the context, more token ids than the context holds."""
 from __future__ import annotations
 
 from typing import Any
@@ -9,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import Field, ValidationError
 
 from engine.client.engine_client import EngineClient
-from server.chat_template import refuse_untrusted_template, render_chat, render_chat_text
+from server.chat_template import chat_prompt_ids, refuse_untrusted_template, render_chat_text
 from server.errors import APIError, no_tokenizer
 from server.protocol import ChatMessage, OpenAIRequest
 from server.tokenization import Tokenization
@@ -43,11 +49,10 @@ class DetokenizeRequest(OpenAIRequest):
 def tokenize_router(engine: EngineClient, model_names: list[str],
                     tokenization: Tokenization, trust_chat_template: bool = False
                     ) -> APIRouter:
-    """The tokenizer runs on `tokenization`'s thread, never on the event loop. A
-    prompt longer than the context is still counted here (that is what /tokenize is
-    for), so no length shortcut applies."""
+    """The tokenizer runs on `tokenization`'s thread (its own tokenizer), never on
+    the event loop nor on the generation prompts' thread."""
     router = APIRouter()
-    tok = engine.tokenizer
+    tok = tokenization.tokenizer
 
     @router.post("/tokenize")
     async def tokenize(request: Request):
@@ -58,11 +63,14 @@ def tokenize_router(engine: EngineClient, model_names: list[str],
                                       trust_chat_template)
         if tok is None:
             raise no_tokenizer()
-        return await tokenization.run(_tokenize, tok, req, engine.max_model_len)
+        return await tokenization.run(_tokenize, tokenization, req)
 
     @router.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
         check_model(req.model, model_names, engine.adapters.served)
+        if len(req.tokens) > engine.max_model_len:
+            raise APIError(400, f"{len(req.tokens)} token ids, more than this model's "
+                           f"maximum context length ({engine.max_model_len})", "tokens")
         bad = next((t for t in req.tokens if not 0 <= t < engine.vocab_size), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} is out of the vocabulary "
@@ -89,22 +97,30 @@ async def _parse_tokenize(request: Request) -> TokenizeCompletionRequest | Token
         raise RequestValidationError(exc.errors()) from None
 
 
-def _tokenize(tok, req: TokenizeCompletionRequest | TokenizeChatRequest,
-              max_model_len: int) -> dict[str, Any]:
-    ids = (_chat_ids(tok, req) if isinstance(req, TokenizeChatRequest)
-           else encode_text(tok, req.prompt, add_special_tokens=req.add_special_tokens))
-    body: dict[str, Any] = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
+def _tokenize(tokenization: Tokenization, req: TokenizeCompletionRequest | TokenizeChatRequest
+              ) -> dict[str, Any]:
+    """On the routes' tokenizer thread: the length check (as completions and chat do
+    it), then the tokens."""
+    tok = tokenization.tokenizer
+    if isinstance(req, TokenizeChatRequest):
+        ids = _chat_ids(tokenization, req)
+    else:
+        tokenization.refuse_if_too_long(req.prompt, "prompt")
+        ids = encode_text(tok, req.prompt, add_special_tokens=req.add_special_tokens)
+    body: dict[str, Any] = {"count": len(ids), "max_model_len": tokenization.max_model_len,
+                            "tokens": ids}
     if req.return_token_strs:
         body["token_strs"] = tok.convert_ids_to_tokens(ids)
     return body
 
 
-def _chat_ids(tokenizer, req: TokenizeChatRequest) -> list[int]:
+def _chat_ids(tokenization: Tokenization, req: TokenizeChatRequest) -> list[int]:
+    tokenizer = tokenization.tokenizer
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     args = dict(chat_template=req.chat_template, chat_template_kwargs=req.chat_template_kwargs)
-    if not req.add_special_tokens:
-        return render_chat(tokenizer, messages, req.add_generation_prompt,
-                           req.continue_final_message, **args)
     text = render_chat_text(tokenizer, messages, req.add_generation_prompt,
                             req.continue_final_message, **args)
+    tokenization.refuse_if_too_long(text, "messages")
+    if not req.add_special_tokens:
+        return chat_prompt_ids(tokenizer, text)
     return encode_text(tokenizer, text, add_special_tokens=True)

@@ -9,7 +9,11 @@ the engine page is zero until it is opened. Streams end with `engine_dead` when 
 engine is gone and with `closing` once the server has drained for shutdown.
 
 A watcher that reads slowly never holds anyone up: it keeps only the newest
-snapshot (older ones are dropped unread) and the points it has not read yet."""
+snapshot (older ones are dropped unread) and the points it has not read yet.
+
+Each watcher is sent request ids as its key allows (server/auth.py): an admin key
+(or anyone, without keys) sees every request's, another key its own requests' only
+(server/request_owners.py); the snapshot is encoded once per kind of watcher."""
 from __future__ import annotations
 
 import asyncio
@@ -20,9 +24,11 @@ from collections.abc import Callable
 
 from engine.client.engine_client import EngineClient, EngineDeadError
 from engine.client.messages import EngineSnapshot
+from server.auth import ANONYMOUS, Principal
 from server.engine_view.history import EngineHistory
 from server.engine_view.snapshot_json import snapshot_json
 from server.errors import sse_event
+from server.request_owners import owner_of
 
 log = logging.getLogger("kvserve.engine_view")
 
@@ -37,7 +43,8 @@ SNAPSHOT_PATIENCE = 5.0
 class Watcher:
     """One open stream: events waiting to be sent, as (event name, SSE text)."""
 
-    def __init__(self):
+    def __init__(self, principal: Principal = ANONYMOUS):
+        self.principal = principal
         self._snapshot: str | None = None
         self._others: list[tuple[str, str]] = []
         self._ready = asyncio.Event()
@@ -89,8 +96,8 @@ class EngineViewHub:
                     await task
 
     # -- watchers --------------------------------------------------------------
-    def watch(self) -> Watcher:
-        watcher = Watcher()
+    def watch(self, principal: Principal = ANONYMOUS) -> Watcher:
+        watcher = Watcher(principal)
         self.watchers.add(watcher)
         if self._poller is None:
             self.engine.snapshot_listener = self._on_snapshot
@@ -135,7 +142,11 @@ class EngineViewHub:
         if not self.watchers:
             return
         self.snapshots_taken += 1
-        self._offer("snapshot", snapshot_json(snapshot, self.engine.recent_finished()))
+        finished = self.engine.recent_finished()
+        for principal in {w.principal for w in self.watchers}:
+            data = sse_event("snapshot", snapshot_json(snapshot, finished, _shows(principal)))
+            for watcher in [w for w in self.watchers if w.principal == principal]:
+                watcher.offer("snapshot", data)
 
     # -- history -----------------------------------------------------------------
     async def _sample_history(self) -> None:
@@ -147,3 +158,10 @@ class EngineViewHub:
                 reason = self.closing()
                 if reason is not None:
                     self._offer("closing", {"reason": reason})
+
+
+def _shows(principal: Principal) -> Callable[[str], bool]:
+    """Which engine ids a watcher of this key is shown."""
+    if principal.sees_request_ids:
+        return lambda request_id: True
+    return lambda request_id: owner_of(request_id) == principal.owner

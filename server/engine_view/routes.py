@@ -4,7 +4,9 @@ First a `hello` event (the served models, the snapshot and point intervals, and 
 history so far), then `snapshot` events a few times a second and a `point` event
 every second, until the client goes away; `engine_dead` (the engine is gone) and
 `closing` (the server has drained for shutdown) end it. It is under
-/v1, so with --api-key it needs the key (as /metrics does with --protect-metrics)."""
+/v1, so with --api-key it needs the key (as /metrics does with --protect-metrics);
+request ids are shown to an admin key, and to another key for its own requests
+only (server/engine_view/hub.py)."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
@@ -12,6 +14,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
 
+from server.auth import current_principal
 from server.engine_view.hub import EngineViewHub
 from server.errors import sse_event
 
@@ -24,8 +27,10 @@ def engine_view_router(hub: EngineViewHub, model_names: list[str]) -> APIRouter:
 
     @router.get("/v1/engine/stream", include_in_schema=False)
     async def engine_stream():
+        principal = current_principal()
+
         async def events() -> AsyncIterator[str]:
-            watcher = hub.watch()  # the first snapshot is asked for now
+            watcher = hub.watch(principal)  # the first snapshot is asked for now
             try:
                 yield sse_event("hello", {
                     "models": model_names, "snapshot_seconds": hub.interval,

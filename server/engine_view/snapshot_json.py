@@ -1,13 +1,20 @@
-"""An EngineSnapshot as the page reads it (JSON), built once per snapshot for every
-watcher. The block map travels as a string of state digits; a cache with more
-blocks than MAX_CELLS is drawn coarser, each cell the most telling state of the
+"""An EngineSnapshot as the page reads it (JSON), built once per snapshot for each
+kind of watcher. The block map travels as a string of state digits; a cache with
+more blocks than MAX_CELLS is drawn coarser, each cell the most telling state of the
 blocks it covers (the digits are ordered so: free < cached < used < shared <
 copy-on-write). Block tables travel as runs, [first, count], which are few: blocks
-are handed out in order from the free queue."""
+are handed out in order from the free queue.
+
+A request's engine id is shown only where `shows(id)` (an admin key's watchers, or
+the request's own key's: server/engine_view/hub.py); every request also has a `ref`,
+a keyed hash of its id that tells rows apart across snapshots and nothing else."""
 from __future__ import annotations
 
+import hashlib
+import hmac
+import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from engine.client.engine_client import FinishedSequence
 from engine.client.messages import EngineSnapshot
@@ -35,15 +42,28 @@ def runs(block_ids: Iterable[int]) -> list[list[int]]:
     return out
 
 
-def _request(view: RequestView) -> dict:
-    return {"id": view.request_id, "index": view.index, "phase": view.phase,
+_REF_KEY = secrets.token_bytes(16)  # this process's: refs mean nothing elsewhere
+
+
+def ref(request_id: str) -> str:
+    """A stable stand-in for an engine id that reveals nothing of it."""
+    return hmac.new(_REF_KEY, request_id.encode(), hashlib.sha256).hexdigest()[:12]
+
+
+def _shown(request_id: str, shows: Callable[[str], bool]) -> dict:
+    return {"id": request_id if shows(request_id) else None, "ref": ref(request_id)}
+
+
+def _request(view: RequestView, shows: Callable[[str], bool]) -> dict:
+    return {**_shown(view.request_id, shows), "index": view.index, "phase": view.phase,
             "prompt_tokens": view.num_prompt_tokens, "tokens": view.num_tokens,
             "computed_tokens": view.num_computed_tokens,
             "cached_tokens": view.num_cached_tokens, "preemptions": view.num_preemptions,
             "blocks": runs(view.block_ids), "lora": view.lora}
 
 
-def snapshot_json(snapshot: EngineSnapshot, finished: Iterable[FinishedSequence]) -> dict:
+def snapshot_json(snapshot: EngineSnapshot, finished: Iterable[FinishedSequence],
+                  shows: Callable[[str], bool] = lambda request_id: True) -> dict:
     sched, now, wall = snapshot.scheduler, time.monotonic(), time.time()
     states = sched.block_states
     cells, per_cell = coarsen(states)
@@ -58,8 +78,8 @@ def snapshot_json(snapshot: EngineSnapshot, finished: Iterable[FinishedSequence]
                          for i, name in enumerate(STATE_NAMES)},
         "num_running": sum(r.phase in ("prefill", "decode") for r in sched.requests),
         "num_waiting": sched.num_waiting,
-        "requests": [_request(r) for r in sched.requests],
-        "finished": [{"id": f.request_id, "index": f.index, "reason": f.reason,
+        "requests": [_request(r, shows) for r in sched.requests],
+        "finished": [{**_shown(f.request_id, shows), "index": f.index, "reason": f.reason,
                       "generated_tokens": f.num_generated,
                       "t": (wall - (now - f.at)) * 1000} for f in finished],
     }

@@ -14,6 +14,7 @@ from server import generation
 from server.chat import ChatService, ChatView
 from server.errors import APIError, sse_event
 from server.protocol import ChatCompletionRequest, SamplingFields
+from server.request_owners import ENGINE_ID_HEADER, engine_request_id
 from server.responses.inputs import (chat_response_format, chat_tool_choice, chat_tools,
                                      input_messages)
 from server.responses.output import OutputWriter
@@ -35,9 +36,12 @@ class ResponsesService:
     def __init__(self, chat: ChatService, store: ResponseStore):
         self.chat, self.store = chat, store
 
-    async def create(self, req: ResponsesRequest):
+    async def create(self, req: ResponsesRequest, owner: str):
+        """owner: the caller's owner tag (server/auth.py): it continues and stores
+        responses of its own only."""
         refuse_hosted_features(req)
-        history = self._stored(req.previous_response_id, "previous_response_id").messages \
+        history = self._stored(req.previous_response_id, owner,
+                               "previous_response_id").messages \
             if req.previous_response_id else []
         conversation = history + input_messages(req.input)
         chat_req = _chat_request(req, conversation)
@@ -46,19 +50,22 @@ class ResponsesService:
         view.rid = response_id()
         writer = OutputWriter(_envelope(req, view.rid, view.model))
         opts = self.chat.text_options(chat_req)
+        engine_id = engine_request_id()  # random: the public id is not learnt from it
+        headers = {ENGINE_ID_HEADER: engine_id}
         if req.stream:
-            events = generation.stream(self.chat.engine, view.rid, view.groups, opts)
-            return StreamingResponse(self._sse(req, view, writer, events, conversation),
-                                     media_type="text/event-stream")
-        results = await generation.collect(self.chat.engine, view.rid, view.groups, opts)
+            events = generation.stream(self.chat.engine, engine_id, view.groups, opts)
+            return StreamingResponse(self._sse(req, view, writer, events, conversation,
+                                               owner), media_type="text/event-stream",
+                                     headers=headers)
+        results = await generation.collect(self.chat.engine, engine_id, view.groups, opts)
         choice = view.choice(0, results[0])
         writer.delta(_as_delta(choice["message"]))
         writer.finish(choice["finish_reason"], self._usage(view, results[0][-1], writer))
-        self._keep(req, writer, conversation)
-        return JSONResponse(writer.body())
+        self._keep(req, writer, conversation, owner)
+        return JSONResponse(writer.body(), headers=headers)
 
     async def _sse(self, req: ResponsesRequest, view: ChatView, writer: OutputWriter,
-                   events, conversation: list[dict]):
+                   events, conversation: list[dict], owner: str):
         yield _sse(writer.start())
         last, finish, error = None, None, None
         async with contextlib.aclosing(events):  # closing it aborts what still runs
@@ -78,28 +85,30 @@ class ResponsesService:
         usage = self._usage(view, last, writer) if last is not None else None
         yield _sse(writer.finish(finish, usage, error.message if error else None))
         if error is None:
-            self._keep(req, writer, conversation)
+            self._keep(req, writer, conversation, owner)
 
-    def retrieve(self, rid: str) -> dict:
-        return self._stored(rid, "response_id").body
+    def retrieve(self, rid: str, owner: str) -> dict:
+        return self._stored(rid, owner, "response_id").body
 
-    def delete(self, rid: str) -> dict:
-        if not self.store.delete(rid):
+    def delete(self, rid: str, owner: str) -> dict:
+        if not self.store.delete(rid, owner):
             raise _not_found(rid, "response_id")
         return {"id": rid, "object": "response", "deleted": True}
 
-    def _stored(self, rid: str, param: str):
-        stored = self.store.get(rid)
+    def _stored(self, rid: str, owner: str, param: str):
+        stored = self.store.get(rid, owner)
         if stored is None:
             raise _not_found(rid, param)
         return stored
 
-    def _keep(self, req: ResponsesRequest, writer: OutputWriter, conversation: list[dict]):
+    def _keep(self, req: ResponsesRequest, writer: OutputWriter, conversation: list[dict],
+              owner: str):
         """A stored response keeps its conversation (the instructions are not carried
         on, as OpenAI does) with its own output as the assistant's turn."""
         if req.store:
             self.store.put(writer.response["id"], writer.body(),
-                           conversation + [assistant_message(writer.response["output"])])
+                           conversation + [assistant_message(writer.response["output"])],
+                           owner)
 
     def _usage(self, view: ChatView, last, writer: OutputWriter) -> dict:
         chat = generation.usage(view.groups, {0: last})

@@ -1,7 +1,11 @@
 """Stored responses (`store: true`, the default): what GET /v1/responses/{id} answers
 and what previous_response_id continues. Held in this process's memory only, at most
 --responses-store-max of them, each for --responses-store-ttl seconds: the oldest go
-first, and a restart forgets them all (the README says so)."""
+first, and a restart forgets them all (the README says so).
+
+Each belongs to the key that made it (server/auth.py's owner tag): to any other key
+it does not exist, for GET, DELETE and previous_response_id alike (404, the same
+answer as for an id never made)."""
 from __future__ import annotations
 
 import time
@@ -15,6 +19,7 @@ class StoredResponse:
     body: dict  # the response object as last sent
     messages: list[dict]  # the conversation it ends, as chat messages, its output included
     expires: float
+    owner: str  # the owner tag of the key that made it
 
 
 class ResponseStore:
@@ -23,21 +28,25 @@ class ResponseStore:
         self.max_entries, self.ttl, self._clock = max_entries, ttl, clock
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
 
-    def put(self, rid: str, body: dict, messages: list[dict]) -> None:
+    def put(self, rid: str, body: dict, messages: list[dict], owner: str) -> None:
         if self.max_entries <= 0:
             return
         self._expire()
-        self._entries[rid] = StoredResponse(body, messages, self._clock() + self.ttl)
+        self._entries[rid] = StoredResponse(body, messages, self._clock() + self.ttl, owner)
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
 
-    def get(self, rid: str) -> StoredResponse | None:
+    def get(self, rid: str, owner: str) -> StoredResponse | None:
+        """The response if `owner` made it (else None, as for an unknown id)."""
         self._expire()
-        return self._entries.get(rid)
+        entry = self._entries.get(rid)
+        return entry if entry is not None and entry.owner == owner else None
 
-    def delete(self, rid: str) -> bool:
-        self._expire()
-        return self._entries.pop(rid, None) is not None
+    def delete(self, rid: str, owner: str) -> bool:
+        if self.get(rid, owner) is None:
+            return False
+        del self._entries[rid]
+        return True
 
     def __len__(self) -> int:
         self._expire()

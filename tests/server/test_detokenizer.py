@@ -221,3 +221,30 @@ def test_default_model_tokenizer_streaming(default_model_dir):
     d = IncrementalDetokenizer(tok, [], stop=["京 is"])
     assert "".join(stream(d, ids)) == "The capital of France is Paris. 東"
     assert d.stop_reason == "京 is"
+
+
+def _first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+    """The reference: the earliest occurrence of any stop, the first listed on a tie."""
+    found = [(text.find(s), i, s) for i, s in enumerate(stops) if s in text]
+    return min(found)[::2] if found else None
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_one_pattern_finds_the_stop_each_alone_would(tok, byte_ids, seed):
+    """All stops in one compiled pattern (up to --max-stop-strings of them, regex
+    characters included) cut where the earliest of them, searched for one by one,
+    would."""
+    import random
+
+    rng = random.Random(seed)
+    alphabet = "ab.*(|)"
+    text = "".join(rng.choice(alphabet) for _ in range(120))
+    stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(2, 7)))
+             for _ in range(64)]
+    want = _first_stop(text, stops)
+    d = IncrementalDetokenizer(tok, [], stop=stops)
+    out = "".join(stream(d, byte_ids(text)))
+    if want is None:
+        assert d.stop_reason is None and out == text
+    else:
+        assert (d.stop_reason, out) == (want[1], text[:want[0]])

@@ -88,6 +88,7 @@ def test_serve_wires_the_flags_through(monkeypatch, tmp_path):
         def __init__(self, config, admission, timeout):
             seen["server"] = (config.app, admission, timeout)
             seen["keep_alive"] = config.timeout_keep_alive
+            seen["connections"] = config.limit_concurrency
 
         def run(self):
             seen["ran"] = True
@@ -101,14 +102,15 @@ def test_serve_wires_the_flags_through(monkeypatch, tmp_path):
                     "--max-waiting-tokens", "7", "--max-request-body-bytes", "100",
                     "--max-prompts-per-request", "2", "--max-n", "4",
                     "--request-timeout", "1.5", "--protect-metrics", "true",
-                    "--timeout-keep-alive", "65"))
+                    "--timeout-keep-alive", "65", "--max-connections", "50",
+                    "--body-read-timeout", "7"))
     assert seen["app"] == {"config": ServerConfig(
         engine_mode="thread", api_keys=["k1", "k2"], max_waiting_requests=5, max_waiting_tokens=7,
         max_request_body_bytes=100, max_prompts_per_request=2, max_n=4,
         request_timeout=1.5, protect_metrics=True, timeout_keep_alive=65,
-        shutdown_timeout=3)}
+        shutdown_timeout=3, max_connections=50, body_read_timeout=7)}
     assert seen["server"] == (FakeApp, "the-admission", 3.0)
-    assert seen["keep_alive"] == 65
+    assert seen["keep_alive"] == 65 and seen["connections"] == 50
     assert seen["ran"]
 
 

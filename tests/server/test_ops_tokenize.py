@@ -105,3 +105,42 @@ def test_unknown_model_is_404(served, path, body):
     http, _ = served
     assert_error(http.post(path, json={**body, "model": "nope"}), 404, param="model",
                  code="model_not_found")
+
+
+def test_what_cannot_fit_the_context_is_refused_as_generation_would(served):
+    """The same length refusal as completions and chat, found without tokenizing a
+    10 MiB body, and no more ids to detokenize than the context holds."""
+    http, aengine = served
+    huge = "word " * (2 * aengine.max_model_len * 8)
+    assert_error(http.post("/tokenize", json={"prompt": huge}), 400, param="prompt")
+    assert_error(http.post("/tokenize", json={"messages": [{"role": "user", "content": huge}]}),
+                 400, param="messages")
+    assert_error(http.post("/detokenize", json={"tokens": [1] * (aengine.max_model_len + 1)}),
+                 400, param="tokens")
+    assert http.post("/detokenize", json={"tokens": [1] * 8}).status_code == 200
+
+
+def test_tokenizer_routes_never_hold_up_a_prompt(served, monkeypatch):
+    """/tokenize runs on a thread (and tokenizer) of its own: while three slow ones
+    run, a completion's prompt is tokenized at once."""
+    import threading
+    import time
+
+    from server import tokenize_api
+
+    http, _ = served
+    real = tokenize_api._tokenize
+    monkeypatch.setattr(tokenize_api, "_tokenize",
+                        lambda *args: time.sleep(2) or real(*args))
+    slow = [threading.Thread(target=http.post, args=("/tokenize",),
+                             kwargs={"json": {"prompt": TEXT}}) for _ in range(3)]
+    for t in slow:
+        t.start()
+    time.sleep(0.3)  # the first holds the routes' thread, two wait behind it
+    start = time.monotonic()
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": TEXT, "max_tokens": 1})
+    took = time.monotonic() - start
+    for t in slow:
+        t.join()
+    assert r.status_code == 200, r.text
+    assert took < 1.5, f"the completion waited {took:.1f} s behind /tokenize"

@@ -1,5 +1,5 @@
-"""--protect-metrics: with API keys, /health, /version and /metrics need the key too;
-/tokenize and /detokenize stay as they were (open, as in vLLM). Without a key the
+"""--protect-metrics: with API keys, /health, /version and /metrics need the key too
+(/tokenize and /detokenize need it with or without the flag). Without a key the
 flag refuses to start rather than protect nothing."""
 from __future__ import annotations
 
@@ -47,9 +47,10 @@ def test_trailing_slash_is_guarded_too(http):
     assert http.get("/health/").status_code == 401
 
 
-def test_tokenizers_stay_open(http):
-    assert http.post("/tokenize", json={"prompt": "hi"}).status_code == 200
-    assert http.post("/detokenize", json={"tokens": [1, 2]}).status_code == 200
+def test_tokenizers_need_the_key_too(http):
+    assert http.post("/tokenize", json={"prompt": "hi"}).status_code == 401
+    key = {"Authorization": f"Bearer {KEY}"}
+    assert http.post("/detokenize", json={"tokens": [1, 2]}, headers=key).status_code == 200
 
 
 def test_openapi_marks_the_probes_as_secured(http):
@@ -59,7 +60,7 @@ def test_openapi_marks_the_probes_as_secured(http):
     for path in PROBES + ["/v1/models"]:
         op = schema["paths"][path]["get"]
         assert op["security"] == [{"apiKey": []}] and "401" in op["responses"], path
-    assert "security" not in schema["paths"]["/tokenize"]["post"]
+    assert schema["paths"]["/tokenize"]["post"]["security"] == [{"apiKey": []}]
 
 
 def test_without_the_flag_probes_stay_open(tiny_engine_factory):

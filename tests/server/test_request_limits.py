@@ -142,3 +142,54 @@ def test_timeout_streaming_ends_with_abort_and_done(timed):
 def test_short_requests_are_untouched_by_the_timeout(timed):
     r = timed.post("/v1/completions", json=body(max_tokens=3, ignore_eos=True))
     assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("path,extra", [("/v1/completions", {"prompt": "x"}),
+                                        ("/v1/chat/completions",
+                                         {"messages": [{"role": "user", "content": "x"}]}),
+                                        ("/v1/responses", {"input": "x"})])
+def test_stop_strings_are_capped(limited, path, extra):
+    """At most --max-stop-strings (64) stop strings of at most 256 characters: each
+    token's text is searched for them on the event loop (a 10 MiB body held ~1.7M,
+    0.33 s a token a sequence)."""
+    req = {"model": MODEL, **extra}
+    err = assert_error(limited.post(path, json={**req, "stop": [f"s{i}" for i in range(65)]}),
+                       400, "stop")
+    assert "--max-stop-strings" in err["message"]
+    assert_error(limited.post(path, json={**req, "stop": ["x" * 257]}), 400, "stop")
+    ok = limited.post(path, json={**req, "stop": [f"s{i}" for i in range(63)] + ["y" * 256]})
+    assert ok.status_code == 200, ok.text
+
+
+def _raw(url: str, head: bytes, body: bytes = b"", wait: float = 0.0) -> tuple[bytes, float]:
+    """Sends `head` (and `body` after `wait` s) on a socket of its own; (the start
+    of the answer, seconds until it came)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    where = urlsplit(url)
+    with socket.create_connection((where.hostname, where.port), timeout=30) as sock:
+        start = time.monotonic()
+        sock.sendall(head)
+        if wait:
+            time.sleep(wait)
+        if body:
+            try:
+                sock.sendall(body)
+            except OSError:
+                pass  # the server already answered and closed
+        answer = sock.recv(4096)
+        return answer, time.monotonic() - start
+
+
+def test_a_body_that_drips_in_is_a_408(tiny_engine_factory):
+    """A body slower than --body-read-timeout is refused, and its connection closed,
+    while the server keeps serving (slowloris)."""
+    aengine = AsyncEngine(tiny_engine_factory("llama"))
+    with _serve(aengine, body_read_timeout=1.0) as url:
+        head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                b"\r\nContent-Length: 400\r\n\r\n{\"model\": ")
+        answer, took = _raw(url, head)
+        assert answer.startswith(b"HTTP/1.1 408") and b"--body-read-timeout" in answer
+        assert 0.9 < took < 5
+        assert httpx.post(url + "/v1/completions", json=body(), timeout=30).status_code == 200

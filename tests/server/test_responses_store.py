@@ -1,4 +1,5 @@
-"""The Responses store on its own: bounded (oldest first), expiring, deletable."""
+"""The Responses store on its own: bounded (oldest first), expiring, deletable, and
+each entry its owner's alone."""
 from __future__ import annotations
 
 from server.responses.inputs import input_messages
@@ -16,29 +17,37 @@ class Clock:
 def test_the_oldest_go_first_past_the_bound():
     store = ResponseStore(2, ttl=100, clock=Clock())
     for rid in ("a", "b", "c"):
-        store.put(rid, {"id": rid}, [])
-    assert store.get("a") is None and store.get("b").body == {"id": "b"} and len(store) == 2
+        store.put(rid, {"id": rid}, [], "me")
+    assert store.get("a", "me") is None and store.get("b", "me").body == {"id": "b"}
+    assert len(store) == 2
 
 
 def test_entries_expire_after_the_ttl():
     clock = Clock()
     store = ResponseStore(10, ttl=5, clock=clock)
-    store.put("a", {}, [])
+    store.put("a", {}, [], "me")
     clock.now = 3
-    store.put("b", {}, [])
+    store.put("b", {}, [], "me")
     clock.now = 5
-    assert store.get("a") is None and store.get("b") is not None
+    assert store.get("a", "me") is None and store.get("b", "me") is not None
     clock.now = 8
     assert len(store) == 0
 
 
 def test_delete_and_a_store_of_none():
     store = ResponseStore(10, ttl=5, clock=Clock())
-    store.put("a", {}, [])
-    assert store.delete("a") and not store.delete("a")
+    store.put("a", {}, [], "me")
+    assert store.delete("a", "me") and not store.delete("a", "me")
     off = ResponseStore(0, ttl=5)
-    off.put("a", {}, [])
-    assert off.get("a") is None
+    off.put("a", {}, [], "me")
+    assert off.get("a", "me") is None
+
+
+def test_another_owner_finds_nothing_and_deletes_nothing():
+    store = ResponseStore(10, ttl=5, clock=Clock())
+    store.put("a", {"id": "a"}, [], "team-a")
+    assert store.get("a", "team-b") is None and not store.delete("a", "team-b")
+    assert store.get("a", "team-a").body == {"id": "a"}
 
 
 def test_input_items_become_chat_messages():

@@ -3,13 +3,15 @@
 
 const KEY_STORE = "kvserve.apiKey";
 
+// The key lives as long as the tab (sessionStorage), not on disk for every later
+// visitor of this browser profile and every script of the origin to read.
 export function apiKey() {
-  return localStorage.getItem(KEY_STORE) || "";
+  return sessionStorage.getItem(KEY_STORE) || "";
 }
 
 export function setApiKey(key) {
-  if (key) localStorage.setItem(KEY_STORE, key);
-  else localStorage.removeItem(KEY_STORE);
+  if (key) sessionStorage.setItem(KEY_STORE, key);
+  else sessionStorage.removeItem(KEY_STORE);
 }
 
 function headers(json) {
@@ -72,12 +74,17 @@ export async function readEventStream(path, onEvent, signal) {
   for await (const { event, data } of sseEvents(response)) onEvent(event, JSON.parse(data));
 }
 
-// POST a streaming OpenAI request; calls onChunk(parsedChunk) for each chunk.
-export async function postStream(path, body, onChunk, signal) {
+// The header that names a request's engine id (its prompts run as "<id>-<i>").
+const ENGINE_ID_HEADER = "x-kvserve-request-id";
+
+// POST a streaming OpenAI request; calls onStart(engineId) once the server has
+// answered, then onChunk(parsedChunk) for each chunk.
+export async function postStream(path, body, onChunk, signal, onStart = () => {}) {
   const response = await fetch(path, {
     method: "POST", headers: headers(true), body: JSON.stringify(body), signal,
   });
   if (!response.ok) throw await failure(response);
+  onStart(response.headers.get(ENGINE_ID_HEADER));
   for await (const { data } of sseEvents(response)) {
     if (data === "[DONE]") return;
     const chunk = JSON.parse(data);

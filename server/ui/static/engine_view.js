@@ -42,6 +42,14 @@ function lastValue(points, key) {
   return null;
 }
 
+// Another key's request comes without its id (shown to admin keys only).
+const HIDDEN_ID = "another key's request";
+
+function label(r) {
+  const id = r.id || "·";
+  return r.index ? `${id} #${r.index}` : id;
+}
+
 // A sequence's row in the request table; its blocks are outlined on the map while
 // the pointer is over it.
 class RequestRow {
@@ -52,8 +60,8 @@ class RequestRow {
     this.prompt = el("span", { className: "muted" });
     this.cached = el("td");
     this.blocks = el("td");
-    this.tr = el("tr", { dataset: { id: r.id } },
-      el("td", { className: "id", text: r.index ? `${r.id} #${r.index}` : r.id, title: r.id }),
+    this.tr = el("tr", { dataset: { id: r.id || "" } },
+      el("td", { className: "id", text: label(r), title: r.id || HIDDEN_ID }),
       el("td", {}, this.phase),
       el("td", {}, el("span", { className: "progress" }, this.bar), this.counts, this.prompt),
       this.cached, this.blocks);
@@ -88,7 +96,7 @@ export class EngineView {
     this.pointTimer = null; // draws points that no snapshot came to draw
     this.snapshot = null;
     this.speculative = false;
-    this.mine = new Set(); // response ids of this page's requests
+    this.mine = new Set(); // engine ids of this page's requests
     this.hovered = null; // the request row under the pointer: its blocks are outlined
     this.controller = null;
     this.endedBecause = null; // why the server ended the stream, when it said
@@ -103,12 +111,13 @@ export class EngineView {
     window.addEventListener("resize", () => this.drawMap());
   }
 
-  markMine(responseId) {
-    this.mine.add(responseId);
+  markMine(engineId) {
+    this.mine.add(engineId);
   }
 
   isMine(engineId) {
-    // The server runs prompt i of response R as engine request "R-i".
+    // The server runs prompt i of engine request R as "R-i".
+    if (!engineId) return false;
     for (const id of this.mine) if (engineId === id || engineId.startsWith(`${id}-`)) return true;
     return false;
   }
@@ -240,7 +249,7 @@ export class EngineView {
   drawMap() {
     if (!this.snapshot) return;
     const highlight = new Set();
-    const request = this.snapshot.requests.find((r) => `${r.id}#${r.index}` === this.hovered);
+    const request = this.snapshot.requests.find((r) => `${r.ref}#${r.index}` === this.hovered);
     const perCell = this.snapshot.blocks_per_cell;
     for (const [first, count] of request ? request.blocks : []) {
       for (let b = first; b < first + count; b++) highlight.add(Math.floor(b / perCell));
@@ -254,7 +263,7 @@ export class EngineView {
   renderRequests() {
     const rows = new Map();
     for (const r of this.snapshot.requests) {
-      const key = `${r.id}#${r.index}`;
+      const key = `${r.ref}#${r.index}`;
       const row = this.rows.get(key) || new RequestRow(key, r, this);
       row.update(r, this.isMine(r.id));
       rows.set(key, row);
@@ -268,15 +277,15 @@ export class EngineView {
   // The list is rebuilt when a sequence ends; in between only its ages tick.
   renderFinished() {
     const shown = this.snapshot.finished.slice(-SHOWN_FINISHED).reverse();
-    // A sequence ends once, so its id and index name its entry (its time, worked out
+    // A sequence ends once, so its ref and index name its entry (its time, worked out
     // anew for each snapshot, may move by a microsecond).
-    const key = shown.map((f) => `${f.id}#${f.index}:${this.isMine(f.id)}`).join(" ");
+    const key = shown.map((f) => `${f.ref}#${f.index}:${this.isMine(f.id)}`).join(" ");
     if (key !== this.finishedKey) {
       this.finishedKey = key;
       this.finishedItems = shown.map((f) => {
         const age = el("span", { className: "age" });
-        const item = el("li", { dataset: { id: f.id, reason: f.reason, mine: String(this.isMine(f.id)) } },
-          el("span", { className: "id", text: f.index ? `${f.id} #${f.index}` : f.id }),
+        const item = el("li", { dataset: { id: f.id || "", reason: f.reason, mine: String(this.isMine(f.id)) } },
+          el("span", { className: "id", text: label(f), title: f.id || HIDDEN_ID }),
           el("span", { className: `reason ${f.reason}`, text: f.reason === "abort" ? "aborted" : f.reason }),
           el("span", { className: "muted", text: `${f.generated_tokens} tokens · ` }), age);
         return { item, age, t: f.t };

@@ -61,7 +61,7 @@ function samplingBody() {
 export class Playground {
   constructor({ model, onRequest }) {
     this.model = model; // () => the selected model's name
-    this.onRequest = onRequest; // called with each answer's response id
+    this.onRequest = onRequest; // called with each answer's engine request id
     this.history = []; // the chat's messages, system prompt excluded
     this.running = null; // the AbortController of the answer being streamed
     this.bindTabs();
@@ -184,20 +184,19 @@ export class Playground {
     try {
       const body = { model: this.model(), ...samplingBody(), ...fields, stream: true,
         stream_options: { include_usage: true } };
-      let announced = false;
       await postStream(path, body, (chunk) => {
-        if (!announced && chunk.id) {
-          announced = true;
-          target.dataset.requestId = chunk.id;
-          this.onRequest(chunk.id);
-        }
         if (chunk.usage) clock.usage = chunk.usage;
         const choice = (chunk.choices || [])[0];
         if (choice) {
           clock.tokens();
           onChoice(choice);
         }
-      }, controller.signal);
+      }, controller.signal, (engineId) => {
+        if (engineId) {
+          target.dataset.requestId = engineId;
+          this.onRequest(engineId);
+        }
+      });
     } catch (error) {
       if (error.name === "AbortError") {
         outcome = "stopped";
