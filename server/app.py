@@ -88,7 +88,8 @@ def build_app(engine: EngineClient, model_names: list[str], model_root: str = ""
         return await _cancel_on_disconnect(request, embeddings.create(req))
 
     _install_responses(app, ResponsesService(chat, ResponseStore(
-        config.responses_store_max, config.responses_store_ttl)))
+        config.responses_store_max, config.responses_store_ttl,
+        config.responses_store_bytes)))
 
     app.include_router(models_router(engine, model_names, model_root))
     app.include_router(lora_router(engine, model_names, config.allow_runtime_lora_updating))

@@ -4,7 +4,13 @@ As vLLM does, the template is rendered to text and the text is then tokenized wi
 adding special tokens again (the template already writes BOS and turn markers)."""
 from __future__ import annotations
 
+import functools
+import inspect
+import re
 from typing import Any
+
+import jinja2
+import jinja2.meta
 
 from server.errors import APIError, no_tokenizer
 from server.tool_formats import ToolFormat
@@ -38,6 +44,34 @@ def refuse_untrusted_template(template: str | None, kwargs: dict | None,
                        "untrusted chat template.", "chat_template")
 
 
+# `{% generation %}` blocks: transformers' own tag (its AssistantTracker), unknown to a
+# plain Jinja parser; the variables inside are the template's all the same.
+_GENERATION_TAGS = re.compile(r"{%-?\s*(end)?generation\s*-?%}")
+
+
+@functools.lru_cache(maxsize=64)
+def template_variables(template: str) -> frozenset[str]:
+    """The variables a chat template reads from outside (empty if it cannot be parsed
+    here: then no request argument reaches it)."""
+    env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+    try:
+        parsed = env.parse(_GENERATION_TAGS.sub("", template))
+    except jinja2.TemplateSyntaxError:
+        return frozenset()
+    return frozenset(jinja2.meta.find_undeclared_variables(parsed))
+
+
+def template_kwargs(tokenizer, template: str, kwargs: dict | None) -> dict:
+    """chat_template_kwargs the template itself reads (as vLLM keeps them), none of
+    them a parameter of apply_chat_template's own (`tokenize`, `return_dict`,
+    `tokenizer_kwargs`, ... would change what rendering returns or does)."""
+    if not kwargs:
+        return {}
+    own = inspect.signature(tokenizer.apply_chat_template).parameters
+    wanted = template_variables(template)
+    return {k: v for k, v in kwargs.items() if k in wanted and k not in own}
+
+
 def render_chat_text(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
                      continue_final_message: bool = False,
                      chat_template: str | None = None,
@@ -65,7 +99,7 @@ def render_chat_text(tokenizer, messages: list[dict], add_generation_prompt: boo
             plain, tools=tools or None, tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, chat_template=template,
-            **(chat_template_kwargs or {}))
+            **template_kwargs(tokenizer, template, chat_template_kwargs))
     except APIError:
         raise
     except Exception as exc:  # a template that rejects these messages (jinja raises)

@@ -26,6 +26,10 @@ class CompletionService(GenerationService):
         if limit and len(prompts) > limit:
             raise APIError(400, f"too many prompts in one request: {len(prompts)} (limit "
                            f"{limit}, --max-prompts-per-request)", "prompt")
+        choices = self.config.max_choices_per_request
+        if choices and len(prompts) * req.n > choices:
+            raise APIError(400, f"too many choices in one request: {len(prompts)} prompts "
+                           f"x n={req.n} (limit {choices}, --max-choices-per-request)", "n")
         texts = [p for p in prompts if isinstance(p, str)]
         for text in texts:
             self.tokenization.refuse_if_too_long(text, "prompt")

@@ -56,6 +56,13 @@ class ServerConfig:
         1024, "most prompts in one /v1/completions list prompt (0: no limit)",
         parse=non_negative(int))
     max_n: int = setting(16, "most choices (`n`) one request may ask for", parse=positive_int)
+    max_choices_per_request: int = setting(
+        1024, "most sequences one /v1/completions request may run: its prompts times n "
+        "(0: no limit; --max-prompts-per-request x --max-n alone allow 16,384)",
+        parse=non_negative(int))
+    max_logit_bias: int = setting(
+        300, "most `logit_bias` entries one request may give (OpenAI's limit is 300); "
+        "each is applied to every step's logits", parse=non_negative(int))
     max_stop_strings: int = setting(
         64, "most stop strings (`stop`) one request may give, each at most 256 "
         "characters (OpenAI allows 4): every token's text is searched for them, on "
@@ -90,6 +97,10 @@ class ServerConfig:
         1024, "most responses /v1/responses keeps (store: true) for GET and "
         "previous_response_id, in memory: the oldest go first, a restart forgets them "
         "(0: keep none)", parse=non_negative(int))
+    responses_store_bytes: int = setting(
+        256 << 20, "most bytes the stored responses may hold together (their bodies and "
+        "conversations as JSON): the oldest go first; a response larger than this alone "
+        "is not stored (0: no limit)", parse=non_negative(int))
     responses_store_ttl: float = setting(
         86400.0, "seconds a stored response is kept", parse=non_negative(float))
     # vLLM's switch is VLLM_ALLOW_RUNTIME_LORA_UPDATING; this one's variable is

@@ -31,7 +31,8 @@ class GenerationService:
 
     def served_model(self, req) -> str:
         """The model name to answer with; 404 for an unknown one, 400 past --max-n,
-        or for a field this route does not support yet (server/unsupported_fields.py),
+        --max-stop-strings or --max-logit-bias, or for a field this route does not
+        support yet (server/unsupported_fields.py),
         503 (a status, not an error inside a 200 stream) when the engine is down."""
         model = check_model(req.model, self.model_names, self.engine.adapters.served)
         refuse_unsupported(req, self.unsupported_fields)
@@ -39,6 +40,10 @@ class GenerationService:
             raise APIError(400, f"n must be at most {self.config.max_n} (--max-n), got "
                            f"{req.n}", "n")
         self._check_stop(req.stop_strings())
+        bias = self.config.max_logit_bias
+        if bias and len(req.logit_bias or ()) > bias:
+            raise APIError(400, f"at most {bias} logit_bias entries (--max-logit-bias), got "
+                           f"{len(req.logit_bias)}", "logit_bias")
         if not self.engine.is_alive:
             raise APIError(503, "the engine is not running")
         return model

@@ -7,7 +7,7 @@ from __future__ import annotations
 import uuid
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from server.errors import APIError
 from server.protocol import OpenAIRequest
@@ -15,6 +15,8 @@ from server.protocol import OpenAIRequest
 # include: values that ask for nothing we would leave out. Reasoning comes back as
 # plain reasoning_text content, so there is never encrypted content to include.
 INCLUDABLE = {"reasoning.encrypted_content"}
+# OpenAI's limits on `metadata`: pairs, key and value characters.
+METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
 
 
 class ResponsesRequest(OpenAIRequest):
@@ -42,6 +44,24 @@ class ResponsesRequest(OpenAIRequest):
     # kvserve's (as vLLM's extras): reproducible sampling and template arguments
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_within_openai_limits(cls, metadata):
+        """OpenAI's limits: it is kept with a stored response, for a day by default."""
+        if metadata is None:
+            return None
+        if len(metadata) > METADATA_PAIRS:
+            raise ValueError(f"metadata may have at most {METADATA_PAIRS} pairs, got "
+                             f"{len(metadata)}")
+        for key, value in metadata.items():
+            if len(key) > METADATA_KEY_CHARS:
+                raise ValueError(f"metadata keys may have at most {METADATA_KEY_CHARS} "
+                                 f"characters, got {len(key)}")
+            if len(value) > METADATA_VALUE_CHARS:
+                raise ValueError(f"metadata values may have at most {METADATA_VALUE_CHARS}"
+                                 f" characters, got {len(value)} (key {key!r})")
+        return metadata
 
 
 def refuse_hosted_features(req: ResponsesRequest) -> None:

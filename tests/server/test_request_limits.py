@@ -178,8 +178,27 @@ def _raw(url: str, head: bytes, body: bytes = b"", wait: float = 0.0) -> tuple[b
                 sock.sendall(body)
             except OSError:
                 pass  # the server already answered and closed
-        answer = sock.recv(4096)
-        return answer, time.monotonic() - start
+        return _read_answer(sock), time.monotonic() - start
+
+
+def _read_answer(sock) -> bytes:
+    """One whole HTTP answer (head, then Content-Length bytes of body): the two may
+    arrive in separate reads."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(4096)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
+    while len(rest) < length:
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        rest += chunk
+    return head + b"\r\n\r\n" + rest
 
 
 def test_a_body_that_drips_in_is_a_408(tiny_engine_factory):
@@ -193,3 +212,43 @@ def test_a_body_that_drips_in_is_a_408(tiny_engine_factory):
         assert answer.startswith(b"HTTP/1.1 408") and b"--body-read-timeout" in answer
         assert 0.9 < took < 5
         assert httpx.post(url + "/v1/completions", json=body(), timeout=30).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def roomy(tiny_engine_factory):
+    """The default body limit (10 MiB) and a small --max-choices-per-request."""
+    aengine = AsyncEngine(tiny_engine_factory("llama"))
+    with _serve(aengine, max_choices_per_request=4) as url, \
+            httpx.Client(base_url=url, timeout=30) as http:
+        http.aengine = aengine
+        yield http
+
+
+def test_choices_and_logit_bias_are_capped(roomy):
+    """prompts x n (--max-choices-per-request) and logit_bias entries
+    (--max-logit-bias, 300 as OpenAI): a request past either is a 400 naming it."""
+    assert ServerConfig().max_choices_per_request == 1024
+    http, aengine = roomy, roomy.aengine
+    err = assert_error(http.post("/v1/completions",
+                                 json=body(prompt=["a", "b", "c"], n=2)), 400, "n")
+    assert "--max-choices-per-request" in err["message"]
+    r = http.post("/v1/completions", json=body(prompt=["a", "b"], n=2))
+    assert r.status_code == 200 and len(r.json()["choices"]) == 4
+    bias = {str(i): 1.0 for i in range(301)}
+    err = assert_error(http.post("/v1/completions", json=body(logit_bias=bias)), 400,
+                       "logit_bias")
+    assert "--max-logit-bias" in err["message"]
+    fits = {str(i): 1.0 for i in range(min(300, aengine.vocab_size))}
+    assert http.post("/v1/completions", json=body(logit_bias=fits)).status_code == 200
+
+
+@pytest.mark.parametrize("metadata", [{f"k{i}": "v" for i in range(17)}, {"k" * 65: "v"},
+                                      {"k": "v" * 513}])
+def test_responses_metadata_within_openai_limits(roomy, metadata):
+    """16 pairs, 64-character keys, 512-character values: it is kept with a stored
+    response (a 10 MiB `metadata` would be pinned for a day)."""
+    req = {"model": MODEL, "input": "x", "max_output_tokens": 2}
+    assert_error(roomy.post("/v1/responses", json={**req, "metadata": metadata}), 400,
+                 "metadata")
+    fits = {f"{i:02d}" + "k" * 62: "v" * 512 for i in range(16)}
+    assert roomy.post("/v1/responses", json={**req, "metadata": fits}).status_code == 200

@@ -72,3 +72,16 @@ def test_input_items_become_chat_messages():
         {"role": "tool", "tool_call_id": "c1", "content": "one"},
         {"role": "tool", "tool_call_id": "c2", "content": "two"},
     ]
+
+
+def test_the_oldest_go_first_past_the_byte_budget():
+    """--responses-store-bytes: what the entries hold together, as JSON; the oldest
+    go until the new one fits, and one larger than the whole budget is not kept."""
+    store = ResponseStore(100, ttl=100, max_bytes=300, clock=Clock())
+    for rid in ("a", "b", "c"):
+        store.put(rid, {"text": "x" * 100}, [], "me")
+    assert store.get("a", "me") is None and store.get("c", "me") is not None
+    assert store.bytes <= 300
+    store.put("huge", {"text": "x" * 1000}, [], "me")
+    assert store.get("huge", "me") is None and store.get("c", "me") is not None
+    assert store.delete("c", "me") and store.delete("b", "me") and store.bytes == 0
