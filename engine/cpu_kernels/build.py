@@ -9,20 +9,32 @@ compiled to a file of this process's own and renamed into place, which is atomic
 processes starting together (test workers, tensor-parallel ranks) may each build it,
 but none waits on a lock that a killed one left behind, and none loads half a file.
 torch.utils.cpp_extension.load would take a lock file for that, and a process
-killed while building leaves it behind for every later start to wait on."""
+killed while building leaves it behind for every later start to wait on.
+
+Loading a library runs its code in this process, and its name is computed from
+public inputs: before loading one from the cache, its directory must be this user's
+and writable by no one else (and each directory above it this user's or root's,
+writable by no one else unless sticky, as /tmp is), the file this user's and
+writable by no one else, and its SHA-256 the one recorded beside it
+(kernels-*.so.sha256, written when it was built). A library that fails its own
+checks is built again in place; a cache directory that fails them is not used at
+all (see load_kernels)."""
 from __future__ import annotations
 
 import hashlib
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 
 log = logging.getLogger("kvserve.cpu_kernels")
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.cpp")))
 HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))  # included by the sources
@@ -76,29 +88,174 @@ def library_path(cache_root: Path, compiler: str) -> Path:
 
 
 def load_kernels(cache_root: Path) -> Path:
-    """Builds the library if this machine has none yet, loads it, and returns its
-    path. Raises BuildError saying why it cannot. (Load it once a process:
-    setup.load_once.)"""
+    """Builds the library if this machine has none yet (or none that passes the
+    checks above), loads it, and returns its path. Raises BuildError saying why it
+    cannot. (Load it once a process: setup.load_once.)"""
     compiler = c_compiler()
     if compiler is None:
         raise BuildError("no C++ compiler found (g++ or $CXX)")
     path = library_path(cache_root, compiler)
+    try:
+        _make_dirs(path.parent)
+    except OSError as exc:
+        raise BuildError(f"cannot create {path.parent}: {exc}") from exc
+    unsafe = _unsafe_directory(path.parent)
+    if unsafe is not None:
+        # Anyone who can write there can put their own library under this name.
+        # Rather than refuse (a cache shared with, or left behind by, another user
+        # would then stop kvserve from starting), build a private copy for this
+        # process: slower to start, as safe, and the warning says what to fix.
+        log.warning("not loading kvserve's CPU kernels from %s: %s. Building a private "
+                    "copy for this process instead; make the directory this user's and "
+                    "writable by no one else (chown, chmod go-w) or set KVSERVE_CACHE "
+                    "to a private one to build it once", path.parent, unsafe)
+        return _load_private(compiler, path.name)
+    built = None
     if not path.exists():
-        _build(compiler, path)
+        built = _build(compiler, path)
+    elif (problem := _check_library(path, _recorded_digest(path))) is not None:
+        # In a directory of this user's alone: built again, in its place.
+        log.warning("not loading %s: %s; building it again", path, problem)
+        built = _build(compiler, path)
+    if built is not None and (problem := _check_library(path, built)) is not None:
+        raise BuildError(f"the library just built at {path} fails its checks: {problem}")
+    _load_library(path)
+    return path
+
+
+def _load_private(compiler: str, name: str) -> Path:
+    """Builds the library into a fresh directory of this process's own (mkdtemp:
+    mode 0700), loads it, and removes the directory (the loaded library stays
+    mapped)."""
+    private = Path(tempfile.mkdtemp(prefix="kvserve-cpu-kernels-"))
+    try:
+        path = private / name
+        unsafe = _unsafe_directory(private)  # ($TMPDIR's own chain)
+        if unsafe is not None:
+            raise BuildError(f"no safe directory to build the CPU kernels in: {unsafe}")
+        problem = _check_library(path, _build(compiler, path))
+        if problem is not None:
+            raise BuildError(f"the library built at {path} fails its checks: {problem}")
+        _load_library(path)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+    return path
+
+
+def _load_library(path: Path) -> None:
     try:
         torch.ops.load_library(str(path))
     except OSError as exc:
         raise BuildError(f"loading {path} failed: {exc}") from exc
     global _loaded
     _loaded = True
-    return path
 
 
-def _build(compiler: str, path: Path) -> None:
+def _make_dirs(directory: Path) -> None:
+    """mkdir -p, each new directory writable by its owner alone whatever the umask
+    (Path.mkdir(parents=True) gives the parents the umask's mode: 0775 under a
+    umask of 002, which the checks would refuse)."""
+    missing = []
+    while not directory.exists():
+        missing.append(directory)
+        directory = directory.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode=0o755)
+        except FileExistsError:  # another process's, just now
+            pass
+
+
+def _unsafe_directory(directory: Path) -> str | None:
+    """Why a library in `directory` could be someone else's, or None. The directory
+    must be this user's and writable by no one else; each one above it this user's
+    or root's, and writable by no one else unless sticky (in a sticky directory no
+    one may rename or remove what is not theirs, so the path below it holds)."""
+    me = os.geteuid()
+    real = Path(os.path.realpath(directory))
+    for d in (real, *real.parents):
+        st = os.stat(d)
+        mode = stat.S_IMODE(st.st_mode)
+        if d == real and st.st_uid != me:
+            return f"{d} is owned by uid {st.st_uid}, not this user (uid {me})"
+        if st.st_uid not in (me, 0):
+            return f"{d} is owned by uid {st.st_uid}, neither this user (uid {me}) nor root"
+        if mode & 0o022 and (d == real or not mode & stat.S_ISVTX):
+            return f"{d} is writable by its group or others (mode {mode:04o})"
+    return None
+
+
+def _digest_path(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def _recorded_digest(path: Path) -> str | None:
+    """The SHA-256 recorded when `path` was built (sha256sum's format), or None."""
+    try:
+        fd = os.open(_digest_path(path), os.O_RDONLY | _NOFOLLOW)
+    except OSError:
+        return None
+    with os.fdopen(fd) as f:
+        words = f.read(200).split()
+    return words[0] if words and len(words[0]) == 64 else None
+
+
+def _sha256(f) -> str:
+    digest = hashlib.sha256()
+    while chunk := f.read(1 << 20):
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _check_library(path: Path, digest: str | None) -> str | None:
+    """Why the library at `path` must not be loaded, or None: it must be a regular
+    file (not a symlink) of this user's, writable by no one else, with the SHA-256
+    `digest`."""
+    if digest is None:
+        return "no SHA-256 was recorded for it (built by an older kvserve?)"
+    try:
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+    except OSError as exc:
+        return f"it cannot be opened ({exc.strerror})"
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            return "it is not a regular file"
+        if st.st_uid != os.geteuid():
+            return f"it is owned by uid {st.st_uid}, not this user (uid {os.geteuid()})"
+        if st.st_mode & 0o022:
+            return (f"it is writable by its group or others "
+                    f"(mode {stat.S_IMODE(st.st_mode):04o})")
+        if _sha256(f) != digest:
+            return "its SHA-256 is not the one recorded when it was built"
+    return None
+
+
+def _install(partial: Path, path: Path) -> str:
+    """Moves a finished library into place and records its SHA-256 beside it, both
+    renamed into place (atomic); returns the digest. The library is made 0755
+    whatever the umask (one that lets the group write would fail the checks)."""
+    os.chmod(partial, 0o755)
+    with open(partial, "rb") as f:
+        digest = _sha256(f)
+    record = path.with_name(f".{path.name}.sha256.{os.getpid()}.tmp")
+    record.unlink(missing_ok=True)  # left by a killed process of the same pid
+    try:
+        fd = os.open(record, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{digest}  {path.name}\n")
+        os.replace(partial, path)
+        os.replace(record, _digest_path(path))
+    finally:
+        record.unlink(missing_ok=True)
+    return digest
+
+
+def _build(compiler: str, path: Path) -> str:
     """Each source compiled at once beside the others (the cores build it in about
     the time of the largest), then linked; every file is this process's own until
-    the library is renamed into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    the library is renamed into place. Returns the library's SHA-256."""
+    _make_dirs(path.parent)
     own = f"{os.getpid()}.tmp"
     objs = [path.with_name(f".{path.stem}.{s.stem}.{own}.o") for s in SOURCES]
     partial = path.with_name(f".{path.name}.{own}")
@@ -117,7 +274,7 @@ def _build(compiler: str, path: Path) -> None:
         if done.returncode != 0:
             raise BuildError(f"{compiler} failed to link the kernels:\n"
                              f"{done.stderr.strip()[-2000:]}")
-        os.replace(partial, path)
+        return _install(partial, path)
     finally:
         for leftover in (*objs, partial):
             leftover.unlink(missing_ok=True)
