@@ -12,6 +12,7 @@ from engine.compiled_model import use_cache_dir
 from engine.cpu_kernels.build import c_compiler
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphPlan
+from engine.lora.adapter import LoRAAdapter
 from engine.lora.manager import LoRAManager, lora_key, lora_manager
 from engine.loader import resolve_device, resolve_dtype
 from engine.memory_budget import log_kv_cache, num_kv_blocks
@@ -207,7 +208,18 @@ class Engine:
     def load_lora(self, name: str, path: str, replace: bool = False) -> None:
         """Raises LoRAAdapterError (a ValueError) for an adapter it cannot serve.
         replace: the name may be taken (its adapter retires once the new one loads)."""
-        lora_manager(self.lora).load(name, path, replace)
+        self.register_lora(name, self.read_lora(name, path, replace), replace)
+
+    def read_lora(self, name: str, path: str, replace: bool = False) -> LoRAAdapter:
+        """The adapter read from disk and checked (LoRAAdapterError if it cannot be
+        served, or could not be loaded now): safe on a thread beside the steps
+        (engine/client/engine_loop.py reads there), it changes nothing."""
+        lora_manager(self.lora).check_room(name, replace)
+        return lora_manager(self.lora).read(name, path)
+
+    def register_lora(self, name: str, adapter: LoRAAdapter, replace: bool = False) -> None:
+        """Serves an adapter read_lora returned, between steps."""
+        lora_manager(self.lora).register(name, adapter, replace)
         self._retire_adapters()
 
     def unload_lora(self, name: str) -> None:

@@ -92,7 +92,8 @@ def build_app(engine: EngineClient, model_names: list[str], model_root: str = ""
         config.responses_store_bytes)))
 
     app.include_router(models_router(engine, model_names, model_root))
-    app.include_router(lora_router(engine, model_names, config.allow_runtime_lora_updating))
+    app.include_router(lora_router(engine, model_names, config.allow_runtime_lora_updating,
+                                   config.lora_root))
 
     return app
 

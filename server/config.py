@@ -108,6 +108,10 @@ class ServerConfig:
     allow_runtime_lora_updating: bool = setting(
         False, "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs "
         "--enable-lora; behind --api-key when one is set)", parse=parse_bool)
+    lora_root: str | None = setting(
+        None, "the directory runtime LoRA loads must come from: a `lora_path` is read "
+        "under it (a relative one from it), never outside once links are resolved; "
+        "unset, any path the server can read (as vLLM)")
     shutdown_timeout: float = setting(
         30.0, "seconds in-flight requests may run after SIGTERM/SIGINT before they are "
         "aborted", parse=non_negative(float))

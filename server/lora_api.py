@@ -2,9 +2,12 @@
 /v1/models (its `parent` the base model, its `root` the directory it was loaded
 from), and with --allow-runtime-lora-updating POST /v1/load_lora_adapter and
 /v1/unload_lora_adapter change the set while requests run. A load answers once the
-engine has read and checked the adapter; an unload once no new request can use it
-(requests already using it finish with it)."""
+engine has read and checked the adapter (on a thread of its own, beside the steps);
+an unload once no new request can use it (requests already using it finish with it).
+With --lora-root, loads come from under that directory only."""
 from __future__ import annotations
+
+from pathlib import Path
 
 from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse
@@ -28,7 +31,9 @@ class UnloadLoRAAdapterRequest(BaseModel):
     lora_int_id: int | None = None  # vLLM's; names are what kvserve goes by
 
 
-def lora_router(engine: EngineClient, model_names: list[str], allowed: bool) -> APIRouter:
+def lora_router(engine: EngineClient, model_names: list[str], allowed: bool,
+                root: str | None = None) -> APIRouter:
+    """root: --lora-root (None: any path)."""
     router = APIRouter()
 
     def check(name: str) -> None:
@@ -49,7 +54,8 @@ def lora_router(engine: EngineClient, model_names: list[str], allowed: bool) -> 
         if not req.lora_path.strip():
             raise APIError(400, "Both 'lora_name' and 'lora_path' must be provided.",
                            "lora_path")
-        await _change(engine, req.lora_name, req.lora_path, req.load_inplace)
+        path = req.lora_path if root is None else under_root(root, req.lora_path)
+        await _change(engine, req.lora_name, path, req.load_inplace)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added "
                                  "successfully.")
 
@@ -61,6 +67,19 @@ def lora_router(engine: EngineClient, model_names: list[str], allowed: bool) -> 
                                  "successfully.")
 
     return router
+
+
+def under_root(root: str, lora_path: str) -> str:
+    """lora_path resolved under --lora-root (a relative one from it), if it names an
+    adapter directory there; else one 400 for every reason (outside it, through a
+    link out of it, missing, not an adapter), so that nothing is learnt about the
+    files outside."""
+    base = Path(root).resolve()
+    candidate = (base / lora_path).resolve()
+    if candidate.is_relative_to(base) and (candidate / "adapter_config.json").is_file():
+        return str(candidate)
+    raise APIError(400, "lora_path must name a PEFT adapter directory under the server's "
+                   "--lora-root", "lora_path")
 
 
 async def _change(engine: EngineClient, name: str, path: str | None,

@@ -1,11 +1,15 @@
 """The engine's busy loop, the same in a thread and in a separate process: take the
 commands that arrived (add, abort, stop), run one step, and report what happened in
 one StepReport. Where the commands come from and where the report goes is up to the
-caller (a queue and a callback in a thread; a pipe in a process)."""
+caller (a queue and a callback in a thread; a pipe in a process).
+
+A LoRA adapter is read from disk on a thread of its own (seconds for a large one)
+while steps go on, and served from the first loop turn after it is read."""
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Protocol
 
 from engine.engine import Engine
@@ -29,18 +33,28 @@ class EngineLoop:
         self._last = engine.scheduler.stats()  # counters are reported as differences
         spec = engine.speculator
         self._spec = spec.stats.copy() if spec is not None else None
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvserve-lora-read")
+        self._reads: list[tuple[ChangeAdapter, Future]] = []  # adapters being read
 
     def run(self) -> None:
         """Until a stop command; exceptions propagate (the engine is then dead)."""
         engine = self.engine
-        while not self.stopped:
-            rep = StepReport()
-            for command in self.commands.take(block=not engine.has_unfinished_requests()):
-                self._handle(command, rep)
-            if engine.has_unfinished_requests() and not self.stopped:
-                self._step(rep)
-            self._counts(rep)
-            self.report(rep)
+        try:
+            while not self.stopped:
+                rep = StepReport()
+                idle = not engine.has_unfinished_requests()
+                for command in self.commands.take(block=idle and not self._reads):
+                    self._handle(command, rep)
+                if engine.has_unfinished_requests() and not self.stopped:
+                    self._step(rep)
+                elif self._reads:  # nothing to run: wait a little for a read to end
+                    wait([f for _, f in self._reads], timeout=0.05,
+                         return_when=FIRST_COMPLETED)
+                self._serve_read_adapters(rep)
+                self._counts(rep)
+                self.report(rep)
+        finally:
+            self._reader.shutdown(wait=False, cancel_futures=True)
 
     def _step(self, rep: StepReport) -> None:
         stats = self.engine.stats
@@ -91,7 +105,9 @@ class EngineLoop:
             rep.outputs.extend(self.engine.abort_request(
                 command.request_id, command.index, command.reason))
         elif isinstance(command, ChangeAdapter):
-            rep.adapter_replies.append(self._change_adapter(command))
+            reply = self._change_adapter(command)
+            if reply is not None:
+                rep.adapter_replies.append(reply)
         elif isinstance(command, TakeSnapshot):
             self._snapshot_asked = True
         elif isinstance(command, Shutdown):
@@ -99,15 +115,32 @@ class EngineLoop:
         else:
             raise TypeError(f"not an engine command: {command!r}")
 
-    def _change_adapter(self, command: ChangeAdapter) -> AdapterReply:
+    def _change_adapter(self, command: ChangeAdapter) -> AdapterReply | None:
+        """An unload at once; a load is read on the reader's thread (None: replied to
+        once it is read, by _serve_read_adapters)."""
+        if command.path is not None:
+            self._reads.append((command, self._reader.submit(
+                self.engine.read_lora, command.name, command.path, command.replace)))
+            return None
         try:
-            if command.path is None:
-                self.engine.unload_lora(command.name)
-            else:
-                self.engine.load_lora(command.name, command.path, command.replace)
+            self.engine.unload_lora(command.name)
         except KeyError:
             return AdapterReply(command.op_id, f"The lora adapter '{command.name}' cannot "
                                 "be found.", not_found=True)
-        except ValueError as exc:
-            return AdapterReply(command.op_id, str(exc))
         return AdapterReply(command.op_id)
+
+    def _serve_read_adapters(self, rep: StepReport) -> None:
+        """Registers the adapters read since the last turn (between steps), and
+        replies to their loads."""
+        pending = []
+        for command, read in self._reads:
+            if not read.done():
+                pending.append((command, read))
+                continue
+            try:
+                self.engine.register_lora(command.name, read.result(), command.replace)
+            except ValueError as exc:  # unreadable, unservable, or no room now
+                rep.adapter_replies.append(AdapterReply(command.op_id, str(exc)))
+            else:
+                rep.adapter_replies.append(AdapterReply(command.op_id))
+        self._reads = pending

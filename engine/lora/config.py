@@ -42,6 +42,12 @@ class LoRAConfig:
                              flag="--max-loras", parse=positive_int)
     max_rank: int = setting(16, "highest adapter rank accepted", flag="--max-lora-rank",
                             parse=positive_int)
+    # Every loaded adapter's weights stay in host memory (vLLM's name; its LRU evicts
+    # past it, kvserve refuses the load: the client decides which to unload).
+    max_cpu_loras: int = setting(64, "adapters loaded at once (in host memory; resident "
+                                 "on the device: --max-loras); a load past it is refused "
+                                 "until one is unloaded", flag="--max-cpu-loras",
+                                 parse=positive_int)
 
     @classmethod
     def from_settings(cls, enable: bool, modules, **rest) -> LoRAConfig | None:
@@ -55,6 +61,10 @@ class LoRAConfig:
     def __post_init__(self) -> None:
         if self.max_loras < 1 or self.max_rank < 1:
             raise ValueError("--max-loras and --max-lora-rank must be at least 1")
+        if self.max_cpu_loras < max(self.max_loras, len(self.modules)):
+            raise ValueError(f"--max-cpu-loras ({self.max_cpu_loras}) must be at least "
+                             f"--max-loras ({self.max_loras}) and the number of "
+                             f"--lora-modules ({len(self.modules)})")
         names = [name for name, _ in self.modules]
         if len(set(names)) != len(names):
             raise ValueError(f"--lora-modules names an adapter twice: {names}")

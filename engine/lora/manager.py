@@ -42,13 +42,30 @@ class LoRAManager:
 
     # -- the registry ----------------------------------------------------------------
     def load(self, name: str, path: str, replace: bool = False) -> None:
-        """Reads and checks the adapter; raises LoRAAdapterError (nothing changes).
-        replace: a loaded adapter of that name gives it up once this one is read
-        (requests using it finish with it)."""
+        """Reads, checks and registers the adapter; raises LoRAAdapterError (nothing
+        changes)."""
+        self.check_room(name, replace)
+        self.register(name, self.read(name, path), replace)
+
+    def read(self, name: str, path: str) -> LoRAAdapter:
+        """The adapter read from disk and checked against the model: touches none of
+        the manager's state, so it may run on a thread of its own while steps run."""
+        return load_adapter(name, path, self.config.max_rank, self.num_layers, self.shapes)
+
+    def check_room(self, name: str, replace: bool) -> None:
+        """LoRAAdapterError if `name` may not be loaded now: taken (without replace),
+        or --max-cpu-loras adapters loaded already."""
         if name in self._keys and not replace:
             raise LoRAAdapterError(f"the LoRA adapter {name!r} has already been loaded")
-        adapter = load_adapter(name, path, self.config.max_rank, self.num_layers,
-                               self.shapes)
+        if name not in self._keys and len(self._keys) >= self.config.max_cpu_loras:
+            raise LoRAAdapterError(f"{len(self._keys)} LoRA adapters are loaded, the most "
+                                   f"this server keeps (--max-cpu-loras); unload one first")
+
+    def register(self, name: str, adapter: LoRAAdapter, replace: bool = False) -> None:
+        """Serves an adapter read by `read` under `name`. replace: a loaded adapter of
+        that name gives it up (requests using it finish with it)."""
+        self.check_room(name, replace)
+        path = adapter.path
         key = f"{name}@{next(self._serial)}"
         self._keys[name], self._adapters[key] = key, adapter
         log.info("LoRA adapter %r loaded from %s (rank %d, %s)", name, path, adapter.rank,

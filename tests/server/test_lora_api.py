@@ -190,3 +190,86 @@ def test_lora_requests_info_metric(server):
     text = httpx.get(f"{url}/metrics").text
     line = next(x for x in text.splitlines() if x.startswith("kvserve:lora_requests_info{"))
     assert 'max_lora="2"' in line and 'running_lora_adapters=""' in line
+
+
+def test_loads_come_from_under_the_lora_root_only(tiny_engine_factory, adapters, tmp_path):
+    """--lora-root: a relative lora_path is read from it, an absolute one must lie in
+    it once links are resolved; every refusal is the same 400 (outside, a link out,
+    missing, not an adapter), so nothing is learnt of the files outside."""
+    import os
+    import shutil
+
+    root = tmp_path / "root"
+    root.mkdir()
+    shutil.copytree(adapters["late"], root / "late")
+    os.symlink(adapters["later"], root / "link-out")  # an adapter, but outside the root
+    (root / "empty").mkdir()
+    lora = LoRAConfig(True, (), max_loras=1, max_rank=16)
+    app = build_app(AsyncEngine(tiny_engine_factory("llama", lora=lora)), [BASE],
+                    config=ServerConfig(allow_runtime_lora_updating=True, lora_root=str(root)))
+    with running_server(app) as url, httpx.Client(base_url=url, timeout=60) as http:
+        def load(name, path):
+            return http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+
+        messages = set()
+        for path in (adapters["later"], "link-out", "../" + root.name + "/../x", "missing",
+                     "empty", "/etc"):
+            r = load("x", path)
+            assert r.status_code == 400, (path, r.text)
+            messages.add(r.json()["error"]["message"])
+        assert messages == {"lora_path must name a PEFT adapter directory under the "
+                            "server's --lora-root"}
+        assert load("late", "late").status_code == 200
+        assert http.get("/v1/models/late").json()["root"] == str((root / "late").resolve())
+        assert load("again", str(root / "late")).status_code == 200
+
+
+def test_loads_past_max_cpu_loras_are_refused(tiny_engine_factory, adapters):
+    lora = LoRAConfig(True, (("sql", adapters["sql"]),), max_loras=1, max_rank=16,
+                      max_cpu_loras=2)
+    app = build_app(AsyncEngine(tiny_engine_factory("llama", lora=lora)), [BASE],
+                    config=ServerConfig(allow_runtime_lora_updating=True))
+    with running_server(app) as url, httpx.Client(base_url=url, timeout=60) as http:
+        def load(name):
+            return http.post("/v1/load_lora_adapter",
+                             json={"lora_name": name, "lora_path": adapters["late"]})
+
+        assert load("late").status_code == 200
+        r = load("third")
+        assert r.status_code == 400 and "--max-cpu-loras" in r.json()["error"]["message"]
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "sql"}).status_code == 200
+        assert load("third").status_code == 200
+    with pytest.raises(ValueError, match="--max-cpu-loras"):
+        LoRAConfig(True, (("a", "p"), ("b", "q")), max_loras=1, max_cpu_loras=1)
+
+
+def test_an_adapter_is_read_beside_the_steps(server, adapters, monkeypatch):
+    """A slow read (a large adapter) runs on the engine's reader thread: steps go on
+    meanwhile, and the load answers once it is read."""
+    import threading
+    import time
+
+    from engine.lora import manager
+
+    url, engine = server
+    real, reader = manager.load_adapter, []
+
+    def slow(*args, **kwargs):
+        reader.append(threading.current_thread().name)
+        time.sleep(1.5)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(manager, "load_adapter", slow)
+    with httpx.Client(base_url=url, headers=AUTH, timeout=60) as http:
+        loading = threading.Thread(target=http.post, args=("/v1/load_lora_adapter",),
+                                   kwargs={"json": {"lora_name": "late",
+                                                    "lora_path": adapters["late"]}})
+        loading.start()
+        time.sleep(0.2)
+        start = time.monotonic()
+        r = http.post("/v1/completions", json={"model": BASE, "prompt": [3, 7], "max_tokens": 4})
+        took = time.monotonic() - start
+        loading.join()
+        assert r.status_code == 200 and took < 1.0, took
+        assert reader and reader[0].startswith("kvserve-lora-read")
+        assert "late" in model_ids(http)
