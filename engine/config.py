@@ -338,8 +338,12 @@ class EngineConfig:
     kv_events_config: KVEventsConfig | None = setting(
         None, "KV cache events as vLLM publishes them, a JSON object: "
         "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": "
-        "\"tcp://*:5557\", \"topic\": \"kv\"}' (also replay_endpoint, buffer_steps, hwm, "
-        "max_queue_size)", parse=parse_kv_events_flag)
+        "\"tcp://127.0.0.1:5557\", \"topic\": \"kv\"}' (also replay_endpoint, "
+        "buffer_steps, hwm, max_queue_size). They carry the token ids of every tenant's "
+        "prompts: the endpoint binds 127.0.0.1 unless given (\"tcp://*:5557\" for a "
+        "router on another host: let only the router reach it), and "
+        "\"include_token_ids\": false sends block hashes only (vllm-router's kv_aware "
+        "needs the ids)", parse=parse_kv_events_flag)
     # engine/parallel/: the model split over ranks, one process each (rank 0 is the
     # engine's own), its layers' partial sums all-reduced.
     tensor_parallel_size: int = setting(

@@ -8,6 +8,8 @@ batch an array [ts, events], each event a map tagged by "type": {"type":
 "lora_id", "medium", "lora_name"}, {"type": "BlockRemoved", "block_hashes",
 "medium"} or {"type": "AllBlocksCleared"}. Block hashes go out as 64-bit integers
 (the last 8 bytes of our sha256 chain hashes), as vLLM sends its own by default.
+With include_token_ids false, BlockStored's token_ids is [] (the key stays: vLLM's
+BlockStored has no default for it, so its decoders need it).
 
 Encoding and sending happen on a thread of their own: the engine's step only
 queues the events. With replay_endpoint, a ROUTER socket answers a subscriber that
@@ -24,7 +26,7 @@ from collections import deque
 import msgpack
 import zmq
 
-from engine.kv_events.config import KVEventsConfig
+from engine.kv_events.config import KVEventsConfig, binds_every_interface
 from scheduler.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 log = logging.getLogger("kvserve.kv_events")
@@ -37,13 +39,14 @@ def external_hash(block_hash: bytes) -> int:
     return int.from_bytes(block_hash[-8:], "big")
 
 
-def encode_event(event: KVCacheEvent) -> dict:
+def encode_event(event: KVCacheEvent, token_ids: bool = True) -> dict:
     if isinstance(event, BlockStored):
         parent = event.parent_block_hash
         return {"type": "BlockStored",
                 "block_hashes": [external_hash(h) for h in event.block_hashes],
                 "parent_block_hash": None if parent is None else external_hash(parent),
-                "token_ids": event.token_ids, "block_size": event.block_size,
+                "token_ids": event.token_ids if token_ids else [],
+                "block_size": event.block_size,
                 "lora_id": None, "medium": MEDIUM, "lora_name": None}
     if isinstance(event, BlockRemoved):
         return {"type": "BlockRemoved",
@@ -54,8 +57,8 @@ def encode_event(event: KVCacheEvent) -> dict:
     raise TypeError(f"not a KV cache event: {event!r}")
 
 
-def encode_batch(events: list[KVCacheEvent], ts: float) -> bytes:
-    return msgpack.packb([ts, [encode_event(e) for e in events]])
+def encode_batch(events: list[KVCacheEvent], ts: float, token_ids: bool = True) -> bytes:
+    return msgpack.packb([ts, [encode_event(e, token_ids) for e in events]])
 
 
 class ZmqEventPublisher:
@@ -76,6 +79,13 @@ class ZmqEventPublisher:
                                         daemon=True)
         self._thread.start()
         log.info("KV cache events on %s (topic %r)", config.endpoint, config.topic)
+        open_to_all = [e for e in (config.endpoint, config.replay_endpoint)
+                       if e is not None and binds_every_interface(e)]
+        if config.include_token_ids and open_to_all:
+            log.warning("KV cache events on %s carry the token ids of every tenant's "
+                        "prompts to whoever connects: let only the router reach them, "
+                        "or set include_token_ids false if the router needs hashes only",
+                        " and ".join(open_to_all))
 
     def publish(self, events: list[KVCacheEvent]) -> None:
         """Queues one step's events (never blocks the step: a full queue drops them,
@@ -96,7 +106,7 @@ class ZmqEventPublisher:
                 continue
             if item is None:
                 break
-            payload = encode_batch(item[1], item[0])
+            payload = encode_batch(item[1], item[0], self.config.include_token_ids)
             seq = self._seq.to_bytes(8, "big")
             self._pub.send_multipart((topic, seq, payload))
             self._buffer.append((self._seq, payload))

@@ -61,7 +61,56 @@ def exec_form(args: str) -> list[str]:
 
 
 def compose() -> dict:
+    """The file as written: variables not substituted (compose_as_run does that)."""
     return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+# What .env would hold: the two secrets compose requires.
+SECRETS = {"KVSERVE_API_KEY": "test-key", "GRAFANA_ADMIN_PASSWORD": "test-password"}
+
+_VARIABLE = re.compile(r"\$(?:(\$)|\{(\w+)(?:(:?[-?+])([^}]*))?\}|(\w+))")
+
+
+class MissingVariable(ValueError):
+    """A ${NAME:?message} or ${NAME?message} whose variable is not set."""
+
+
+def interpolate(text: str, env: dict[str, str]) -> str:
+    """Compose's substitution: $$, $NAME, ${NAME}, ${NAME:-default} (unset or empty),
+    ${NAME-default} (unset), ${NAME:?message} / ${NAME?message} (an error),
+    ${NAME:+other} / ${NAME+other}."""
+    def one(m: re.Match) -> str:
+        escaped, name, op, arg, bare = m.groups()
+        if escaped:
+            return "$"
+        if bare:
+            return env.get(bare, "")
+        value = env.get(name)
+        if op is None:
+            return value or ""
+        unset = value is None or (op.startswith(":") and value == "")
+        if op.endswith("-"):
+            return arg if unset else value
+        if op.endswith("?"):
+            if unset:
+                raise MissingVariable(f"{name}: {arg}")
+            return value
+        return "" if unset else arg  # + and :+
+    return _VARIABLE.sub(one, text)
+
+
+def compose_as_run(env: dict[str, str] | None = None) -> dict:
+    """The file as `docker compose` reads it with `env` as its environment and .env
+    (default: the secrets set, nothing else): every string value substituted."""
+    env = SECRETS if env is None else env
+
+    def walk(node):
+        if isinstance(node, dict):
+            return {k: walk(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return interpolate(node, env) if isinstance(node, str) else node
+    return walk(compose())
 
 
 def dashboard() -> dict:

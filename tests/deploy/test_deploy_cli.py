@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from server.cli import build_parser
-from tests.deploy.files import compose, dockerfile_stages, exec_form
+from tests.deploy.files import compose_as_run, dockerfile_stages, exec_form
 
 NOT_FLAGS = {"KVSERVE_CACHE"}  # modelstore/default_model.py's cache root, not a flag
 
@@ -25,7 +25,7 @@ def _flag(env_name: str) -> str:
 
 def _container_env() -> dict[str, str]:
     env = {k: v for k, v in dockerfile_stages()[-1].env().items() if k.startswith("KVSERVE_")}
-    service = compose()["services"]["kvserve"]
+    service = compose_as_run()["services"]["kvserve"]
     env.update({k: str(v) for k, v in service["environment"].items()})
     return {k: v for k, v in env.items() if k not in NOT_FLAGS}
 
@@ -33,7 +33,7 @@ def _container_env() -> dict[str, str]:
 def _command_line() -> list[str]:
     final = dockerfile_stages()[-1]
     argv = exec_form(final.args("ENTRYPOINT")[-1]) + exec_form(final.args("CMD")[-1])
-    argv += compose()["services"]["kvserve"].get("command", [])
+    argv += compose_as_run()["services"]["kvserve"].get("command", [])
     assert argv[0] == "kvserve"
     return argv[1:]
 
@@ -59,7 +59,7 @@ def test_the_environment_parses_as_the_flags_would(monkeypatch):
 
 @pytest.mark.parametrize("where", ["healthcheck", "ports"])
 def test_the_port_is_the_same_everywhere(where):
-    service = compose()["services"]["kvserve"]
+    service = compose_as_run()["services"]["kvserve"]
     port = _container_env()["KVSERVE_PORT"]
     if where == "ports":
         assert any(str(p).endswith(f":{port}") for p in service["ports"])

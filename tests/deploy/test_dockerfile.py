@@ -1,6 +1,7 @@
 """The Dockerfile: hadolint finds nothing, and it is built the way the README says
 (CUDA runtime base, multi-stage, non-root, CUDA torch, kvserve[gpu], flash-attn
-behind a build argument, the default model baked in, a health check on /health).
+behind a build argument, the default model baked in, a health check on /health);
+the router's image (deploy/router) runs as a non-root user too.
 No image is built here: there is no Docker engine on the CI machine."""
 from __future__ import annotations
 
@@ -63,6 +64,15 @@ def test_runtime_stage_is_cuda_runtime_non_root_with_a_health_check():
     assert "/health" in " ".join(exec_form(command))
     assert exec_form(final.args("ENTRYPOINT")[-1]) == ["kvserve", "serve"]
     assert final.args("EXPOSE") == [final.env()["KVSERVE_PORT"]]
+
+
+def test_the_router_image_runs_as_a_non_root_user():
+    """A flaw in the router (it parses every request) must not get root in its
+    container."""
+    (stage,) = dockerfile_stages(ROOT / "deploy" / "router" / "Dockerfile")
+    user = stage.args("USER")[-1]
+    assert user not in ("root", "0") and not user.startswith(("root:", "0:"))
+    assert f"--uid {user}" in " ".join(stage.args("RUN"))  # a user that exists
 
 
 def test_dockerignore_keeps_what_the_build_copies():
