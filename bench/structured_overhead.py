@@ -20,7 +20,7 @@ from bench.in_process.decode import where_from
 from bench.structured_schemas import SCHEMAS
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.structured.grammars import GrammarCompiler
+from engine.structured.compiler import GrammarCompiler
 from modelstore.default_model import default_model_dir
 from scheduler.sampling_params import SamplingParams
 from scheduler.structured_output import StructuredOutput

@@ -177,6 +177,18 @@ def _dtype_name(hf) -> str | None:
     return None if dt is None else str(dt).replace("torch.", "")
 
 
+# -- structured outputs (--grammar-compile-timeout, --grammar-cache-bytes) ---------
+
+# A normal JSON schema compiles in 0.1-0.25 s over a 49k vocabulary on 2 cores, and
+# the slowest legitimate-looking one measured (fifty fields, strings of up to 206
+# characters) in 10.7 s; a vocabulary of 150k tokens takes about 3x. 30 s leaves that
+# room while bounding how long one spec can hold the compiler.
+DEFAULT_GRAMMAR_COMPILE_TIMEOUT = 30.0
+# ~200 compiled JSON schemas of 1.2 MB (a count bounded nothing: one 10,000-way
+# choice is 34 MB).
+DEFAULT_GRAMMAR_CACHE_BYTES = 256 << 20
+
+
 # -- speculative decoding (--speculative-method, --num-speculative-tokens, ...) ---
 
 METHODS = ("ngram", "early-exit", "draft")
@@ -329,6 +341,16 @@ class EngineConfig:
         "xgrammar", "grammar library of structured outputs and tool calls: xgrammar, or "
         "guidance (llguidance; structural tags stay xgrammar's)",
         choices=["xgrammar", "guidance"])
+    # engine/structured/compiler.py: a compile cannot be stopped, only given up on.
+    grammar_compile_timeout: float = setting(
+        DEFAULT_GRAMMAR_COMPILE_TIMEOUT, "seconds a structured output's grammar (or a "
+        "tool call's) may compile; past it the request is refused with a 400 and the "
+        "compile left to finish at the lowest CPU priority, and a grammar that waited "
+        "this long without starting is a 503 (0: no limit)", parse=non_negative(float))
+    grammar_cache_bytes: int = setting(
+        DEFAULT_GRAMMAR_CACHE_BYTES, "most memory the compiled grammars kept for reuse "
+        "may hold together (xgrammar's estimate of each), least recently used dropped "
+        "first (0: keep none)", parse=parse_size)
     # Speculative decoding (None: off): drafts verified by the target in one pass.
     speculative: SpeculativeConfig | None = setting(
         None, "speculative decoding", nested=SpeculativeConfig)

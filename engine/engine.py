@@ -12,8 +12,8 @@ from engine.compiled_model import use_cache_dir
 from engine.cpu_kernels.build import c_compiler
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphPlan
-from engine.lora.adapter import LoRAAdapter
-from engine.lora.manager import LoRAManager, lora_key, lora_manager
+from engine.lora.manager import LoRAManager, lora_key
+from engine.lora.runtime import RuntimeAdapters
 from engine.loader import resolve_device, resolve_dtype
 from engine.memory_budget import log_kv_cache, num_kv_blocks
 from engine.model_runner import ModelRunner
@@ -27,7 +27,7 @@ from engine.request_checks import check_request
 from engine.sampling import StepResult
 from engine.spec_decode.setup import make_drafter, make_speculator
 from engine.structured.gate import GrammarGate
-from engine.structured.grammars import GrammarCompiler
+from engine.structured.compiler import GrammarCompiler
 from engine.structured.matchers import Matchers
 from scheduler.output import SchedulerOutput
 from scheduler.request import Request
@@ -54,7 +54,7 @@ class EngineStats:
     generated_tokens: int = 0
 
 
-class Engine:
+class Engine(RuntimeAdapters):
     def __init__(self, config: EngineConfig, tokenizer=None):
         self.config = config
         self.model_config = ModelConfig.from_pretrained(config.model)
@@ -130,12 +130,12 @@ class Engine:
         """Structured outputs, where there is a tokenizer to build grammars over."""
         if self.tokenizer is None:
             return None
-        vocab = self.model_config.vocab_size
+        vocab, cfg = self.model_config.vocab_size, self.config
         matchers = Matchers(vocab)
         self.runner.sampler.matchers = matchers
-        return GrammarGate(GrammarCompiler(self.tokenizer, vocab, list(self.eos_token_ids),
-                                           self.config.structured_outputs_backend),
-                           matchers)
+        return GrammarGate(GrammarCompiler(
+            self.tokenizer, vocab, list(self.eos_token_ids), cfg.structured_outputs_backend,
+            cfg.grammar_compile_timeout, cfg.grammar_cache_bytes), matchers)
 
     def _compile_forward(self) -> None:
         """The Inductor-compiled forward pass, as `compile` and --enforce-eager say."""
@@ -205,39 +205,6 @@ class Engine:
         else:  # enters the scheduler once its grammar is compiled
             self.grammars.hold(req)
 
-    def load_lora(self, name: str, path: str, replace: bool = False) -> None:
-        """Raises LoRAAdapterError (a ValueError) for an adapter it cannot serve.
-        replace: the name may be taken (its adapter retires once the new one loads)."""
-        self.register_lora(name, self.read_lora(name, path, replace), replace)
-
-    def read_lora(self, name: str, path: str, replace: bool = False) -> LoRAAdapter:
-        """The adapter read from disk and checked (LoRAAdapterError if it cannot be
-        served, or could not be loaded now): safe on a thread beside the steps
-        (engine/client/engine_loop.py reads there), it changes nothing."""
-        lora_manager(self.lora).check_room(name, replace)
-        return lora_manager(self.lora).read(name, path)
-
-    def register_lora(self, name: str, adapter: LoRAAdapter, replace: bool = False) -> None:
-        """Serves an adapter read_lora returned, between steps."""
-        lora_manager(self.lora).register(name, adapter, replace)
-        self._retire_adapters()
-
-    def unload_lora(self, name: str) -> None:
-        """Raises KeyError for a name not loaded; requests using it finish with it."""
-        lora_manager(self.lora).unload(name)
-        self._retire_adapters()
-
-    def _retire_adapters(self) -> None:
-        if self.lora is not None and self.lora.retiring:
-            running, waiting = self.adapters_in_use(self.scheduler.stats())
-            self.lora.retire(running | waiting)
-
-    def adapters_in_use(self, stats) -> tuple[frozenset, frozenset]:
-        """The LoRA adapter keys of running requests and of waiting ones (a grammar
-        still compiling counts as waiting), from the scheduler's `stats`."""
-        held = self.grammars.held() if self.grammars is not None else []
-        return stats.lora_running, stats.lora_waiting | {r.lora for r in held}
-
     def validate(self, prompt_token_ids: list[int],
                  params: SamplingParams | None = None) -> None:
         """Raises ValueError for a prompt (or sampling parameters: token ids in
@@ -265,16 +232,17 @@ class Engine:
         return req
 
     def _admit_compiled(self) -> list[RequestOutput]:
-        """Constrained requests whose grammar is ready go to the scheduler; one whose
-        grammar failed to compile ends with finish reason "error". An engine with
-        nothing but grammars compiling waits for one instead of spinning."""
+        """Constrained requests whose grammar is ready go to the scheduler; one refused
+        (its grammar failed, or passed its deadline: gate.py) ends with finish reason
+        "error". An engine with nothing but grammars compiling waits for one instead."""
         if not self.scheduler.has_unfinished() and self._inflight is None:
             self.grammars.wait(timeout=0.05)
         admitted, failed = self.grammars.ready()
         for req in admitted:
             self.scheduler.add_request(req)
         return [replace(self._output(self._ended(q, "error"), []), finish_reason="error",
-                        error=why) for req, why in failed for q in (req, *req.pending_forks)]
+                        error=refusal.reason, error_status=refusal.status)
+                for req, refusal in failed for q in (req, *req.pending_forks)]
 
     # -- the loop body -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

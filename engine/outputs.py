@@ -58,3 +58,7 @@ class RequestOutput:
     times: RequestTimes | None = None
     # Only on a pooling request's finishing output: its unit-length vector.
     embedding: list[float] | None = None
+    # With finish_reason "error": the HTTP status the failure is, where it is not
+    # ours (400: the request's own spec, e.g. a grammar past
+    # --grammar-compile-timeout; 503: busy); None: the engine's fault (500).
+    error_status: int | None = None

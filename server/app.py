@@ -68,6 +68,22 @@ def build_app(engine: EngineClient, model_names: list[str], model_root: str = ""
                                 closing=closing)
     app.include_router(engine_view_router(engine_view, model_names))
     install_ui(app)
+    chat = _install_generation(app, engine, model_names, tokenization, config)
+    _install_responses(app, ResponsesService(chat, ResponseStore(
+        config.responses_store_max, config.responses_store_ttl,
+        config.responses_store_bytes)))
+
+    app.include_router(models_router(engine, model_names, model_root))
+    app.include_router(lora_router(engine, model_names, config.allow_runtime_lora_updating,
+                                   config.lora_root))
+
+    return app
+
+
+def _install_generation(app: FastAPI, engine: EngineClient, model_names: list[str],
+                        tokenization: Tokenization, config: ServerConfig) -> ChatService:
+    """/v1/completions, /v1/chat/completions and /v1/embeddings; the chat service
+    (Responses runs through it)."""
     completions = CompletionService(engine, model_names, tokenization, config)
 
     @app.post("/v1/completions")
@@ -87,15 +103,7 @@ def build_app(engine: EngineClient, model_names: list[str], model_root: str = ""
     async def create_embeddings(req: EmbeddingRequest, request: Request):
         return await _cancel_on_disconnect(request, embeddings.create(req))
 
-    _install_responses(app, ResponsesService(chat, ResponseStore(
-        config.responses_store_max, config.responses_store_ttl,
-        config.responses_store_bytes)))
-
-    app.include_router(models_router(engine, model_names, model_root))
-    app.include_router(lora_router(engine, model_names, config.allow_runtime_lora_updating,
-                                   config.lora_root))
-
-    return app
+    return chat
 
 
 def _install_responses(app: FastAPI, responses: ResponsesService) -> None:

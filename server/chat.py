@@ -11,6 +11,8 @@ from server.protocol import ChatCompletionRequest, chat_completion_id
 from server.reasoning import ReasoningStream, reasoning_parser
 from server.response_view import ResponseView
 from server.service import GenerationService
+from server.spec_thread import run_off_loop
+from server.structured_fields import AskedGrammar, asks_for_structure, structured_output
 from server.tool_parsers import CallStream
 from server.tools import ToolPlan, tool_plan
 from server.unsupported_fields import CHAT_FIELDS
@@ -30,12 +32,8 @@ class ChatService(GenerationService):
         model = self.served_model(req)
         refuse_untrusted_template(req.chat_template, req.chat_template_kwargs,
                                   self.config.trust_request_chat_template)
-        extra = req.model_extra or {}
         tokenizer = self.engine.tokenizer
-        plan = tool_plan(extra.get("tools"), extra.get("tool_choice"),
-                         extra.get("parallel_tool_calls"),
-                         req.chat_template or getattr(tokenizer, "chat_template", None),
-                         self.config.tool_call_parser, self.engine.structured_backend)
+        plan, asked = await self._grammars(req)
         if plan is not None and plan.format is not None and plan.format.keeps_special_tokens:
             req.skip_special_tokens = False  # the calls' opening is a special token
         text, ids = await self.tokenization.run(self._prompt, req, plan)
@@ -43,11 +41,13 @@ class ChatService(GenerationService):
         max_tokens = output_budget(req.max_output_tokens, len(ids),
                                    self.engine.max_model_len, param)
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        tool_grammar = plan.structured if plan is not None else None
         groups = [PromptGroup(0, ids, sampling_params(
-            req, max_tokens, self.vocab_size, num_logprobs,
-            tool_grammar=plan.structured if plan is not None else None,
-            structured_backend=self.engine.structured_backend,
-            has_tokenizer=tokenizer is not None))]
+            req, max_tokens, self.vocab_size, num_logprobs, tool_grammar=tool_grammar,
+            structured=asked.spec if asked is not None else None,
+            has_tokenizer=tokenizer is not None),
+            grammar_param="tools" if tool_grammar is not None
+            else asked.param if asked is not None else None)]
         view = ChatView(chat_completion_id(), model, req, groups, tokenizer)
         view.plan = plan if plan is not None and plan.mode != "none" else None
         parser = reasoning_parser(self.config.reasoning_parser)
@@ -56,6 +56,25 @@ class ChatService(GenerationService):
                 plan is None or plan.mode != "auto")  # "auto" leaves text free
             view.reasoning = lambda: parser.stream(text, constrained)
         return view
+
+    async def _grammars(self, req: ChatCompletionRequest
+                        ) -> tuple[ToolPlan | None, AskedGrammar | None]:
+        """The tool plan and the structured output, read, held to the caps and parsed
+        off the event loop (a request that asks for neither skips the trip)."""
+        extra = req.model_extra or {}
+        if not extra.get("tools") and extra.get("tool_choice") is None \
+                and not asks_for_structure(req):
+            return None, None
+        template = req.chat_template or getattr(self.engine.tokenizer, "chat_template", None)
+        backend, limits = self.engine.structured_backend, self.grammar_limits
+
+        def read():
+            plan = tool_plan(extra.get("tools"), extra.get("tool_choice"),
+                             extra.get("parallel_tool_calls"), template,
+                             self.config.tool_call_parser, backend, limits)
+            return plan, structured_output(req, backend, limits)
+
+        return await run_off_loop(read)
 
     def _prompt(self, req: ChatCompletionRequest,
                 plan: ToolPlan | None) -> tuple[str, list[int]]:

@@ -8,6 +8,8 @@ from server.logprobs import (completion_logprobs, merge_completion_logprobs,
 from server.protocol import CompletionRequest, completion_id
 from server.response_view import ResponseView
 from server.service import GenerationService
+from server.spec_thread import run_off_loop
+from server.structured_fields import AskedGrammar, asks_for_structure, structured_output
 from server.unsupported_fields import COMPLETION_FIELDS
 from server.validation import output_budget, prompt_token_ids, sampling_params
 
@@ -33,27 +35,32 @@ class CompletionService(GenerationService):
         texts = [p for p in prompts if isinstance(p, str)]
         for text in texts:
             self.tokenization.refuse_if_too_long(text, "prompt")
+        # Read, held to the caps and parsed off the event loop (server/spec_thread.py).
+        asked = (await run_off_loop(structured_output, req, self.engine.structured_backend,
+                                    self.grammar_limits)
+                 if asks_for_structure(req) else None)
         encode = lambda: [prompt_token_ids(self.engine, p) for p in prompts]  # noqa: E731
         # Token ids need no tokenizer: checking them costs less than parsing them
         # did, so they do not wait behind someone else's long text.
         ids = await self.tokenization.run(encode) if texts else encode()
-        groups = [self._group(i, p, req, prompt_ids)
+        groups = [self._group(i, p, req, prompt_ids, asked)
                   for i, (p, prompt_ids) in enumerate(zip(prompts, ids))]
         view = _CompletionView(completion_id(), model, req, groups, self.engine.tokenizer)
         return await self.respond(view, groups, req)
 
     def _group(self, index: int, prompt: str | list[int], req: CompletionRequest,
-               ids: list[int]):
+               ids: list[int], asked: AskedGrammar | None):
         # The engine always generates; for echo_only its one token is left out.
         max_tokens = 1 if req.echo_only else output_budget(req.max_tokens, len(ids),
                                                              self.engine.max_model_len)
         prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
         params = sampling_params(req, max_tokens, self.vocab_size, req.logprobs,
                                  prompt_logprobs,
-                                 structured_backend=self.engine.structured_backend,
+                                 structured=asked.spec if asked is not None else None,
                                  has_tokenizer=self.engine.tokenizer is not None)
         return PromptGroup(index, ids, params, prompt if isinstance(prompt, str) else None,
-                           count_output=not req.echo_only)
+                           count_output=not req.echo_only,
+                           grammar_param=asked.param if asked is not None else None)
 
 
 class _CompletionView(ResponseView):

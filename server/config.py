@@ -67,6 +67,25 @@ class ServerConfig:
         64, "most stop strings (`stop`) one request may give, each at most 256 "
         "characters (OpenAI allows 4): every token's text is searched for them, on "
         "the server's event loop", parse=positive_int)
+    # server/grammar_limits.py: checked before a spec is parsed (off the event loop)
+    # or compiled; OpenAI's own limits and the measured parse costs are noted there.
+    max_grammar_spec_bytes: int = setting(
+        512 << 10, "most bytes of one structured output's spec as JSON (a schema, a "
+        "grammar, a regex, a structural tag, the choices) or of the tools' parameter "
+        "schemas together (0: no limit)", parse=non_negative(int))
+    max_grammar_spec_depth: int = setting(
+        64, "most levels of nesting (objects and arrays) in a JSON schema, a "
+        "structural tag or a tool's parameters: xgrammar's parse time grows "
+        "faster than the depth (0: no limit)", parse=non_negative(int))
+    max_tools: int = setting(
+        128, "most `tools` one chat request may give (OpenAI's limit is 128) "
+        "(0: no limit)", parse=non_negative(int))
+    max_guided_choices: int = setting(
+        1000, "most entries of a `choice` structured output (OpenAI allows 1000 enum "
+        "values in a schema) (0: no limit)", parse=non_negative(int))
+    max_regex_length: int = setting(
+        16384, "most characters of a regex structured output, or of a `pattern` in a "
+        "JSON schema (0: no limit)", parse=non_negative(int))
     request_timeout: float = setting(
         0.0, "seconds a generation request may run; then it is aborted and its choices "
         "end with finish reason \"abort\", keeping the text made so far (0: no limit)",

@@ -27,7 +27,7 @@ class RequestFailedError(RuntimeError):
 
 
 # What status_of answers with its own status and message (an expected end, not a bug).
-EXPECTED_ERRORS = (ValueError, EngineDeadError, RequestFailedError)
+EXPECTED_ERRORS = (ValueError, EngineDeadError, RequestFailedError, APIError)
 
 
 @dataclass
@@ -38,6 +38,7 @@ class PromptGroup:
     params: SamplingParams
     prompt_text: str | None = None  # the prompt as the client sent it, when text
     count_output: bool = True  # False: echo of the prompt only, its token not counted
+    grammar_param: str | None = None  # the field its grammar came in (tools, response_format...)
 
     def choice_index(self, seq_index: int) -> int:
         return self.index * self.params.n + seq_index
@@ -146,6 +147,10 @@ async def _relay(engine: EngineClient, gen, seqs: list[_Sequence], group: Prompt
         if seq.done:
             continue  # the abort that follows a stop string
         if out.finish_reason == "error":  # leaving aborts the prompt's other sequences
+            if out.error_status is not None:  # the request's own doing (its grammar)
+                param = group.grammar_param
+                raise APIError(out.error_status, f"{param}: {out.error}" if param
+                               else out.error or "refused", param)
             raise RequestFailedError(out.error or "the engine failed this request")
         delta = seq.advance(out)
         if delta is None:
@@ -190,6 +195,8 @@ async def collect(engine: EngineClient, base_id: str, groups: list[PromptGroup],
     tasks = [asyncio.create_task(run_group(engine, base_id, g, opts, keep)) for g in groups]
     try:
         await asyncio.gather(*tasks)
+    except APIError:
+        raise
     except EXPECTED_ERRORS as exc:
         raise APIError(*status_of(exc)) from exc
     finally:
@@ -244,6 +251,8 @@ def _ready(first, queue: asyncio.Queue):
 
 
 def status_of(exc: BaseException) -> tuple[int, str]:
+    if isinstance(exc, APIError):
+        return exc.status, exc.message
     if isinstance(exc, ValueError):
         return 400, str(exc)
     if isinstance(exc, EngineDeadError):

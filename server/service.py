@@ -11,6 +11,7 @@ from server.detokenizer import MAX_STOP_CHARS
 from server.errors import APIError
 from server.generation import PromptGroup, TextOptions
 from server.config import ServerConfig
+from server.grammar_limits import GrammarLimits
 from server.request_owners import ENGINE_ID_HEADER, engine_request_id
 from server.response_view import ResponseView
 from server.tokenization import Tokenization
@@ -28,6 +29,7 @@ class GenerationService:
         self.model_names = model_names
         self.vocab_size = engine.vocab_size
         self.config = config
+        self.grammar_limits = GrammarLimits.of(config)
 
     def served_model(self, req) -> str:
         """The model name to answer with; 404 for an unknown one, 400 past --max-n,

@@ -24,6 +24,7 @@ from typing import Any
 
 from scheduler.structured_output import StructuredOutput
 from server.errors import APIError
+from server.grammar_limits import GrammarLimits
 from server.structured_fields import checked
 from server.tool_formats import FORMATS, ToolFormat, knows_tools, tool_format
 
@@ -59,16 +60,24 @@ class ToolPlan:
 
 
 def tool_plan(tools: Any, tool_choice: Any, parallel: Any, template: str | None = None,
-              parser: str = "auto", backend: str = "xgrammar") -> ToolPlan | None:
+              parser: str = "auto", backend: str = "xgrammar",
+              limits: GrammarLimits = GrammarLimits()) -> ToolPlan | None:
     """The request's tool calling, checked (400s in OpenAI's shape), or None.
     template: the chat template the prompt goes through; parser: --tool-call-parser
     (they decide the format of "auto"); backend: the engine's structured outputs
-    backend, which the grammar is checked for."""
+    backend, which the grammar is checked for; limits: the caps on the tools (their
+    number, their parameters' size and nesting), held before any grammar is made.
+    Callers run it off the event loop (server/spec_thread.py)."""
     if tool_choice is not None and not tools and tool_choice != "none":
         raise APIError(400, "tool_choice needs tools", "tool_choice")
     if not tools:
         return None
+    if isinstance(tools, list):
+        limits.check_tool_count(tools)
     schemas = _functions(tools)
+    budget = [limits.spec_bytes]  # the parameters of all of them, together
+    for schema in schemas.values():
+        limits.check_json(schema, "tools", "tools' parameters", budget)
     if tool_choice == "none":
         return ToolPlan("none", tools)
     if tool_choice in (None, "auto"):

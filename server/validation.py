@@ -9,7 +9,6 @@ from scheduler.sampling_params import SamplingParams
 from scheduler.structured_output import StructuredOutput
 from server.errors import APIError, no_tokenizer
 from server.protocol import SamplingFields
-from server.structured_fields import structured_output
 
 
 def check_model(requested: str | None, names: list[str], adapters: Mapping[str, str] = {}
@@ -75,12 +74,12 @@ def sampling_params(req: SamplingFields, max_tokens: int, vocab_size: int,
                     logprobs: int | None = None,
                     prompt_logprobs: int | None = None,
                     tool_grammar: StructuredOutput | None = None,
-                    structured_backend: str = "xgrammar",
+                    structured: StructuredOutput | None = None,
                     has_tokenizer: bool = True) -> SamplingParams:
     """tool_grammar: what the request's tool calling makes the output (server/tools.py);
-    structured_backend: the engine's, which structured outputs are checked for."""
+    structured: its structured output, already read and checked off the event loop
+    (server/structured_fields.py)."""
     _check_cross_fields(req, max_tokens)
-    structured = structured_output(req, structured_backend)
     if structured is not None and not has_tokenizer:
         raise APIError(400, "structured outputs need the model's tokenizer, and this "
                        "model is served without one", "response_format")

@@ -48,6 +48,7 @@ class GuidanceGrammar:
 
     def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str, stop_ids: list[int]):
         self.tokenizer, self.grammar, self.stop_ids = tokenizer, grammar, frozenset(stop_ids)
+        self.nbytes = len(grammar)  # its text: matchers build their lexers lazily
 
     def matcher(self) -> GuidanceMatcher:
         return GuidanceMatcher(self)
