@@ -18,6 +18,20 @@ Attack = Callable[[httpx.AsyncClient, dict], Awaitable[int]]
 BIG = 2_000_000  # characters: ~2 MB of text, well inside the 10 MiB body limit
 
 
+_encoded: dict[tuple, bytes] = {}
+
+
+def _once(key: tuple, make: Callable[[], object]) -> bytes:
+    """A hostile body built and encoded once, then resent: on these 2 cores the
+    client's own JSON encoding (50 ms for 20,000 tools) would otherwise delay the
+    streams' and /health's readings taken on the same event loop, and take CPU from
+    the server; the server is what is measured."""
+    if key not in _encoded:
+        body = make()
+        _encoded[key] = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+    return _encoded[key]
+
+
 async def _post(c: httpx.AsyncClient, path: str, body, headers: dict) -> int:
     if isinstance(body, (bytes, str)):
         r = await c.post(path, content=body, headers={**headers,
@@ -38,14 +52,16 @@ async def many_prompts_times_n(c, ctx):
 
 
 async def giant_logit_bias(c, ctx):
-    body = {"model": ctx["model"], "prompt": "x", "max_tokens": 4,
-            "logit_bias": {str(i): 1.0 for i in range(40_000)}}
+    body = _once(("logit_bias", ctx["model"]), lambda: {
+        "model": ctx["model"], "prompt": "x", "max_tokens": 4,
+        "logit_bias": {str(i): 1.0 for i in range(40_000)}})
     return await _post(c, "/v1/completions", body, ctx["auth"])
 
 
 async def thousands_of_stop_strings(c, ctx):
-    body = {"model": ctx["model"], "prompt": "x", "max_tokens": 64, "n": 16,
-            "stop": [f"stop{i}" for i in range(100_000)]}
+    body = _once(("stop", ctx["model"]), lambda: {
+        "model": ctx["model"], "prompt": "x", "max_tokens": 64, "n": 16,
+        "stop": [f"stop{i}" for i in range(100_000)]})
     return await _post(c, "/v1/completions", body, ctx["auth"])
 
 
@@ -55,27 +71,32 @@ async def deep_json(c, ctx):
     return await _post(c, "/v1/completions", body, ctx["auth"])
 
 
-async def deep_schema(c, ctx):
+def _deep_schema_body(model: str) -> str:
     schema = '{"type": "string"}'
     for _ in range(2000):
         schema = '{"type": "array", "items": %s}' % schema
-    body = json.dumps(_chat(ctx["model"]))[:-1] + (
+    return json.dumps(_chat(model))[:-1] + (
         ', "response_format": {"type": "json_schema", "json_schema": '
         '{"name": "x", "schema": %s}}}' % schema)
+
+
+async def deep_schema(c, ctx):
+    body = _once(("deep_schema", ctx["model"]), lambda: _deep_schema_body(ctx["model"]))
     return await _post(c, "/v1/chat/completions", body, ctx["auth"])
 
 
 async def thousands_of_tools(c, ctx):
-    tools = [{"type": "function", "function": {
-        "name": f"tool_{i}", "description": "d" * 100,
-        "parameters": {"type": "object", "properties": {"a": {"type": "string"}}}}}
-        for i in range(20_000)]
-    return await _post(c, "/v1/chat/completions",
-                       _chat(ctx["model"], tools=tools, tool_choice="required"), ctx["auth"])
+    body = _once(("tools", ctx["model"]), lambda: _chat(ctx["model"], tools=[
+        {"type": "function", "function": {
+            "name": f"tool_{i}", "description": "d" * 100,
+            "parameters": {"type": "object", "properties": {"a": {"type": "string"}}}}}
+        for i in range(20_000)], tool_choice="required"))
+    return await _post(c, "/v1/chat/completions", body, ctx["auth"])
 
 
 async def long_choice_list(c, ctx):
-    body = _chat(ctx["model"], structured_outputs={"choice": [f"c{i}" for i in range(100_000)]})
+    body = _once(("choice", ctx["model"]), lambda: _chat(
+        ctx["model"], structured_outputs={"choice": [f"c{i}" for i in range(100_000)]}))
     return await _post(c, "/v1/chat/completions", body, ctx["auth"])
 
 
@@ -84,21 +105,27 @@ async def regex_bomb(c, ctx):
     return await _post(c, "/v1/chat/completions", body, ctx["auth"])
 
 
+def _big_tokenize() -> bytes:
+    return _once(("tokenize",), lambda: {"prompt": "word " * (BIG // 5)})
+
+
 async def huge_tokenize(c, ctx):
-    return await _post(c, "/tokenize", {"prompt": "word " * (BIG // 5)}, ctx["auth"])
+    return await _post(c, "/tokenize", _big_tokenize(), ctx["auth"])
 
 
 async def unauthenticated_tokenize(c, ctx):
-    return await _post(c, "/tokenize", {"prompt": "word " * (BIG // 5)}, {})
+    return await _post(c, "/tokenize", _big_tokenize(), {})
 
 
 async def unauthenticated_big_body(c, ctx):
-    return await _post(c, "/v1/completions", {"model": ctx["model"], "prompt": "x" * BIG}, {})
+    body = _once(("big", ctx["model"]), lambda: {"model": ctx["model"], "prompt": "x" * BIG})
+    return await _post(c, "/v1/completions", body, {})
 
 
 async def huge_metadata(c, ctx):
-    body = {"model": ctx["model"], "input": "hi", "max_output_tokens": 2,
-            "metadata": {f"k{i}": "v" * 512 for i in range(2000)}}
+    body = _once(("metadata", ctx["model"]), lambda: {
+        "model": ctx["model"], "input": "hi", "max_output_tokens": 2,
+        "metadata": {f"k{i}": "v" * 512 for i in range(2000)}})
     return await _post(c, "/v1/responses", body, ctx["auth"])
 
 
@@ -124,16 +151,14 @@ async def slowloris_body(c, ctx):
                      b"Content-Length: 100000\r\n\r\n{")
         await writer.drain()
         for _ in range(20):  # up to 60 s: the server should give up long before
-            await asyncio.sleep(3)
-            if reader.at_eof():
-                break
-            try:
+            try:  # its answer (a 408 and a close), else a byte 3 s later
+                line = await asyncio.wait_for(reader.readline(), 3)
+            except asyncio.TimeoutError:
                 writer.write(b" ")
                 await writer.drain()
-            except ConnectionError:
-                break
-        line = await asyncio.wait_for(reader.readline(), 5)
-        return int(line.split()[1]) if line.startswith(b"HTTP/") else 0
+                continue
+            return int(line.split()[1]) if line.startswith(b"HTTP/") else 0
+        return 0
     except (ConnectionError, asyncio.TimeoutError, ValueError, IndexError):
         return 0
     finally:

@@ -17,6 +17,7 @@ from server.engine_view.history import EngineHistory
 from server.engine_view.hub import EngineViewHub
 from server.engine_view.routes import engine_view_router
 from server.errors import APIError, error_response, install_error_handlers
+from server.json_body import OffLoopJSONRoute
 from server.lora_api import lora_router
 from server.models_api import models_router
 from server.ops import install_ops
@@ -56,6 +57,7 @@ def build_app(engine: EngineClient, model_names: list[str], model_root: str = ""
             engine.shutdown()
 
     app = FastAPI(title="kvserve", version=VERSION, lifespan=lifespan)
+    app.router.route_class = OffLoopJSONRoute  # bodies of megabytes (server/json_body.py)
     install_error_handlers(app)
     metrics = install_ops(app, engine, model_names, VERSION, config, tokenize_routes)
     admission = app.state.admission

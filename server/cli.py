@@ -85,6 +85,7 @@ def serve(args) -> None:
 
     from engine.attention import AttentionBackendError
     from engine.config import ModelConfigError
+    from engine.heap import freeze_startup_heap
     from engine.client.launch import start_engine
     from engine.loader import ModelLoadError
     from engine.client.process_engine import EngineStartError
@@ -114,6 +115,7 @@ def serve(args) -> None:
                                     timeout_keep_alive=config.timeout_keep_alive,
                                     limit_concurrency=config.max_connections or None)
     server = GracefulServer(uvicorn_config, app.state.admission, config.shutdown_timeout)
+    freeze_startup_heap()  # the libraries, tokenizer (and in-process model): never garbage
     server.run()
     if server.engine_died:
         # Non-zero, so a supervisor (systemd, Kubernetes) restarts the server.

@@ -17,6 +17,7 @@ from pydantic import Field, ValidationError
 from engine.client.engine_client import EngineClient
 from server.chat_template import chat_prompt_ids, refuse_untrusted_template, render_chat_text
 from server.errors import APIError, no_tokenizer
+from server.json_body import OffLoopJSONRoute
 from server.protocol import ChatMessage, OpenAIRequest
 from server.tokenization import Tokenization
 from server.validation import check_model, encode_text
@@ -51,7 +52,7 @@ def tokenize_router(engine: EngineClient, model_names: list[str],
                     ) -> APIRouter:
     """The tokenizer runs on `tokenization`'s thread (its own tokenizer), never on
     the event loop nor on the generation prompts' thread."""
-    router = APIRouter()
+    router = APIRouter(route_class=OffLoopJSONRoute)  # prompts of megabytes
     tok = tokenization.tokenizer
 
     @router.post("/tokenize")

@@ -52,6 +52,7 @@ def _child_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
                         format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
     from engine.engine import Engine
     from engine.client.engine_loop import EngineLoop
+    from engine.heap import freeze_startup_heap
 
     try:
         engine = Engine(config)
@@ -71,6 +72,7 @@ def _child_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
         os._exit(1)  # the loop may be blocked in a collective that never completes
 
     engine.on_rank_death(rank_died)
+    freeze_startup_heap()
     send(("ready", {"max_model_len": engine.max_model_len, "vocab_size": mc.vocab_size,
                     "hidden_size": mc.hidden_size, "shorter_embeddings": mc.shorter_embeddings,
                     "adapters": served_adapters(engine)}))

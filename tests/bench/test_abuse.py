@@ -25,3 +25,5 @@ def test_every_attack_is_answered_without_a_5xx(tiny_engine_factory):
     assert set(answered) <= set(CORPUS) and len(answered) >= 6
     assert answered["many_prompts_times_n"] == {"400": answered["many_prompts_times_n"]["400"]}
     assert all(r["tokens"] > 0 for r in result["rounds"])
+    assert answered["slowloris_body"] == {"408": answered["slowloris_body"]["408"]}
+    assert answered["thousands_of_tools"] == {"400": answered["thousands_of_tools"]["400"]}

@@ -1,0 +1,109 @@
+"""Big request bodies are parsed and validated on the reader's thread, with the same
+answers as small ones (server/json_body.py)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from pydantic import BaseModel, field_validator
+
+from server.errors import install_error_handlers
+from server.json_body import INLINE_JSON_BYTES, OffLoopJSONRoute
+
+PAD = "x" * (INLINE_JSON_BYTES + 1)  # makes a body big
+
+
+class Body(BaseModel):
+    n: int
+    pad: str = ""
+    bias: dict[str, float] | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _where(cls, n):
+        Body.validated_on = threading.current_thread().name
+        return n
+
+
+def _app() -> FastAPI:
+    app = FastAPI()
+    app.router.route_class = OffLoopJSONRoute
+    install_error_handlers(app)
+
+    @app.post("/m")
+    async def modelled(req: Body):
+        return {"n": req.n, "bias": len(req.bias or {})}
+
+    return app
+
+
+def _post(app, content: bytes, content_type: str = "application/json"):
+    async def go():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            return await c.post("/m", content=content, headers={"content-type": content_type})
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("pad", ["", PAD], ids=["small", "big"])
+def test_big_and_small_bodies_get_the_same_answers(pad):
+    app = _app()
+    ok = _post(app, json.dumps({"n": 3, "pad": pad, "bias": {"1": 1.0}}).encode())
+    assert ok.status_code == 200 and ok.json() == {"n": 3, "bias": 1}
+    assert Body.validated_on.startswith("kvserve-json") == bool(pad)
+
+    bad_field = _post(app, json.dumps({"n": "three", "pad": pad}).encode())
+    assert bad_field.status_code == 400
+    assert bad_field.json()["error"]["param"] == "n"
+
+    bad_value = _post(app, json.dumps({"n": 1, "pad": pad, "bias": {"7": "no"}}).encode())
+    assert bad_value.status_code == 400
+    assert bad_value.json()["error"]["param"] == "bias.7"
+
+    not_json = _post(app, b'{"n": 1, "pad": "' + pad.encode() + b'"')
+    assert not_json.status_code == 400
+    assert "not valid JSON" in not_json.json()["error"]["message"]
+
+
+def test_json_nested_past_pythons_parser_is_a_400_not_a_500():
+    body = b'{"n": 1, "pad": "' + PAD.encode() + b'", "x": ' + b"[" * 200_000 \
+        + b"]" * 200_000 + b"}"
+    r = _post(_app(), body)
+    assert r.status_code == 400
+    assert "nests too deeply" in r.json()["error"]["message"]
+
+
+def test_a_body_that_is_not_declared_json_is_left_to_fastapi():
+    r = _post(_app(), json.dumps({"n": 1, "pad": PAD}).encode(), "text/plain")
+    assert r.status_code == 400  # FastAPI reads it as bytes, not a Body
+
+
+def test_the_loop_runs_while_a_big_body_is_read(monkeypatch):
+    """The reader's thread parses: the loop answers meanwhile (a parse held here
+    until the loop has run a callback)."""
+    import server.json_body as json_body
+    loop_ran = threading.Event()
+    real_loads = json.loads
+
+    def slow_loads(text):
+        assert loop_ran.wait(10), "the loop did not run while the body was parsed"
+        return real_loads(text)
+
+    monkeypatch.setattr(json_body.json, "loads", slow_loads)
+    app = _app()
+
+    async def go():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            post = asyncio.ensure_future(c.post("/m", content=json.dumps(
+                {"n": 5, "pad": PAD}).encode(), headers={"content-type": "application/json"}))
+            await asyncio.sleep(0.05)
+            loop_ran.set()
+            return await post
+
+    r = asyncio.run(go())
+    assert r.status_code == 200 and r.json()["n"] == 5
