@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 
 from fastapi import FastAPI, Request
@@ -17,12 +18,13 @@ from server.engine_view.history import EngineHistory
 from server.engine_view.hub import EngineViewHub
 from server.engine_view.routes import engine_view_router
 from server.errors import APIError, error_response, install_error_handlers
-from server.json_body import OffLoopJSONRoute
+from server.json_body import BODY_CHECK, OffLoopJSONRoute
 from server.lora_api import lora_router
 from server.models_api import models_router
 from server.ops import install_ops
 from server.config import ServerConfig
 from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.request_caps import refuse_past_counts
 from server.responses.protocol import ResponsesRequest
 from server.responses.service import ResponsesService
 from server.responses.store import ResponseStore
@@ -58,6 +60,7 @@ def build_app(engine: EngineClient, model_names: list[str], model_root: str = ""
 
     app = FastAPI(title="kvserve", version=VERSION, lifespan=lifespan)
     app.router.route_class = OffLoopJSONRoute  # bodies of megabytes (server/json_body.py)
+    setattr(app.state, BODY_CHECK, functools.partial(refuse_past_counts, config=config))
     install_error_handlers(app)
     metrics = install_ops(app, engine, model_names, VERSION, config, tokenize_routes)
     admission = app.state.admission

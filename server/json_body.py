@@ -15,9 +15,10 @@ handed it after any of them. Big bodies are read one after another, as they woul
 on one core anyway. The model instance made there is what FastAPI's own validation
 then gets, and a model instance passes it as it is (pydantic does not revalidate
 instances); a body that fails is the same 400 the loop would have given (the first
-error, server/errors.py). Small bodies, nearly all of them, stay inline: a thread hop
-costs more than reading 64 KiB. (Not lowered in priority: a reader descheduled while
-holding the GIL held the loop for seconds.)"""
+error, server/errors.py), and one past a count cap (server/request_caps.py) is refused
+there too, its objects freed on that thread. Small bodies, nearly all of them, stay
+inline: a thread hop costs more than reading 64 KiB. (Not lowered in priority: a
+reader descheduled while holding the GIL held the loop for seconds.)"""
 from __future__ import annotations
 
 import asyncio
@@ -32,7 +33,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 
+from server.errors import APIError
+
 INLINE_JSON_BYTES = 64 << 10  # read on the loop up to here (~1 ms)
+# app.state's attribute naming a check of the request model, run here for big bodies
+BODY_CHECK = "body_check"
 # The process's, for its life; its thread starts at the first big body.
 _reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-json")
 
@@ -49,9 +54,10 @@ class OffLoopJSONRoute(APIRoute):
             if _is_json(request):
                 body = await request.body()
                 if len(body) > INLINE_JSON_BYTES:
+                    check = getattr(request.app.state, BODY_CHECK, None)
                     # Request.json() returns what it finds here (starlette caches it).
                     request._json = await asyncio.get_running_loop().run_in_executor(
-                        _reader, _read, body, model)
+                        _reader, _read, body, model, check)
             return await handle(request)
 
         return handle_off_loop
@@ -80,9 +86,12 @@ def _is_json(request: Request) -> bool:
         sub == "json" or sub.endswith("+json"))
 
 
-def _read(body: bytes, model: type[BaseModel] | None) -> Any:
+def _read(body: bytes, model: type[BaseModel] | None,
+          check: Callable[[BaseModel], None] | None) -> Any:
     """On the reader's thread: the body as the route's model (or as JSON where the
-    route has none); RequestValidationError, raised on the loop, where it is neither."""
+    route has none); RequestValidationError, raised on the loop, where it is neither;
+    what `check` raises for the model (the request's count caps), with the body's
+    objects freed here first (the error carries no frame that holds them)."""
     try:
         value = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -95,8 +104,17 @@ def _read(body: bytes, model: type[BaseModel] | None) -> Any:
     if model is None:
         return value
     try:
-        return model.model_validate(value)
+        request = model.model_validate(value)
     except ValidationError as exc:
         first = exc.errors(include_url=False, include_input=False)[:1]
         raise RequestValidationError(
             [{**e, "loc": ("body", *e["loc"])} for e in first]) from None
+    if check is None:
+        return request
+    try:
+        check(request)
+        return request
+    except APIError as exc:
+        refusal = exc
+    del value, request  # freed on this thread, before the loop sees the refusal
+    raise refusal.with_traceback(None)

@@ -7,11 +7,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.client.engine_client import EngineClient
 from server import generation
-from server.detokenizer import MAX_STOP_CHARS
 from server.errors import APIError
 from server.generation import PromptGroup, TextOptions
 from server.config import ServerConfig
 from server.grammar_limits import GrammarLimits
+from server.request_caps import refuse_past_counts
 from server.request_owners import ENGINE_ID_HEADER, engine_request_id
 from server.response_view import ResponseView
 from server.tokenization import Tokenization
@@ -32,34 +32,16 @@ class GenerationService:
         self.grammar_limits = GrammarLimits.of(config)
 
     def served_model(self, req) -> str:
-        """The model name to answer with; 404 for an unknown one, 400 past --max-n,
-        --max-stop-strings or --max-logit-bias, or for a field this route does not
-        support yet (server/unsupported_fields.py),
-        503 (a status, not an error inside a 200 stream) when the engine is down."""
+        """The model name to answer with; 404 for an unknown one, 400 past a count cap
+        (server/request_caps.py) or for a field this route does not support yet
+        (server/unsupported_fields.py), 503 (a status, not an error inside a 200
+        stream) when the engine is down."""
         model = check_model(req.model, self.model_names, self.engine.adapters.served)
         refuse_unsupported(req, self.unsupported_fields)
-        if req.n > self.config.max_n:
-            raise APIError(400, f"n must be at most {self.config.max_n} (--max-n), got "
-                           f"{req.n}", "n")
-        self._check_stop(req.stop_strings())
-        bias = self.config.max_logit_bias
-        if bias and len(req.logit_bias or ()) > bias:
-            raise APIError(400, f"at most {bias} logit_bias entries (--max-logit-bias), got "
-                           f"{len(req.logit_bias)}", "logit_bias")
+        refuse_past_counts(req, self.config)
         if not self.engine.is_alive:
             raise APIError(503, "the engine is not running")
         return model
-
-    def _check_stop(self, stops: list[str]) -> None:
-        """400 past --max-stop-strings stop strings or MAX_STOP_CHARS characters in
-        one: each token's text is searched for them all on the event loop."""
-        if len(stops) > self.config.max_stop_strings:
-            raise APIError(400, f"at most {self.config.max_stop_strings} stop strings "
-                           f"(--max-stop-strings), got {len(stops)}", "stop")
-        longest = max(map(len, stops), default=0)
-        if longest > MAX_STOP_CHARS:
-            raise APIError(400, f"a stop string may have at most {MAX_STOP_CHARS} "
-                           f"characters, got one of {longest}", "stop")
 
     def text_options(self, req) -> TextOptions:
         return TextOptions(req.stop_strings(), req.include_stop_str_in_output,
