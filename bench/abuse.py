@@ -93,26 +93,29 @@ def probe_health(url: str, latencies: list, stop: threading.Event) -> None:
         while not stop.is_set():
             t0 = time.perf_counter()
             r = c.get("/health")
-            latencies.append(time.perf_counter() - t0)
-            if r.status_code != 200:
-                latencies.append(float("inf"))
+            latencies.append((t0, time.perf_counter() - t0 if r.status_code == 200
+                              else float("inf")))
             stop.wait(0.05)
 
 
-async def attack_forever(c: httpx.AsyncClient, ctx: dict, answers: dict, stop):
+async def attack_forever(c: httpx.AsyncClient, ctx: dict, answers: dict, spans: list,
+                         stop):
+    """spans: (name, start, end) of each attack sent, to say what /health waited on."""
     while not stop.is_set():
         for name, attack in CORPUS.items():
             if stop.is_set():
                 return
+            t0 = time.perf_counter()
             try:
                 status = await attack(c, ctx)
             except httpx.HTTPError as exc:
                 status = f"{type(exc).__name__}"
             answers.setdefault(name, []).append(status)
+            spans.append((name, t0, time.perf_counter()))
 
 
 async def one_round(ctx: dict, seconds: float, attack: bool, streams: int) -> dict:
-    gaps, health, answers, stop = [], [], {}, asyncio.Event()
+    gaps, health, answers, spans, stop = [], [], {}, [], asyncio.Event()
     limits = httpx.Limits(max_connections=streams + 16)
     async with httpx.AsyncClient(base_url=ctx["url"], timeout=120, limits=limits) as c:
         tasks = [asyncio.create_task(stream_forever(c, ctx, i, gaps, stop))
@@ -121,7 +124,7 @@ async def one_round(ctx: dict, seconds: float, attack: bool, streams: int) -> di
         probe = threading.Thread(target=probe_health, args=(ctx["url"], health, probe_stop))
         probe.start()
         if attack:
-            tasks += [asyncio.create_task(attack_forever(c, ctx, answers, stop))
+            tasks += [asyncio.create_task(attack_forever(c, ctx, answers, spans, stop))
                       for _ in range(ctx["attackers"])]
         await asyncio.sleep(seconds)
         stop.set()
@@ -132,8 +135,21 @@ async def one_round(ctx: dict, seconds: float, attack: bool, streams: int) -> di
             t.cancel()
     q = statistics.quantiles(gaps, n=100) if len(gaps) > 100 else [float("nan")] * 99
     return {"attack": attack, "tokens": len(gaps), "itl_p50_ms": q[49] * 1e3,
-            "itl_p99_ms": q[98] * 1e3, "health_max_ms": max(health, default=0) * 1e3,
-            "health_probes": len(health), "answers": answers}
+            "itl_p99_ms": q[98] * 1e3,
+            "health_max_ms": max((ms for _, ms in health), default=0) * 1e3,
+            "health_probes": len(health), "answers": answers,
+            "health_max_ms_during": health_during(health, spans)}
+
+
+def health_during(health: list, spans: list) -> dict[str, float]:
+    """The slowest /health probe that overlapped each kind of attack (attacks run
+    four at a time, so a slow probe is counted against each one in flight)."""
+    worst: dict[str, float] = {}
+    for start, seconds in health:
+        for name, t0, t1 in spans:
+            if start <= t1 and start + seconds >= t0:
+                worst[name] = max(worst.get(name, 0.0), seconds * 1e3)
+    return worst
 
 
 def _metric(text: str, name: str) -> float | None:
@@ -164,6 +180,10 @@ def summarize(rounds: list[dict]) -> dict:
     return {"quiet_itl_p99_ms": p99(quiet), "attack_itl_p99_ms": p99(loud),
             "itl_p99_ratio": p99(loud) / p99(quiet),
             "health_max_ms": max(r["health_max_ms"] for r in rounds),
+            "health_max_ms_during": {name: max(r["health_max_ms_during"].get(name, 0)
+                                               for r in loud)
+                                     for name in sorted({n for r in loud
+                                                         for n in r["health_max_ms_during"]})},
             "answers": answers, "five_xx": {k: v for k, v in fives.items() if v}}
 
 

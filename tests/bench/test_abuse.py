@@ -27,3 +27,5 @@ def test_every_attack_is_answered_without_a_5xx(tiny_engine_factory):
     assert all(r["tokens"] > 0 for r in result["rounds"])
     assert answered["slowloris_body"] == {"408": answered["slowloris_body"]["408"]}
     assert answered["thousands_of_tools"] == {"400": answered["thousands_of_tools"]["400"]}
+    during = result["health_max_ms_during"]  # what /health waited on, by attack
+    assert set(during) <= set(answered) and during and all(ms > 0 for ms in during.values())
