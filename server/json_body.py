@@ -9,7 +9,8 @@ what one request costs before any of them can run, and every stream's next token
 /health waited behind it (bench/abuse.py).
 
 On a thread of its own the work still holds the GIL, but the interpreter hands it to
-a waiting thread every switch interval, so the loop keeps serving between slices. One
+a waiting thread every switch interval, between bytecodes, so the loop keeps serving
+between slices (which is why each JSON object is made by a Python hook). One
 thread, not a pool: with several parsers waiting for the GIL as well, the loop is
 handed it after any of them. Big bodies are read one after another, as they would be
 on one core anyway. The model instance made there is what FastAPI's own validation
@@ -86,6 +87,15 @@ def _is_json(request: Request) -> bool:
         sub == "json" or sub.endswith("+json"))
 
 
+def _json_object(pairs: list[tuple[str, Any]]) -> dict:
+    """Each JSON object, made by Python code: the C decoder alone holds the GIL for a
+    whole parse (the loop waited 230 ms beside a 5 MB one), whereas the interpreter
+    hands the GIL over between bytecodes, so with this hook the loop's longest wait
+    was 35 ms, at the same parse time (0.19 s). Duplicate keys: the last one wins,
+    as without it."""
+    return dict(pairs)
+
+
 def _read(body: bytes, model: type[BaseModel] | None,
           check: Callable[[BaseModel], None] | None) -> Any:
     """On the reader's thread: the body as the route's model (or as JSON where the
@@ -93,7 +103,7 @@ def _read(body: bytes, model: type[BaseModel] | None,
     what `check` raises for the model (the request's count caps), with the body's
     objects freed here first (the error carries no frame that holds them)."""
     try:
-        value = json.loads(body)
+        value = json.loads(body, object_pairs_hook=_json_object)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise RequestValidationError([{"type": "json_invalid", "loc": ("body",),
                                        "msg": "JSON decode error",

@@ -89,9 +89,9 @@ def test_the_loop_runs_while_a_big_body_is_read(monkeypatch):
     loop_ran = threading.Event()
     real_loads = json.loads
 
-    def slow_loads(text):
+    def slow_loads(text, **hooks):
         assert loop_ran.wait(10), "the loop did not run while the body was parsed"
-        return real_loads(text)
+        return real_loads(text, **hooks)
 
     monkeypatch.setattr(json_body.json, "loads", slow_loads)
     app = _app()
@@ -141,3 +141,32 @@ def test_a_big_body_past_a_count_cap_is_refused_and_freed_on_the_readers_thread(
     assert freed_on and all(name.startswith("kvserve-json") for name in freed_on)
     ok = _post(app, json.dumps({"n": 1, "pad": PAD, "bias": {"1": 1.0}}).encode())
     assert ok.status_code == 200
+
+
+def test_the_reader_lets_the_loop_run_during_one_parse():
+    """The C decoder alone holds the GIL for a whole parse; the reader's hook hands
+    it over between objects, so another thread runs in the middle of one big parse
+    (with plain json.loads it runs only before and after)."""
+    import time
+
+    from server.json_body import _read
+
+    body = json.dumps({"n": 1, "more": [{"k": i} for i in range(300_000)]}).encode()
+    ticks, done = [], threading.Event()
+
+    def other():
+        while not done.is_set():
+            ticks.append(time.perf_counter())
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    try:
+        t0 = time.perf_counter()
+        parsed = _read(body, None, None)
+        t1 = time.perf_counter()
+    finally:
+        done.set()
+        thread.join()
+    assert len(parsed["more"]) == 300_000
+    quarter = (t1 - t0) / 4
+    assert any(t0 + quarter < t < t1 - quarter for t in ticks)
