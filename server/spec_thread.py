@@ -14,26 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 T = TypeVar("T")
 
-_lock = threading.Lock()
-_worker: ThreadPoolExecutor | None = None
+# The process's, for its life; its thread starts at the first spec.
+_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-spec")
 
 
 async def run_off_loop(fn: Callable[..., T], *args, **kwargs) -> T:
     """fn(*args, **kwargs) on the spec thread; what it raises is raised here."""
     call = functools.partial(fn, *args, **kwargs)
-    return await asyncio.get_running_loop().run_in_executor(_thread(), call)
-
-
-def _thread() -> ThreadPoolExecutor:
-    global _worker
-    with _lock:
-        if _worker is None:
-            _worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-spec")
-        return _worker
+    return await asyncio.get_running_loop().run_in_executor(_worker, call)

@@ -65,15 +65,14 @@ def tool_plan(tools: Any, tool_choice: Any, parallel: Any, template: str | None 
     """The request's tool calling, checked (400s in OpenAI's shape), or None.
     template: the chat template the prompt goes through; parser: --tool-call-parser
     (they decide the format of "auto"); backend: the engine's structured outputs
-    backend, which the grammar is checked for; limits: the caps on the tools (their
-    number, their parameters' size and nesting), held before any grammar is made.
-    Callers run it off the event loop (server/spec_thread.py)."""
+    backend, which the grammar is checked for; limits: the caps on the tools'
+    parameters (size and nesting), held before any grammar is made (their number was
+    checked with the request's other counts: server/request_caps.py). Callers run it
+    off the event loop (server/spec_thread.py)."""
     if tool_choice is not None and not tools and tool_choice != "none":
         raise APIError(400, "tool_choice needs tools", "tool_choice")
     if not tools:
         return None
-    if isinstance(tools, list):
-        limits.check_tool_count(tools)
     schemas = _functions(tools)
     budget = [limits.spec_bytes]  # the parameters of all of them, together
     for schema in schemas.values():
