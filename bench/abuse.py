@@ -1,6 +1,7 @@
 """Hostile requests against a running server beside normal load (issue 50).
 
-16 streaming clients generate the whole time while /health is probed every 50 ms;
+16 streaming clients generate the whole time while /health is probed every 50 ms
+(from a process of its own: bench/health_probe.py);
 in the attack rounds, attackers fire bench/abuse_corpus.py's requests (huge n x
 prompts, giant logit_bias, 100k stop strings, deep JSON, deep schemas, thousands of
 tools, long choice lists, a regex bomb, huge /tokenize with and without a key,
@@ -86,16 +87,34 @@ async def stream_forever(c: httpx.AsyncClient, ctx: dict, i: int, gaps: list, st
                     last = now
 
 
-def probe_health(url: str, latencies: list, stop: threading.Event) -> None:
-    """On a thread of its own, with its own connection: the streams' and attackers'
-    handling on the client's event loop is not counted as the server's latency."""
-    with httpx.Client(base_url=url, timeout=120) as c:
-        while not stop.is_set():
-            t0 = time.perf_counter()
-            r = c.get("/health")
-            latencies.append((t0, time.perf_counter() - t0 if r.status_code == 200
-                              else float("inf")))
-            stop.wait(0.05)
+class HealthProbe:
+    """bench/health_probe.py in a process of its own for the whole run; each round
+    takes the probes sent inside its window."""
+
+    def __init__(self, url: str):
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name(
+            "health_probe.py")), url], stdout=subprocess.PIPE, text=True)
+        self.rows: list[tuple[float, float]] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            start, seconds = line.split()
+            self.rows.append((float(start), float(seconds)))
+
+    def between(self, t0: float, t1: float) -> list[tuple[float, float]]:
+        """Waits for a probe sent after t1, so a slow one sent before it is counted."""
+        deadline = time.monotonic() + 120
+        while not (self.rows and self.rows[-1][0] > t1) and time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit("the /health probe exited")
+            time.sleep(0.02)
+        return [(start, s) for start, s in list(self.rows) if t0 <= start <= t1]
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
 
 
 async def attack_forever(c: httpx.AsyncClient, ctx: dict, answers: dict, spans: list,
@@ -105,31 +124,28 @@ async def attack_forever(c: httpx.AsyncClient, ctx: dict, answers: dict, spans: 
         for name, attack in CORPUS.items():
             if stop.is_set():
                 return
-            t0 = time.perf_counter()
+            t0 = time.monotonic()  # the probe process's clock
             try:
                 status = await attack(c, ctx)
             except httpx.HTTPError as exc:
                 status = f"{type(exc).__name__}"
             answers.setdefault(name, []).append(status)
-            spans.append((name, t0, time.perf_counter()))
+            spans.append((name, t0, time.monotonic()))
 
 
 async def one_round(ctx: dict, seconds: float, attack: bool, streams: int) -> dict:
-    gaps, health, answers, spans, stop = [], [], {}, [], asyncio.Event()
+    gaps, answers, spans, stop = [], {}, [], asyncio.Event()
     limits = httpx.Limits(max_connections=streams + 16)
     async with httpx.AsyncClient(base_url=ctx["url"], timeout=120, limits=limits) as c:
         tasks = [asyncio.create_task(stream_forever(c, ctx, i, gaps, stop))
                  for i in range(streams)]
-        probe_stop = threading.Event()
-        probe = threading.Thread(target=probe_health, args=(ctx["url"], health, probe_stop))
-        probe.start()
+        t0 = time.monotonic()
         if attack:
             tasks += [asyncio.create_task(attack_forever(c, ctx, answers, spans, stop))
                       for _ in range(ctx["attackers"])]
         await asyncio.sleep(seconds)
         stop.set()
-        probe_stop.set()
-        await asyncio.to_thread(probe.join)
+        health = await asyncio.to_thread(ctx["probe"].between, t0, time.monotonic())
         await asyncio.wait(tasks, timeout=120)
         for t in tasks:
             t.cancel()
@@ -202,16 +218,17 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=2, help="quiet/attack pairs")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
-    proc = None
+    proc = probe = None
     url = args.url
     if url is None:
         proc, url = start_server(args.serve_args.split())
     try:
         auth = {"Authorization": f"Bearer {args.key}"}
+        probe = HealthProbe(url)
         model = args.model or httpx.get(url + "/v1/models", headers=auth).json()["data"][0]["id"]
         ctx = {"url": url, "model": model, "auth": auth, "attackers": args.attackers,
                "other_auth": {"Authorization": f"Bearer {args.other_key}"},
-               "stream_errors": []}
+               "stream_errors": [], "probe": probe}
         rounds = []
         for _ in range(args.rounds):
             for attack in (False, True):
@@ -227,6 +244,8 @@ def main(argv=None) -> dict:
                   "after": leftovers(url, {"Authorization": f"Bearer {args.admin_key}"}),
                   **summarize(rounds)}
     finally:
+        if probe is not None:
+            probe.close()
         if proc is not None:
             proc.terminate()
             proc.wait(60)
