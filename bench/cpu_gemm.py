@@ -31,11 +31,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.in_process.utilisation import copy_bandwidth  # noqa: E402
-from bench.provenance import provenance, simd_flags  # noqa: E402
-from engine.cpu_kernels.packing import pack_weight, packed_linear, reference_product  # noqa: E402
-from engine.cpu_kernels.setup import load_once  # noqa: E402
-from engine.loader import cpu_flags  # noqa: E402
+from kvserve.benchmarks.in_process.utilisation import copy_bandwidth  # noqa: E402
+from kvserve.benchmarks.provenance import provenance, simd_flags  # noqa: E402
+from kvserve.engine.cpu_kernels.packing import (pack_weight, packed_linear,  # noqa: E402
+                                                reference_product)
+from kvserve.engine.cpu_kernels.setup import load_once  # noqa: E402
+from kvserve.engine.loader import cpu_flags  # noqa: E402
 
 # SmolLM2-135M: hidden, intermediate, q width, kv width, vocabulary, layers
 DEFAULT_SHAPE = (576, 1536, 576, 192, 49152, 30)

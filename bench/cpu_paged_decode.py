@@ -20,10 +20,10 @@ import time
 
 import torch
 
-from bench.provenance import simd_flags
-from engine.attention.cpu_paged import paged_decode_reference
-from engine.cpu_kernels.setup import load_once
-from engine.loader import cpu_flags
+from kvserve.benchmarks.provenance import simd_flags
+from kvserve.engine.attention.cpu_paged import paged_decode_reference
+from kvserve.engine.cpu_kernels.setup import load_once
+from kvserve.engine.loader import cpu_flags
 
 LAYERS, BLOCK, KV_HEADS, Q_HEADS, DIM = 30, 16, 3, 9, 64
 

@@ -15,11 +15,11 @@ import time
 
 import torch
 
-from bench.provenance import simd_flags
-from engine.attention.step_metadata import context_slots
-from engine.attention.torch_backend import _prefill
-from engine.cpu_kernels.setup import load_once
-from engine.loader import cpu_flags
+from kvserve.benchmarks.provenance import simd_flags
+from kvserve.engine.attention.step_metadata import context_slots
+from kvserve.engine.attention.torch_backend import _prefill
+from kvserve.engine.cpu_kernels.setup import load_once
+from kvserve.engine.loader import cpu_flags
 
 LAYERS, BLOCK, KV_HEADS, Q_HEADS, DIM = 30, 16, 3, 9, 64
 

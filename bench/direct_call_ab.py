@@ -13,11 +13,11 @@ import json
 import statistics
 import time
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from bench.provenance import simd_flags
-from engine.loader import cpu_flags
-from scheduler.sampling_params import SamplingParams
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.engine import Engine
+from kvserve.benchmarks.provenance import simd_flags
+from kvserve.engine.loader import cpu_flags
+from kvserve.scheduler.sampling_params import SamplingParams
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=800, help="timed steps, half each way")
     args = parser.parse_args(argv)
     if args.model is None:
-        from modelstore.default_model import ensure_default_model
+        from kvserve.modelstore.default_model import ensure_default_model
         args.model = str(ensure_default_model())
     engine = Engine(EngineConfig(model=args.model, device="cpu", compile="wait",
                                  load_format=args.load_format, quantization=args.quantization,

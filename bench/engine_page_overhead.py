@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 import psutil  # noqa: E402
 
 from bench.compare_cpu import loadavg, machine, stop, wait_ready  # noqa: E402
-from bench.provenance import provenance  # noqa: E402
+from kvserve.benchmarks.provenance import provenance  # noqa: E402
 from tests.support.server import free_port  # noqa: E402
 
 ARMS = ("none", "stream", "page")

@@ -33,14 +33,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.provenance import provenance  # noqa: E402
-from engine.client.async_engine import AsyncEngine  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.engine import Engine  # noqa: E402
-from engine.client.messages import StepReport  # noqa: E402
-from engine.client.process_engine import ProcessEngine  # noqa: E402
-from scheduler.sampling_params import SamplingParams  # noqa: E402
-from server.app import build_app  # noqa: E402
+from kvserve.benchmarks.provenance import provenance  # noqa: E402
+from kvserve.engine.client.async_engine import AsyncEngine  # noqa: E402
+from kvserve.engine.config import EngineConfig  # noqa: E402
+from kvserve.engine.engine import Engine  # noqa: E402
+from kvserve.engine.client.messages import StepReport  # noqa: E402
+from kvserve.engine.client.process_engine import ProcessEngine  # noqa: E402
+from kvserve.scheduler.sampling_params import SamplingParams  # noqa: E402
+from kvserve.server.app import build_app  # noqa: E402
 from tests.support.server import running_server  # noqa: E402
 
 PROMPT = "The capital of France is"
@@ -120,7 +120,7 @@ def _engine_cpu(client):
 
 def _model_dir(name: str) -> str:
     if name == "default":
-        from modelstore.default_model import ensure_default_model
+        from kvserve.modelstore.default_model import ensure_default_model
         return str(ensure_default_model())
     if name == "tiny":
         from tests.support.tiny_models import make_tiny_model

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.in_process.decode import run  # noqa: E402
+from kvserve.benchmarks.in_process.decode import run  # noqa: E402
 
 
 def parse_args(argv=None):

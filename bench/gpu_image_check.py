@@ -47,7 +47,7 @@ threadpoolctl tifffile tiktoken timm tokenizers toolz torch torchaudio torchdiff
 torch-geometric torchmetrics torchvision tqdm transformers treescope triton typer
 typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray
 xxhash yarl zipp"""
-OURS = {"bench", "engine", "kvcache", "modelstore", "scheduler", "server"}  # the tree
+OURS = {"bench", "kvserve"}  # the tree
 
 
 def _norm(name: str) -> str:

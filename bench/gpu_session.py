@@ -235,7 +235,7 @@ class Session:
                 " 'cuda', torch.version.cuda, torch.cuda.is_available())\n"
                 "print('triton', triton.__version__); print('transformers',"
                 " transformers.__version__)\n"
-                "import engine.engine, server.app, bench.gpu_decode\n"
+                "import kvserve.engine.engine, kvserve.server.app, bench.gpu_decode\n"
                 "print('kvserve imports ok')\n")
         probes = {"gpu": ["nvidia-smi", "--query-gpu=name,memory.total,driver_version,"
                           "clocks.max.sm,clocks.max.mem", "--format=csv,noheader"],

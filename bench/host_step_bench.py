@@ -19,9 +19,9 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.provenance import provenance  # noqa: E402
-from engine.attention.step_metadata import build_host_step  # noqa: E402
-from engine.block_table_rows import BlockTableRows  # noqa: E402
+from kvserve.benchmarks.provenance import provenance  # noqa: E402
+from kvserve.engine.attention.step_metadata import build_host_step  # noqa: E402
+from kvserve.engine.block_table_rows import BlockTableRows  # noqa: E402
 
 BLOCK = 16
 

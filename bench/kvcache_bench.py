@@ -29,8 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.provenance import provenance  # noqa: E402
-from kvcache import KVCacheManager  # noqa: E402
+from kvserve.benchmarks.provenance import provenance  # noqa: E402
+from kvserve.kvcache import KVCacheManager  # noqa: E402
 
 clock = time.process_time_ns  # CPU time: steadier than wall time on a busy host
 VOCAB = 32000

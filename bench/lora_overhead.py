@@ -23,13 +23,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from bench.in_process.decode import where_from
-from engine.config import EngineConfig, ModelConfig
-from engine.engine import Engine
-from engine.lora.adapter import TARGETS, projection_shapes
-from engine.lora.config import LoRAConfig
-from modelstore.default_model import default_model_dir
-from scheduler.sampling_params import SamplingParams
+from kvserve.benchmarks.in_process.decode import where_from
+from kvserve.engine.config import EngineConfig, ModelConfig
+from kvserve.engine.engine import Engine
+from kvserve.engine.lora.adapter import TARGETS, projection_shapes
+from kvserve.engine.lora.config import LoRAConfig
+from kvserve.modelstore.default_model import default_model_dir
+from kvserve.scheduler.sampling_params import SamplingParams
 
 
 def write_random_adapter(path: Path, cfg: ModelConfig, rank: int, seed: int) -> None:

@@ -23,9 +23,9 @@ import math
 import sys
 from pathlib import Path
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from scheduler.sampling_params import SamplingParams
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.engine import Engine
+from kvserve.scheduler.sampling_params import SamplingParams
 
 TEXT = Path(__file__).with_name("data") / "alice_ch1.txt"
 
@@ -81,7 +81,7 @@ def main() -> None:
                     "chunks, 16 requests at once)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    from modelstore.default_model import default_model_dir
+    from kvserve.modelstore.default_model import default_model_dir
     model = args.model or str(default_model_dir())
     results, reference = {}, None
     for mode in args.quantization:
@@ -108,7 +108,7 @@ def main() -> None:
     for mode, r in results.items():
         r["perplexity_vs_first"] = r["perplexity"] / base - 1
     if args.json:
-        from bench.in_process.decode import where_from
+        from kvserve.benchmarks.in_process.decode import where_from
         import torch
         Path(args.json).write_text(json.dumps(
             {**where_from(torch.device("cpu"), "python " + " ".join(sys.argv)),

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.provenance import provenance  # noqa: E402
+from kvserve.benchmarks.provenance import provenance  # noqa: E402
 from tests.support.http import assert_error, parse_sse, wait_idle  # noqa: E402
 
 MODEL = "tiny"
@@ -238,11 +238,11 @@ class Target:
 def serving(model_dir: str | Path, concurrency: int = 64):
     """A server on `model_dir` in this process, with an API key, --max-n and a body
     limit (some bad requests are judged against them)."""
-    from engine.client.async_engine import AsyncEngine
-    from engine.config import EngineConfig
-    from engine.engine import Engine
-    from server.app import build_app
-    from server.config import ServerConfig
+    from kvserve.engine.client.async_engine import AsyncEngine
+    from kvserve.engine.config import EngineConfig
+    from kvserve.engine.engine import Engine
+    from kvserve.server.app import build_app
+    from kvserve.server.config import ServerConfig
     from tests.support.server import running_server
 
     engine = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=1024,

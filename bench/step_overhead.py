@@ -19,10 +19,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.method_timer import MethodTimer  # noqa: E402
-from bench.provenance import provenance  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.engine import Engine  # noqa: E402
-from scheduler.sampling_params import SamplingParams  # noqa: E402
+from kvserve.benchmarks.provenance import provenance  # noqa: E402
+from kvserve.engine.config import EngineConfig  # noqa: E402
+from kvserve.engine.engine import Engine  # noqa: E402
+from kvserve.scheduler.sampling_params import SamplingParams  # noqa: E402
 
 
 def main() -> None:
@@ -40,7 +40,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if args.model is None:
-        from modelstore.default_model import ensure_default_model
+        from kvserve.modelstore.default_model import ensure_default_model
         args.model = str(ensure_default_model())
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.async_scheduling]
     runs = [measure(args, overlapped) for overlapped in modes]

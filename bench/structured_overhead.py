@@ -14,16 +14,20 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
-from bench.in_process.decode import where_from
-from bench.structured_schemas import SCHEMAS
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.structured.compiler import GrammarCompiler
-from modelstore.default_model import default_model_dir
-from scheduler.sampling_params import SamplingParams
-from scheduler.structured_output import StructuredOutput
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ of this checkout
+
+from bench.structured_schemas import SCHEMAS  # noqa: E402
+from kvserve.benchmarks.in_process.decode import where_from  # noqa: E402
+from kvserve.engine.config import EngineConfig  # noqa: E402
+from kvserve.engine.engine import Engine  # noqa: E402
+from kvserve.engine.structured.compiler import GrammarCompiler  # noqa: E402
+from kvserve.modelstore.default_model import default_model_dir  # noqa: E402
+from kvserve.scheduler.sampling_params import SamplingParams  # noqa: E402
+from kvserve.scheduler.structured_output import StructuredOutput  # noqa: E402
 
 LONG = StructuredOutput("json_schema", json.dumps(
     {"type": "array", "minItems": 200, "maxItems": 200,

@@ -57,7 +57,7 @@ from unittest import mock
 import numpy as np
 import torch
 
-from bench.provenance import provenance
+from kvserve.benchmarks.provenance import provenance
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -105,8 +105,8 @@ DEFAULT_MODEL = dict(name="smollm2-135m", hidden=576, intermediate=1536, layers=
 # ---------------------------------------------------------------------- model shapes
 def model_configs() -> dict:
     """Name -> ModelConfig of every preset and of the default model."""
-    from engine.config import ModelConfig
-    from modelstore.presets import preset_names
+    from kvserve.engine.config import ModelConfig
+    from kvserve.modelstore.presets import preset_names
 
     d = DEFAULT_MODEL
     configs = {d["name"]: ModelConfig(
@@ -122,8 +122,8 @@ def model_configs() -> dict:
 def rank_config(cfg, tp: int):
     """cfg as one of `tp` ranks holds it (engine/parallel/shard.py), or None where
     the model does not split so."""
-    from engine.parallel.shard import TPShard
-    from modelstore.errors import ModelLoadError
+    from kvserve.engine.parallel.shard import TPShard
+    from kvserve.modelstore.errors import ModelLoadError
 
     shard = TPShard(0, tp)
     try:
@@ -164,7 +164,7 @@ def graph_max_lens(max_len: int) -> list[int]:
 
 def eager_metadata(starts: list[int], lens: list[int], block_size: int):
     """The step's AttentionMetadata as the model runner builds it on CUDA."""
-    from engine.attention import step_metadata
+    from kvserve.engine.attention import step_metadata
 
     width = max(-(-(s + n) // block_size) for s, n in zip(starts, lens))
     host = step_metadata.build_host_step(starts, lens, np.zeros((len(lens), width), np.int64),
@@ -179,7 +179,7 @@ def eager_metadata(starts: list[int], lens: list[int], block_size: int):
 def graph_metadata(batch: int, max_len: int, block_size: int):
     """A decode step inside a CUDA graph (engine/cuda_graphs.py): the static buffers'
     first rows, tables as wide as max_len, no host lengths, planned for max_len."""
-    from engine.attention.context import AttentionMetadata
+    from kvserve.engine.attention.context import AttentionMetadata
 
     width = -(-max_len // block_size)
     return AttentionMetadata(
@@ -205,8 +205,8 @@ def qkv(cfg, tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
 def run_attention(cfg, dtype: torch.dtype, fp8: bool, block_size: int, graphs: bool) -> None:
     """Every step of eager_steps (and, with graphs, every CUDA-graph bucket) through
     the Triton backend over one layer's cache."""
-    from engine.attention.triton_backend import TritonBackend
-    from engine.cuda_graphs import batch_buckets
+    from kvserve.engine.attention.triton_backend import TritonBackend
+    from kvserve.engine.cuda_graphs import batch_buckets
 
     backend = TritonBackend()
     shape = (2, block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -225,11 +225,11 @@ def run_attention(cfg, dtype: torch.dtype, fp8: bool, block_size: int, graphs: b
 def run_lora(cfg, dtype: torch.dtype, slots: int, rank: int) -> None:
     """Each projection group's LoRA product through the BGMV kernels, as the model
     adds it, over the LoRA manager's own stacked buffers (one layer of them)."""
-    from engine.host_copy import to_device
-    from engine.lora.adapter import projection_shapes
-    from engine.lora.config import LoRAConfig
-    from engine.lora.manager import LoRAManager
-    from engine.lora.step import GROUPS
+    from kvserve.engine.host_copy import to_device
+    from kvserve.engine.lora.adapter import projection_shapes
+    from kvserve.engine.lora.config import LoRAConfig
+    from kvserve.engine.lora.manager import LoRAManager
+    from kvserve.engine.lora.step import GROUPS
 
     one_layer = dataclasses.replace(cfg, num_layers=1)
     manager = LoRAManager(LoRAConfig(True, (), slots, rank), one_layer, torch.device("cpu"),
@@ -369,7 +369,7 @@ class Recorder:
         from triton.runtime.interpreter import InterpretedFunction
         from triton.runtime.jit import JITFunction
 
-        from engine.attention.triton import common
+        from kvserve.engine.attention.triton import common
 
         def run(kernel, *args, grid, warmup, **kwargs):
             self.launch(kernel, args, kwargs)
@@ -387,7 +387,7 @@ def replaced(func, replacement) -> Iterator[None]:
     """func replaced in every loaded engine module that holds it (the wrappers
     import their helpers by name)."""
     with contextlib.ExitStack() as stack:
-        for module in [m for n, m in list(sys.modules.items()) if n.startswith("engine.")]:
+        for module in [m for n, m in list(sys.modules.items()) if n.startswith("kvserve.engine.")]:
             for attr, value in list(vars(module).items()):
                 if value is func:
                     stack.enter_context(mock.patch.object(module, attr, replacement))
@@ -396,8 +396,8 @@ def replaced(func, replacement) -> Iterator[None]:
 
 def record(target: Target, block_sizes: tuple[int, ...]) -> list[Specialisation]:
     """Every specialisation the target's configurations launch."""
-    import engine.attention.triton_backend  # noqa: F401  (the helpers to replace)
-    import engine.lora.triton_kernels  # noqa: F401
+    import kvserve.engine.attention.triton_backend  # noqa: F401  (the helpers to replace)
+    import kvserve.engine.lora.triton_kernels  # noqa: F401
 
     recorder = Recorder(target)
     with recorder.recording(), torch.inference_mode():
@@ -417,7 +417,7 @@ def jit_functions() -> set[str]:
     for path in sorted((ROOT / "engine").rglob("*.py")):
         if "triton.jit" not in path.read_text():
             continue
-        name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        name = ".".join(["kvserve", *path.relative_to(ROOT).with_suffix("").parts])
         module = importlib.import_module(name)
         found |= {f"{name}.{attr}" for attr, value in vars(module).items()
                   if isinstance(value, KernelInterface) and value.fn.__module__ == name}

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from scheduler.output import ScheduledRequest
+from kvserve.scheduler.output import ScheduledRequest
 
 
 class BlockTableRows:

@@ -47,11 +47,11 @@ from collections.abc import Callable
 import torch
 import torch._inductor.config
 
-from engine.attention.cpu_paged import PagedDecode
-from engine.direct_graph import DirectCall, GraphRecorder, model_tensors
-from engine.lora.step import LoRAStep
-from engine.models.llama import LlamaForCausalLM
-from engine.quantization.layer import QuantizedLinear
+from kvserve.engine.attention.cpu_paged import PagedDecode
+from kvserve.engine.direct_graph import DirectCall, GraphRecorder, model_tensors
+from kvserve.engine.lora.step import LoRAStep
+from kvserve.engine.models.llama import LlamaForCausalLM
+from kvserve.engine.quantization.layer import QuantizedLinear
 
 log = logging.getLogger("kvserve.compile")
 

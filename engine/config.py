@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.arg_types import non_negative, parse_bool, parse_size, positive_int
-from engine.kv_events.config import KVEventsConfig, parse_flag as parse_kv_events_flag
-from engine.lora.config import LoRAConfig
-from engine.settings import setting
+from kvserve.engine.arg_types import non_negative, parse_bool, parse_size, positive_int
+from kvserve.engine.kv_events.config import KVEventsConfig, parse_flag as parse_kv_events_flag
+from kvserve.engine.lora.config import LoRAConfig
+from kvserve.engine.settings import setting
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -71,15 +71,15 @@ class ModelConfig:
     def from_pretrained(model_dir: str | Path) -> "ModelConfig":
         """`model_dir` is a model directory, `preset:NAME` (modelstore/presets), or a
         .gguf file (its config read from the file's metadata)."""
-        from modelstore.presets import resolve_model_path
+        from kvserve.modelstore.presets import resolve_model_path
 
         try:
             path = resolve_model_path(model_dir)
         except ValueError as exc:
             raise ModelConfigError(str(exc)) from exc
         if path.suffix == ".gguf" and path.is_file():
-            from engine.gguf_checkpoint import GGUFCheckpoint
-            from modelstore.errors import ModelLoadError
+            from kvserve.engine.gguf_checkpoint import GGUFCheckpoint
+            from kvserve.modelstore.errors import ModelLoadError
 
             try:
                 return ModelConfig.from_hf(GGUFCheckpoint(path).hf_config())

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import clear_attention_context, set_attention_context
-from engine.attention.context import AttentionMetadata
-from engine.attention.step_metadata import HostStep, upload
+from kvserve.engine.attention import clear_attention_context, set_attention_context
+from kvserve.engine.attention.context import AttentionMetadata
+from kvserve.engine.attention.step_metadata import HostStep, upload
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:

@@ -7,35 +7,35 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.attention import make_backend
-from engine.compiled_model import use_cache_dir
-from engine.cpu_kernels.build import c_compiler
-from engine.config import EngineConfig, ModelConfig
-from engine.cuda_graphs import DecodeGraphPlan
-from engine.lora.manager import LoRAManager, lora_key
-from engine.lora.runtime import RuntimeAdapters
-from engine.loader import resolve_device, resolve_dtype
-from engine.memory_budget import log_kv_cache, num_kv_blocks
-from engine.model_runner import ModelRunner
-from engine.step_batch import LaunchedStep
-from engine.model_setup import load_served_model
-from engine.kv_events.publisher import make_publisher
-from engine.parallel import comm
-from engine.parallel.group import start_group
-from engine.outputs import RequestOutput, RequestTimes
-from engine.request_checks import check_request
-from engine.sampling import StepResult
-from engine.spec_decode.setup import make_drafter, make_speculator
-from engine.structured.gate import GrammarGate
-from engine.structured.compiler import GrammarCompiler
-from engine.structured.matchers import Matchers
-from scheduler.output import SchedulerOutput
-from scheduler.request import Request
-from scheduler.sampling_params import SamplingParams
-from modelstore.default_model import cache_root
-from modelstore.tokenizer import has_tokenizer, load_tokenizer
-from scheduler.config import KVCacheConfig, SchedulerConfig
-from scheduler.scheduler import Scheduler
+from kvserve.engine.attention import make_backend
+from kvserve.engine.compiled_model import use_cache_dir
+from kvserve.engine.cpu_kernels.build import c_compiler
+from kvserve.engine.config import EngineConfig, ModelConfig
+from kvserve.engine.cuda_graphs import DecodeGraphPlan
+from kvserve.engine.lora.manager import LoRAManager, lora_key
+from kvserve.engine.lora.runtime import RuntimeAdapters
+from kvserve.engine.loader import resolve_device, resolve_dtype
+from kvserve.engine.memory_budget import log_kv_cache, num_kv_blocks
+from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.step_batch import LaunchedStep
+from kvserve.engine.model_setup import load_served_model
+from kvserve.engine.kv_events.publisher import make_publisher
+from kvserve.engine.parallel import comm
+from kvserve.engine.parallel.group import start_group
+from kvserve.engine.outputs import RequestOutput, RequestTimes
+from kvserve.engine.request_checks import check_request
+from kvserve.engine.sampling import StepResult
+from kvserve.engine.spec_decode.setup import make_drafter, make_speculator
+from kvserve.engine.structured.gate import GrammarGate
+from kvserve.engine.structured.compiler import GrammarCompiler
+from kvserve.engine.structured.matchers import Matchers
+from kvserve.scheduler.output import SchedulerOutput
+from kvserve.scheduler.request import Request
+from kvserve.scheduler.sampling_params import SamplingParams
+from kvserve.modelstore.default_model import cache_root
+from kvserve.modelstore.tokenizer import has_tokenizer, load_tokenizer
+from kvserve.scheduler.config import KVCacheConfig, SchedulerConfig
+from kvserve.scheduler.scheduler import Scheduler
 
 log = logging.getLogger("kvserve.engine")
 

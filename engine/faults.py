@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from scheduler.request import Request
+from kvserve.scheduler.request import Request
 
 log = logging.getLogger("kvserve.engine")
 

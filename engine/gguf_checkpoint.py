@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from modelstore.errors import ModelLoadError
+from kvserve.modelstore.errors import ModelLoadError
 
 # Blocks repacked as they are, by type: the kind of layer that holds them.
 KEPT_QUANTIZED = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8"}

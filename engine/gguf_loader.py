@@ -13,12 +13,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.config import ModelConfig
-from engine.gguf_checkpoint import FLOAT_TYPES, KEPT_QUANTIZED, GGUFCheckpoint, find_gguf
-from engine.models.llama import LlamaForCausalLM
-from engine.quantization.int4 import PACK_ROWS, Int4Linear
-from engine.quantization.int8 import GroupInt8Linear
-from modelstore.errors import ModelLoadError
+from kvserve.engine.config import ModelConfig
+from kvserve.engine.gguf_checkpoint import FLOAT_TYPES, KEPT_QUANTIZED, GGUFCheckpoint, find_gguf
+from kvserve.engine.models.llama import LlamaForCausalLM
+from kvserve.engine.quantization.int4 import PACK_ROWS, Int4Linear
+from kvserve.engine.quantization.int8 import GroupInt8Linear
+from kvserve.modelstore.errors import ModelLoadError
 
 log = logging.getLogger("kvserve.loader")
 

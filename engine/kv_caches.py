@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.models.llama import LlamaForCausalLM
+from kvserve.engine.models.llama import LlamaForCausalLM
 
 
 @dataclass(frozen=True)

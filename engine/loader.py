@@ -12,12 +12,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.config import ModelConfig
-from engine.models.llama import LlamaForCausalLM
-from engine.parallel.shard import SINGLE, TPShard
-from modelstore.errors import ModelLoadError
-from modelstore.presets import resolve_model_path
-from modelstore.weight_bytes import weight_bytes
+from kvserve.engine.config import ModelConfig
+from kvserve.engine.models.llama import LlamaForCausalLM
+from kvserve.engine.parallel.shard import SINGLE, TPShard
+from kvserve.modelstore.errors import ModelLoadError
+from kvserve.modelstore.presets import resolve_model_path
+from kvserve.modelstore.weight_bytes import weight_bytes
 
 log = logging.getLogger("kvserve.loader")
 
@@ -144,7 +144,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
     if load_format not in ("random", "safetensors", "gguf"):
         raise ModelLoadError(f"unknown load format {load_format!r}")
     if load_format == "gguf":
-        from engine.gguf_loader import load_gguf_model
+        from kvserve.engine.gguf_loader import load_gguf_model
 
         if shard.size > 1:
             raise ModelLoadError("tensor parallelism reads safetensors checkpoints, "

@@ -21,7 +21,7 @@ def num_kv_blocks(config, model_config, model, device: torch.device, dtype: torc
                   kv_format) -> int:
     """--num-kv-blocks, else --kv-cache-memory, else on CUDA what
     --gpu-memory-utilization leaves after a profile step, else 1 GiB (CPU)."""
-    from engine.loader import ModelLoadError, check_fits
+    from kvserve.engine.loader import ModelLoadError, check_fits
 
     per_block = kv_format.bytes_per_block(model_config, config.block_size)
     if config.num_kv_blocks or config.kv_cache_memory is not None:
@@ -57,8 +57,8 @@ def kv_budget_bytes(total: int, utilization: float, peak_allocated: int,
 def profile_kv_budget(model, config, device: torch.device, dtype: torch.dtype,
                       kv_format) -> int:
     """Runs the profile step on `device` (CUDA) and returns the KV budget in bytes."""
-    from engine.attention import make_backend
-    from engine.model_runner import ModelRunner
+    from kvserve.engine.attention import make_backend
+    from kvserve.engine.model_runner import ModelRunner
 
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)

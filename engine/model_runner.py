@@ -7,27 +7,27 @@ from itertools import accumulate
 
 import torch
 
-from engine import faults
-from engine.attention import clear_attention_context, set_attention_context
-from engine.attention.backend import AttentionBackend
-from engine.attention.step_metadata import build_host_step
-from engine.attention.cpu_paged import PagedDecode
-from engine.attention.torch_backend import TorchAttentionMetadata, TorchBackend
-from engine.block_table_rows import BlockTableRows
-from engine.compiled_model import CompiledModel
-from engine.cuda_graphs import DecodeGraphPlan, DecodeGraphs
-from engine.host_copy import to_device
-from engine.kv_caches import KVCacheFormat, attach_kv_caches, copy_blocks
-from engine.lora.manager import LoRAManager
-from engine.models.llama import LlamaForCausalLM
-from engine.parallel.step_channel import StepChannel
-from engine.pooling import Pooler, PoolRows
-from engine.sampling import Sampler, StepResult
-from engine.step_batch import FlatBatch, LaunchedStep
-from engine.sampling.logprobs import MAX_EXACT_ID
-from engine.sampling.step_result import SampleLaunch
-from engine.sampling.step_logits import LogitRows, StepLogits
-from scheduler.output import ScheduledRequest, SchedulerOutput
+from kvserve.engine import faults
+from kvserve.engine.attention import clear_attention_context, set_attention_context
+from kvserve.engine.attention.backend import AttentionBackend
+from kvserve.engine.attention.step_metadata import build_host_step
+from kvserve.engine.attention.cpu_paged import PagedDecode
+from kvserve.engine.attention.torch_backend import TorchAttentionMetadata, TorchBackend
+from kvserve.engine.block_table_rows import BlockTableRows
+from kvserve.engine.compiled_model import CompiledModel
+from kvserve.engine.cuda_graphs import DecodeGraphPlan, DecodeGraphs
+from kvserve.engine.host_copy import to_device
+from kvserve.engine.kv_caches import KVCacheFormat, attach_kv_caches, copy_blocks
+from kvserve.engine.lora.manager import LoRAManager
+from kvserve.engine.models.llama import LlamaForCausalLM
+from kvserve.engine.parallel.step_channel import StepChannel
+from kvserve.engine.pooling import Pooler, PoolRows
+from kvserve.engine.sampling import Sampler, StepResult
+from kvserve.engine.step_batch import FlatBatch, LaunchedStep
+from kvserve.engine.sampling.logprobs import MAX_EXACT_ID
+from kvserve.engine.sampling.step_result import SampleLaunch
+from kvserve.engine.sampling.step_logits import LogitRows, StepLogits
+from kvserve.scheduler.output import ScheduledRequest, SchedulerOutput
 
 log = logging.getLogger("kvserve.engine")
 

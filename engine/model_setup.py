@@ -9,14 +9,14 @@ import logging
 import torch
 from torch import nn
 
-from engine.config import EngineConfig, ModelConfig
-from engine.cpu_kernels.setup import pack_model
-from engine.kv_caches import KVCacheFormat
-from engine.loader import load_model, resolve_load_format
-from engine.parallel.shard import SINGLE, TPShard
-from engine.quantization import model_bytes, quantize_model
-from engine.quantization.awq import calibration_inputs
-from engine.quantization.kv_fp8 import kv_cache_format
+from kvserve.engine.config import EngineConfig, ModelConfig
+from kvserve.engine.cpu_kernels.setup import pack_model
+from kvserve.engine.kv_caches import KVCacheFormat
+from kvserve.engine.loader import load_model, resolve_load_format
+from kvserve.engine.parallel.shard import SINGLE, TPShard
+from kvserve.engine.quantization import model_bytes, quantize_model
+from kvserve.engine.quantization.awq import calibration_inputs
+from kvserve.engine.quantization.kv_fp8 import kv_cache_format
 
 log = logging.getLogger("kvserve.engine")
 

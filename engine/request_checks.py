@@ -2,7 +2,7 @@
 front end that talks to an engine in another process (and so has only the limits)."""
 from __future__ import annotations
 
-from scheduler.sampling_params import SamplingParams
+from kvserve.scheduler.sampling_params import SamplingParams
 
 
 def check_request(prompt_token_ids: list[int], params: SamplingParams | None,

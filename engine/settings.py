@@ -11,7 +11,7 @@ import dataclasses
 import os
 from typing import Any, TypeVar
 
-from engine.arg_types import parse_bool, split_keys
+from kvserve.engine.arg_types import parse_bool, split_keys
 
 T = TypeVar("T")
 _UNSET = dataclasses.MISSING

@@ -7,15 +7,15 @@ from typing import Any
 
 import torch
 
-from engine.attention.step_metadata import HostStep
-from engine.host_copy import to_device
-from engine.lora.step import LoRAStep
-from engine.pooling import PoolRows
-from engine.sampling import StepResult
-from engine.sampling.prompt_logprobs import PromptSpan
-from engine.sampling.step_result import SampleLaunch
-from engine.sampling.step_logits import LogitRows
-from scheduler.output import ScheduledRequest
+from kvserve.engine.attention.step_metadata import HostStep
+from kvserve.engine.host_copy import to_device
+from kvserve.engine.lora.step import LoRAStep
+from kvserve.engine.pooling import PoolRows
+from kvserve.engine.sampling import StepResult
+from kvserve.engine.sampling.prompt_logprobs import PromptSpan
+from kvserve.engine.sampling.step_result import SampleLaunch
+from kvserve.engine.sampling.step_logits import LogitRows
+from kvserve.scheduler.output import ScheduledRequest
 
 
 @dataclass

@@ -35,8 +35,8 @@ import zipfile
 from pathlib import Path
 from typing import Iterator
 
-from modelstore.errors import DefaultModelError
-from modelstore.gguf_convert import load_gguf, save_model_dir, verify_same_greedy
+from kvserve.modelstore.errors import DefaultModelError
+from kvserve.modelstore.gguf_convert import load_gguf, save_model_dir, verify_same_greedy
 
 logger = logging.getLogger("kvserve.default_model")
 

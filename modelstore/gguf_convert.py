@@ -8,7 +8,7 @@ import logging
 import os
 from pathlib import Path
 
-from modelstore.errors import DefaultModelError
+from kvserve.modelstore.errors import DefaultModelError
 
 logger = logging.getLogger("kvserve.default_model")
 

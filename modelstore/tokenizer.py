@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from modelstore.errors import ModelLoadError
-from modelstore.presets import resolve_model_path
+from kvserve.modelstore.errors import ModelLoadError
+from kvserve.modelstore.presets import resolve_model_path
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                     "vocab.json")

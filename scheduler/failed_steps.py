@@ -2,8 +2,8 @@
 undo in its KV cache so that nobody reads KV that was never written."""
 from __future__ import annotations
 
-from kvcache import KVCacheManager
-from scheduler.output import SchedulerOutput
+from kvserve.kvcache import KVCacheManager
+from kvserve.scheduler.output import SchedulerOutput
 
 
 def withdraw_unwritten(kv: KVCacheManager, out: SchedulerOutput,

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvcache import BlockCopy
-from scheduler.request import Request
+from kvserve.kvcache import BlockCopy
+from kvserve.scheduler.request import Request
 
 
 class ScheduledRequest:

@@ -7,7 +7,7 @@ import enum
 import time
 from collections.abc import Sequence
 
-from scheduler.sampling_params import SamplingParams
+from kvserve.scheduler.sampling_params import SamplingParams
 
 
 def sequence_ids(request_id: str, n: int) -> list[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler.structured_output import StructuredOutput
+from kvserve.scheduler.structured_output import StructuredOutput
 
 # Below this a temperature is treated as greedy (dividing by it would overflow).
 GREEDY_EPSILON = 1e-5

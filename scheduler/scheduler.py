@@ -19,15 +19,15 @@ from __future__ import annotations
 import time
 from dataclasses import asdict
 
-from kvcache import KVCacheManager
-from kvcache.events import KVCacheEvent
-from scheduler.config import KVCacheConfig, SchedulerConfig
-from scheduler.failed_steps import withdraw_unwritten
-from scheduler.output import ScheduledRequest, SchedulerOutput
-from scheduler.request import Request, RequestStatus
-from scheduler.snapshot import SchedulerSnapshot
-from scheduler.stats import SchedulerStats
-from scheduler.waiting_queue import make_waiting_queue
+from kvserve.kvcache import KVCacheManager
+from kvserve.kvcache.events import KVCacheEvent
+from kvserve.scheduler.config import KVCacheConfig, SchedulerConfig
+from kvserve.scheduler.failed_steps import withdraw_unwritten
+from kvserve.scheduler.output import ScheduledRequest, SchedulerOutput
+from kvserve.scheduler.request import Request, RequestStatus
+from kvserve.scheduler.snapshot import SchedulerSnapshot
+from kvserve.scheduler.stats import SchedulerStats
+from kvserve.scheduler.waiting_queue import make_waiting_queue
 
 
 class Scheduler:

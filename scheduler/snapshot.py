@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcache.block_map import STATE_NAMES
-from scheduler.request import Request, RequestStatus
+from kvserve.kvcache.block_map import STATE_NAMES
+from kvserve.scheduler.request import Request, RequestStatus
 
 __all__ = ["STATE_NAMES", "RequestView", "SchedulerSnapshot"]
 

@@ -8,7 +8,7 @@ import heapq
 import itertools
 from collections import deque
 
-from scheduler.request import Request
+from kvserve.scheduler.request import Request
 
 
 class FCFSQueue:

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from engine.client.engine_client import EngineClient
-from server.errors import error_response
+from kvserve.engine.client.engine_client import EngineClient
+from kvserve.server.errors import error_response
 
 # Routes that generate (they may stream), and all that put work on the engine.
 # Everything else (models, tokenize, health, metrics) stays cheap and is served even

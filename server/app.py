@@ -9,27 +9,27 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from engine.client.engine_client import EngineClient
-from server.auth import current_principal
-from server.chat import ChatService
-from server.completions import CompletionService
-from server.embeddings import EmbeddingRequest, EmbeddingService
-from server.engine_view.history import EngineHistory
-from server.engine_view.hub import EngineViewHub
-from server.engine_view.routes import engine_view_router
-from server.errors import APIError, error_response, install_error_handlers
-from server.json_body import BODY_CHECK, OffLoopJSONRoute
-from server.lora_api import lora_router
-from server.models_api import models_router
-from server.ops import install_ops
-from server.config import ServerConfig
-from server.protocol import ChatCompletionRequest, CompletionRequest
-from server.request_caps import refuse_past_counts
-from server.responses.protocol import ResponsesRequest
-from server.responses.service import ResponsesService
-from server.responses.store import ResponseStore
-from server.tokenization import Tokenization
-from server.ui.routes import install_ui
+from kvserve.engine.client.engine_client import EngineClient
+from kvserve.server.auth import current_principal
+from kvserve.server.chat import ChatService
+from kvserve.server.completions import CompletionService
+from kvserve.server.embeddings import EmbeddingRequest, EmbeddingService
+from kvserve.server.engine_view.history import EngineHistory
+from kvserve.server.engine_view.hub import EngineViewHub
+from kvserve.server.engine_view.routes import engine_view_router
+from kvserve.server.errors import APIError, error_response, install_error_handlers
+from kvserve.server.json_body import BODY_CHECK, OffLoopJSONRoute
+from kvserve.server.lora_api import lora_router
+from kvserve.server.models_api import models_router
+from kvserve.server.ops import install_ops
+from kvserve.server.config import ServerConfig
+from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvserve.server.request_caps import refuse_past_counts
+from kvserve.server.responses.protocol import ResponsesRequest
+from kvserve.server.responses.service import ResponsesService
+from kvserve.server.responses.store import ResponseStore
+from kvserve.server.tokenization import Tokenization
+from kvserve.server.ui.routes import install_ui
 
 log = logging.getLogger("kvserve.server")
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.errors import error_response
+from kvserve.server.errors import error_response
 
 
 def _digest(key: str) -> bytes:

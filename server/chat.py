@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 
-from server.chat_template import chat_prompt_ids, refuse_untrusted_template, render_chat_text
-from server.generation import ChoiceDelta, PromptGroup
-from server.logprobs import chat_logprobs
-from server.protocol import ChatCompletionRequest, chat_completion_id
-from server.reasoning import ReasoningStream, reasoning_parser
-from server.response_view import ResponseView
-from server.service import GenerationService
-from server.spec_thread import run_off_loop
-from server.structured_fields import AskedGrammar, asks_for_structure, structured_output
-from server.tool_parsers import CallStream
-from server.tools import ToolPlan, tool_plan
-from server.unsupported_fields import CHAT_FIELDS
-from server.validation import check_prompt, output_budget, sampling_params
+from kvserve.server.chat_template import (chat_prompt_ids, refuse_untrusted_template,
+                                          render_chat_text)
+from kvserve.server.generation import ChoiceDelta, PromptGroup
+from kvserve.server.logprobs import chat_logprobs
+from kvserve.server.protocol import ChatCompletionRequest, chat_completion_id
+from kvserve.server.reasoning import ReasoningStream, reasoning_parser
+from kvserve.server.response_view import ResponseView
+from kvserve.server.service import GenerationService
+from kvserve.server.spec_thread import run_off_loop
+from kvserve.server.structured_fields import AskedGrammar, asks_for_structure, structured_output
+from kvserve.server.tool_parsers import CallStream
+from kvserve.server.tools import ToolPlan, tool_plan
+from kvserve.server.unsupported_fields import CHAT_FIELDS
+from kvserve.server.validation import check_prompt, output_budget, sampling_params
 
 
 class ChatService(GenerationService):

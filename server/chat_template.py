@@ -12,10 +12,10 @@ from typing import Any
 import jinja2
 import jinja2.meta
 
-from server.errors import APIError, no_tokenizer
-from server.tool_formats import ToolFormat
-from server.tools import for_template
-from server.validation import encode_text
+from kvserve.server.errors import APIError, no_tokenizer
+from kvserve.server.tool_formats import ToolFormat
+from kvserve.server.tools import for_template
+from kvserve.server.validation import encode_text
 
 
 def message_text(content: Any) -> str:

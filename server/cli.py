@@ -7,10 +7,10 @@ import logging
 import os
 import sys
 
-from engine.arg_types import split_keys  # light: imports no torch
-from engine.config import EngineConfig
-from engine.settings import add_flags, from_args
-from server.config import ServerConfig
+from kvserve.engine.arg_types import split_keys  # light: imports no torch
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.settings import add_flags, from_args
+from kvserve.server.config import ServerConfig
 
 log = logging.getLogger("kvserve")
 
@@ -49,7 +49,7 @@ def server_config_from_args(args) -> ServerConfig:
 def resolve_model(args) -> tuple[str, list[str]]:
     """(model directory, served names)."""
     if args.model is None:
-        from modelstore.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+        from kvserve.modelstore.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 
         path, names = str(ensure_default_model()), [DEFAULT_MODEL_NAME]
     else:
@@ -61,7 +61,7 @@ def resolve_model(args) -> tuple[str, list[str]]:
 
 
 def _check_model_arg(model: str, load_format: str) -> None:
-    from modelstore.presets import is_preset, resolve_model_path
+    from kvserve.modelstore.presets import is_preset, resolve_model_path
 
     if not is_preset(model):
         if model.endswith(".gguf") and os.path.isfile(model):
@@ -83,14 +83,14 @@ def _check_model_arg(model: str, load_format: str) -> None:
 def serve(args) -> None:
     import uvicorn
 
-    from engine.attention import AttentionBackendError
-    from engine.config import ModelConfigError
-    from engine.heap import freeze_startup_heap
-    from engine.client.launch import start_engine
-    from engine.loader import ModelLoadError
-    from engine.client.process_engine import EngineStartError
-    from server.app import build_app
-    from server.shutdown import GracefulServer
+    from kvserve.engine.attention import AttentionBackendError
+    from kvserve.engine.config import ModelConfigError
+    from kvserve.engine.heap import freeze_startup_heap
+    from kvserve.engine.client.launch import start_engine
+    from kvserve.engine.loader import ModelLoadError
+    from kvserve.engine.client.process_engine import EngineStartError
+    from kvserve.server.app import build_app
+    from kvserve.server.shutdown import GracefulServer
 
     try:
         config = server_config_from_args(args)
@@ -125,18 +125,18 @@ def serve(args) -> None:
 def main(argv: list[str] | None = None) -> int | None:
     args = build_parser().parse_args(argv)
     if args.command == "bench" and args.argv[:1] and args.argv[0] in ENGINE_BENCH_TOOLS:
-        from bench.in_process.cli import main as engine_bench_main
+        from kvserve.benchmarks.in_process.cli import main as engine_bench_main
 
         return engine_bench_main(args.argv)
     if args.command in CLIENT_TOOLS:
-        from bench.client.cli import main as client_main
+        from kvserve.benchmarks.client.cli import main as client_main
 
         return client_main([args.command, *args.argv])
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
         serve(args)
-        from engine.compiled_model import exit_if_compiling
+        from kvserve.engine.compiled_model import exit_if_compiling
 
         exit_if_compiling(0)
 

@@ -1,17 +1,17 @@
 """POST /v1/completions: prompts -> engine requests -> text, whole or streamed (SSE)."""
 from __future__ import annotations
 
-from server.errors import APIError
-from server.generation import ChoiceDelta, PromptGroup
-from server.logprobs import (completion_logprobs, merge_completion_logprobs,
-                             prompt_completion_logprobs)
-from server.protocol import CompletionRequest, completion_id
-from server.response_view import ResponseView
-from server.service import GenerationService
-from server.spec_thread import run_off_loop
-from server.structured_fields import AskedGrammar, asks_for_structure, structured_output
-from server.unsupported_fields import COMPLETION_FIELDS
-from server.validation import output_budget, prompt_token_ids, sampling_params
+from kvserve.server.errors import APIError
+from kvserve.server.generation import ChoiceDelta, PromptGroup
+from kvserve.server.logprobs import (completion_logprobs, merge_completion_logprobs,
+                                     prompt_completion_logprobs)
+from kvserve.server.protocol import CompletionRequest, completion_id
+from kvserve.server.response_view import ResponseView
+from kvserve.server.service import GenerationService
+from kvserve.server.spec_thread import run_off_loop
+from kvserve.server.structured_fields import AskedGrammar, asks_for_structure, structured_output
+from kvserve.server.unsupported_fields import COMPLETION_FIELDS
+from kvserve.server.validation import output_budget, prompt_token_ids, sampling_params
 
 
 class CompletionService(GenerationService):

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.arg_types import non_negative, parse_bool, positive_int
-from engine.settings import setting
-from scheduler.sampling_params import POOLING_METHODS
-from server.reasoning import PARSER_CHOICES as REASONING_PARSERS
-from server.tool_formats import PARSER_CHOICES
+from kvserve.engine.arg_types import non_negative, parse_bool, positive_int
+from kvserve.engine.settings import setting
+from kvserve.scheduler.sampling_params import POOLING_METHODS
+from kvserve.server.reasoning import PARSER_CHOICES as REASONING_PARSERS
+from kvserve.server.tool_formats import PARSER_CHOICES
 
 DEFAULT_MAX_BODY_BYTES = 10 * 2**20
 

@@ -12,14 +12,14 @@ from typing import Literal
 
 from pydantic import Field
 
-from engine.client.engine_client import EngineClient
-from scheduler.sampling_params import SamplingParams
-from server.errors import APIError
-from server.generation import EXPECTED_ERRORS, status_of
-from server.protocol import OpenAIRequest, TokenIds
-from server.request_owners import engine_request_id
-from server.tokenization import Tokenization
-from server.validation import check_model, lora_of, prompt_token_ids
+from kvserve.engine.client.engine_client import EngineClient
+from kvserve.scheduler.sampling_params import SamplingParams
+from kvserve.server.errors import APIError
+from kvserve.server.generation import EXPECTED_ERRORS, status_of
+from kvserve.server.protocol import OpenAIRequest, TokenIds
+from kvserve.server.request_owners import engine_request_id
+from kvserve.server.tokenization import Tokenization
+from kvserve.server.validation import check_model, lora_of, prompt_token_ids
 
 
 class EmbeddingRequest(OpenAIRequest):

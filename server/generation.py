@@ -12,11 +12,11 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
-from engine.client.engine_client import EngineClient, EngineDeadError
-from scheduler.sampling_params import SamplingParams
-from server.detokenizer import IncrementalDetokenizer
-from server.errors import APIError
-from server.metrics.frontend import current_clock
+from kvserve.engine.client.engine_client import EngineClient, EngineDeadError
+from kvserve.scheduler.sampling_params import SamplingParams
+from kvserve.server.detokenizer import IncrementalDetokenizer
+from kvserve.server.errors import APIError
+from kvserve.server.metrics.frontend import current_clock
 
 log = logging.getLogger("kvserve.server")
 

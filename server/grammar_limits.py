@@ -23,7 +23,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from server.errors import APIError
+from kvserve.server.errors import APIError
 
 
 @dataclass(frozen=True)

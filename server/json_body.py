@@ -34,7 +34,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 
-from server.errors import APIError
+from kvserve.server.errors import APIError
 
 INLINE_JSON_BYTES = 64 << 10  # read on the loop up to here (~1 ms)
 # app.state's attribute naming a check of the request model, run here for big bodies

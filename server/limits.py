@@ -10,7 +10,7 @@ import asyncio
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.errors import error_response
+from kvserve.server.errors import error_response
 
 
 def _too_large(limit: int):

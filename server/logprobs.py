@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from server.detokenizer import fast_decoder
+from kvserve.server.detokenizer import fast_decoder
 
 _FLOOR = -9999.0
 

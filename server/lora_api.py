@@ -13,9 +13,9 @@ from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
-from engine.client.adapters import AdapterNotFoundError
-from engine.client.engine_client import EngineClient, EngineDeadError
-from server.errors import APIError
+from kvserve.engine.client.adapters import AdapterNotFoundError
+from kvserve.engine.client.engine_client import EngineClient, EngineDeadError
+from kvserve.server.errors import APIError
 
 
 class LoadLoRAAdapterRequest(BaseModel):

@@ -7,8 +7,8 @@ import time
 
 from fastapi import APIRouter
 
-from engine.client.engine_client import EngineClient
-from server.validation import check_model
+from kvserve.engine.client.engine_client import EngineClient
+from kvserve.server.validation import check_model
 
 
 def models_router(engine: EngineClient, model_names: list[str], model_root: str = ""

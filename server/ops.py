@@ -12,15 +12,15 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from engine.client.engine_client import EngineClient
-from server.admission import ENGINE_PATHS, GENERATION_PATHS, Admission, AdmissionMiddleware
-from server.auth import ApiKeyMiddleware, guarded
-from server.config import ServerConfig
-from server.limits import BodyLimitMiddleware
-from server.metrics import ServerMetrics
-from server.metrics.frontend import ArrivalMiddleware
-from server.tokenization import Tokenization
-from server.tokenize_api import tokenize_router
+from kvserve.engine.client.engine_client import EngineClient
+from kvserve.server.admission import ENGINE_PATHS, GENERATION_PATHS, Admission, AdmissionMiddleware
+from kvserve.server.auth import ApiKeyMiddleware, guarded
+from kvserve.server.config import ServerConfig
+from kvserve.server.limits import BodyLimitMiddleware
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.metrics.frontend import ArrivalMiddleware
+from kvserve.server.tokenization import Tokenization
+from kvserve.server.tokenize_api import tokenize_router
 
 
 def install_ops(app: FastAPI, engine: EngineClient, model_names: list[str], version: str,

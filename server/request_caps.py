@@ -6,10 +6,10 @@ that thread (freeing 20,000 tool definitions takes 14-27 ms) and the loop never 
 them. Each is a 400 naming its field."""
 from __future__ import annotations
 
-from server.config import ServerConfig
-from server.detokenizer import MAX_STOP_CHARS
-from server.errors import APIError
-from server.grammar_limits import GrammarLimits
+from kvserve.server.config import ServerConfig
+from kvserve.server.detokenizer import MAX_STOP_CHARS
+from kvserve.server.errors import APIError
+from kvserve.server.grammar_limits import GrammarLimits
 
 
 def refuse_past_counts(req, config: ServerConfig) -> None:

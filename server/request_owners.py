@@ -11,7 +11,7 @@ from __future__ import annotations
 import secrets
 from collections import OrderedDict
 
-from server.auth import current_principal
+from kvserve.server.auth import current_principal
 
 MAX_ENTRIES = 8192
 # The response header that tells a client its own request's engine id (the engine

@@ -6,11 +6,11 @@ from __future__ import annotations
 import contextlib
 import time
 
-from server import generation
-from server.errors import APIError, sse_data, sse_error
-from server.generation import ChoiceDelta, PromptGroup
-from server.logprobs import TokenText
-from server.metrics.frontend import current_clock
+from kvserve.server import generation
+from kvserve.server.errors import APIError, sse_data, sse_error
+from kvserve.server.generation import ChoiceDelta, PromptGroup
+from kvserve.server.logprobs import TokenText
+from kvserve.server.metrics.frontend import current_clock
 
 
 class ResponseView:

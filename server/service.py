@@ -5,18 +5,18 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from engine.client.engine_client import EngineClient
-from server import generation
-from server.errors import APIError
-from server.generation import PromptGroup, TextOptions
-from server.config import ServerConfig
-from server.grammar_limits import GrammarLimits
-from server.request_caps import refuse_past_counts
-from server.request_owners import ENGINE_ID_HEADER, engine_request_id
-from server.response_view import ResponseView
-from server.tokenization import Tokenization
-from server.unsupported_fields import Harmless, refuse_unsupported
-from server.validation import check_model, lora_of
+from kvserve.engine.client.engine_client import EngineClient
+from kvserve.server import generation
+from kvserve.server.errors import APIError
+from kvserve.server.generation import PromptGroup, TextOptions
+from kvserve.server.config import ServerConfig
+from kvserve.server.grammar_limits import GrammarLimits
+from kvserve.server.request_caps import refuse_past_counts
+from kvserve.server.request_owners import ENGINE_ID_HEADER, engine_request_id
+from kvserve.server.response_view import ResponseView
+from kvserve.server.tokenization import Tokenization
+from kvserve.server.unsupported_fields import Harmless, refuse_unsupported
+from kvserve.server.validation import check_model, lora_of
 
 
 class GenerationService:

@@ -18,7 +18,7 @@ from types import FrameType
 
 import uvicorn
 
-from server.admission import Admission
+from kvserve.server.admission import Admission
 
 log = logging.getLogger("kvserve.server")
 

@@ -15,9 +15,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from scheduler.structured_output import StructuredOutput
-from server.errors import APIError
-from server.grammar_limits import GrammarLimits
+from kvserve.scheduler.structured_output import StructuredOutput
+from kvserve.server.errors import APIError
+from kvserve.server.grammar_limits import GrammarLimits
 
 _GUIDED = {"guided_json": "json_schema", "guided_regex": "regex",
            "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -71,7 +71,7 @@ def checked(spec: StructuredOutput, param: str, backend: str = "xgrammar") -> St
     """spec, once the backend can make a grammar of it; else a 400 naming `param`."""
     # Imported here: the grammar libraries bring torch, which the front end otherwise
     # never loads (1.5 s, once, at the first structured request).
-    from engine.structured.grammars import check
+    from kvserve.engine.structured.grammars import check
     try:
         check(spec, backend)
     except ValueError as exc:

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from server.errors import APIError
-from server.prompt_length import token_bound
+from kvserve.server.errors import APIError
+from kvserve.server.prompt_length import token_bound
 
 T = TypeVar("T")
 

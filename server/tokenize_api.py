@@ -14,13 +14,14 @@ from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import Field, ValidationError
 
-from engine.client.engine_client import EngineClient
-from server.chat_template import chat_prompt_ids, refuse_untrusted_template, render_chat_text
-from server.errors import APIError, no_tokenizer
-from server.json_body import OffLoopJSONRoute
-from server.protocol import ChatMessage, OpenAIRequest
-from server.tokenization import Tokenization
-from server.validation import check_model, encode_text
+from kvserve.engine.client.engine_client import EngineClient
+from kvserve.server.chat_template import (chat_prompt_ids, refuse_untrusted_template,
+                                          render_chat_text)
+from kvserve.server.errors import APIError, no_tokenizer
+from kvserve.server.json_body import OffLoopJSONRoute
+from kvserve.server.protocol import ChatMessage, OpenAIRequest
+from kvserve.server.tokenization import Tokenization
+from kvserve.server.validation import check_model, encode_text
 
 
 class TokenizeCompletionRequest(OpenAIRequest):

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from server.tool_parsers import (Call, CallStream, HermesStream, Llama3JsonStream,
-                                 MistralStream, split_calls)
+from kvserve.server.tool_parsers import (Call, CallStream, HermesStream, Llama3JsonStream,
+                                         MistralStream, split_calls)
 
 
 @dataclass(frozen=True)

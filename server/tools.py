@@ -22,11 +22,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from scheduler.structured_output import StructuredOutput
-from server.errors import APIError
-from server.grammar_limits import GrammarLimits
-from server.structured_fields import checked
-from server.tool_formats import FORMATS, ToolFormat, knows_tools, tool_format
+from kvserve.scheduler.structured_output import StructuredOutput
+from kvserve.server.errors import APIError
+from kvserve.server.grammar_limits import GrammarLimits
+from kvserve.server.structured_fields import checked
+from kvserve.server.tool_formats import FORMATS, ToolFormat, knows_tools, tool_format
 
 ANY_OBJECT = {"type": "object"}
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from server.errors import APIError
+from kvserve.server.errors import APIError
 
 Harmless = Callable[[Any, Any], bool]  # (value, request) -> True if output unchanged
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from engine.client.engine_client import EngineClient
-from scheduler.sampling_params import SamplingParams
-from scheduler.structured_output import StructuredOutput
-from server.errors import APIError, no_tokenizer
-from server.protocol import SamplingFields
+from kvserve.engine.client.engine_client import EngineClient
+from kvserve.scheduler.sampling_params import SamplingParams
+from kvserve.scheduler.structured_output import StructuredOutput
+from kvserve.server.errors import APIError, no_tokenizer
+from kvserve.server.protocol import SamplingFields
 
 
 def check_model(requested: str | None, names: list[str], adapters: Mapping[str, str] = {}

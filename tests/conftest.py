@@ -50,9 +50,9 @@ def _compile_mode():
     Session-wide, so module- and session-scoped engines get it too."""
     import dataclasses
 
-    from engine.cpu_kernels.setup import NEEDED_FLAGS
-    from engine.engine import Engine
-    from engine.loader import cpu_flags, resolve_device
+    from kvserve.engine.cpu_kernels.setup import NEEDED_FLAGS
+    from kvserve.engine.engine import Engine
+    from kvserve.engine.loader import cpu_flags, resolve_device
 
     init = Engine.__init__
     packable = set(NEEDED_FLAGS) <= cpu_flags()
@@ -102,7 +102,7 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def default_model_dir():
-    from modelstore.default_model import ensure_default_model
+    from kvserve.modelstore.default_model import ensure_default_model
 
     return ensure_default_model()
 
@@ -110,8 +110,8 @@ def default_model_dir():
 @pytest.fixture(scope="session")
 def tiny_engine_factory(tiny_model_dir):
     """make(arch="llama", **EngineConfig overrides) -> a fresh Engine."""
-    from engine.config import EngineConfig
-    from engine.engine import Engine
+    from kvserve.engine.config import EngineConfig
+    from kvserve.engine.engine import Engine
 
     def make(arch: str = "llama", **overrides):
         cfg = dict(model=str(tiny_model_dir(arch)), num_kv_blocks=512,

@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from engine.arg_types import parse_size
-from server import cli
-from server.cli import build_parser, engine_config_from_args, resolve_model
+from kvserve.engine.arg_types import parse_size
+from kvserve.server import cli
+from kvserve.server.cli import build_parser, engine_config_from_args, resolve_model
 
 GiB, MiB, KiB = 2**30, 2**20, 2**10
 

@@ -1,5 +1,7 @@
 """Imports point one way: server -> engine -> scheduler -> kvcache; scheduler/ and
-kvcache/ never import torch (so they stay testable and cheap on any CPU)."""
+kvcache/ never import torch (so they stay testable and cheap on any CPU). Every
+import names kvserve's packages by their installed names (kvserve.engine, ...): the
+folders are named in the checkout as the layers they hold."""
 from __future__ import annotations
 
 import ast
@@ -9,15 +11,26 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ["server", "engine", "scheduler", "kvcache"]  # each may import only later ones
+# Where each installed package's source lives in the checkout (pyproject's package-dir),
+# and the checkout's own scripts (bench/, never installed).
+SOURCES = {**{f"kvserve.{name}": ROOT / name for name in [*LAYERS, "modelstore"]},
+           "kvserve.benchmarks": ROOT / "kvserve" / "benchmarks", "bench": ROOT / "bench"}
+
+
+def _unit(module: str) -> str:
+    """What a layering rule talks about: kvserve.engine.loader -> engine (the layer),
+    torch.nn -> torch, bench.abuse -> bench."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "kvserve" and len(parts) > 1 else parts[0]
 
 
 def _top_levels(nodes) -> set[str]:
     names = set()
     for node in nodes:
         if isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
+            names.update(_unit(alias.name) for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module.split(".")[0])
+            names.add(_unit(node.module))
     return names
 
 
@@ -29,6 +42,24 @@ def imported_top_levels(path: Path) -> set[str]:
 def module_level_imports(path: Path) -> set[str]:
     """Only the imports that run when the module is loaded."""
     return _top_levels(ast.parse(path.read_text()).body)
+
+
+def test_the_packages_are_imported_by_their_installed_names_only():
+    """`import engine` would load a second copy of a module beside kvserve.engine's
+    (two registries, two locks), and fail where kvserve is installed from its wheel."""
+    bare = {*LAYERS, "modelstore"}
+    for path in (p for top in ["kvserve", "tests", *SOURCES.values()]
+                 for p in (ROOT / top).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            assert not {n.split(".")[0] for n in names} & bare, (path, names)
+            assert not any(n.startswith(("bench.client", "bench.in_process", "bench.provenance"))
+                           for n in names), (path, names)
 
 
 @pytest.mark.parametrize("package", LAYERS)
@@ -49,26 +80,28 @@ def test_modelstore_imports_nothing_of_kvserve():
     bench client use it, and it uses none of them (torch only inside the default
     model's conversion, so the bench client can read the presets without it)."""
     for path in (ROOT / "modelstore").rglob("*.py"):
-        assert not imported_top_levels(path) & (set(LAYERS) | {"bench"}), path
+        assert not imported_top_levels(path) & (set(LAYERS) | {"benchmarks", "bench"}), path
         assert "torch" not in module_level_imports(path), path
 
 
 def test_the_bench_client_is_a_client_of_the_http_api_only():
-    """bench/client runs on machines without torch: it talks to servers over HTTP
-    (of the rest of the tree it uses only bench/provenance.py, which needs nothing)."""
+    """kvserve/benchmarks/client runs on machines without torch: it talks to servers
+    over HTTP (of the rest of the tree it uses only benchmarks/provenance.py, which
+    needs nothing)."""
     forbidden = set(LAYERS) | {"torch", "transformers"}
-    for path in [*(ROOT / "bench" / "client").rglob("*.py"), ROOT / "bench" / "provenance.py"]:
+    benchmarks = SOURCES["kvserve.benchmarks"]
+    for path in [*(benchmarks / "client").rglob("*.py"), benchmarks / "provenance.py"]:
         assert not imported_top_levels(path) & forbidden, path
-        assert not any(line.startswith(("from bench.in_process", "import bench.in_process"))
-                       for line in path.read_text().splitlines()), path
+        assert "kvserve.benchmarks.in_process" not in path.read_text(), path
 
 
 @pytest.mark.parametrize("package", LAYERS)
 def test_layers_import_the_benchmarks_only_lazily(package):
-    """server/cli.py hands `bench`/`estimate` to bench/ from inside a function, so
-    `kvserve serve` never loads it."""
+    """server/cli.py hands `bench`/`estimate` to kvserve/benchmarks from inside a
+    function, so `kvserve serve` never loads it; bench/ (not installed) never."""
     for path in (ROOT / package).rglob("*.py"):
-        assert "bench" not in module_level_imports(path), path
+        assert "benchmarks" not in module_level_imports(path), path
+        assert "bench" not in imported_top_levels(path), path
 
 
 # The scheduler alone owns the KV cache manager and its queues (as in vLLM v1): above
@@ -99,18 +132,15 @@ def test_only_the_scheduler_touches_the_kv_cache_and_its_queues(package):
             path, _scheduler_uses(tree) - SCHEDULER_VERBS)
 
 
-PACKAGES = [*LAYERS, "modelstore", "bench"]
-
-
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+def _module_name(package: str, path: Path) -> str:
+    parts = [*package.split("."), *path.relative_to(SOURCES[package]).with_suffix("").parts]
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def _import_graph() -> dict[str, set[str]]:
     """Module -> the project modules it imports anywhere (lazily too), with the
     packages whose __init__ such an import runs first."""
-    modules = {_module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    modules = {_module_name(pkg, p): p for pkg in SOURCES for p in SOURCES[pkg].rglob("*.py")}
 
     def resolve(name: str) -> str | None:
         parts = name.split(".")
@@ -154,12 +184,3 @@ def test_small_files_and_functions(package):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 length = node.end_lineno - node.lineno + 1
                 assert length <= 60, f"{path}:{node.lineno} {node.name} has {length} lines"
-
-
-@pytest.mark.parametrize("package", [*LAYERS, "modelstore"])  # bench/ has script folders
-def test_every_folder_of_modules_is_a_package(package):
-    """setuptools' find_packages skips a folder without __init__.py (a namespace
-    package): `pip install .` would ship kvserve without it."""
-    for folder in [ROOT / package, *(ROOT / package).rglob("*")]:
-        if folder.is_dir() and "__pycache__" not in folder.parts and any(folder.glob("*.py")):
-            assert (folder / "__init__.py").is_file(), folder

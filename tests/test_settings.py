@@ -8,13 +8,13 @@ import dataclasses
 
 import pytest
 
-from engine.arg_types import parse_bool, parse_size
-from engine.config import EngineConfig, SpeculativeConfig
-from engine.kv_events.config import KVEventsConfig, parse_flag
-from engine.lora.config import LoRAConfig
-from engine.settings import dest_name, env_name, flag_name, from_args, settings_of
-from server.cli import build_parser
-from server.config import ServerConfig
+from kvserve.engine.arg_types import parse_bool, parse_size
+from kvserve.engine.config import EngineConfig, SpeculativeConfig
+from kvserve.engine.kv_events.config import KVEventsConfig, parse_flag
+from kvserve.engine.lora.config import LoRAConfig
+from kvserve.engine.settings import dest_name, env_name, flag_name, from_args, settings_of
+from kvserve.server.cli import build_parser
+from kvserve.server.config import ServerConfig
 
 CONFIGS = [EngineConfig, SpeculativeConfig, LoRAConfig, ServerConfig]
 SETTINGS = [(cls, f) for cls in CONFIGS for f in settings_of(cls)

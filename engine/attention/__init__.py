@@ -1,9 +1,9 @@
-from engine.attention.backend import AttentionBackend
-from engine.attention.context import (AttentionMetadata, clear_attention_context,
-                                      get_attention_metadata, paged_attention,
-                                      set_attention_context)
-from engine.attention.selector import (BACKEND_NAMES, AttentionBackendError, make_backend,
-                                       resolve_backend_name)
+from kvserve.engine.attention.backend import AttentionBackend
+from kvserve.engine.attention.context import (AttentionMetadata, clear_attention_context,
+                                              get_attention_metadata, paged_attention,
+                                              set_attention_context)
+from kvserve.engine.attention.selector import (BACKEND_NAMES, AttentionBackendError, make_backend,
+                                               resolve_backend_name)
 
 __all__ = ["AttentionBackend", "AttentionBackendError", "AttentionMetadata", "BACKEND_NAMES",
            "clear_attention_context", "get_attention_metadata", "make_backend",

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from engine.attention.context import AttentionMetadata
+from kvserve.engine.attention.context import AttentionMetadata
 
 
 class AttentionBackend(ABC):

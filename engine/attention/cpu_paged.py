@@ -37,8 +37,8 @@ from typing import NamedTuple
 
 import torch
 
-from engine.attention.fp8_cache import store_rows
-from engine.cpu_kernels import build as cpu_kernels
+from kvserve.engine.attention.fp8_cache import store_rows
+from kvserve.engine.cpu_kernels import build as cpu_kernels
 
 
 class PagedDecode(NamedTuple):

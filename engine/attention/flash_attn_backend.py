@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention.backend import AttentionBackend
-from engine.attention.context import AttentionMetadata
+from kvserve.engine.attention.backend import AttentionBackend
+from kvserve.engine.attention.context import AttentionMetadata
 
 
 @dataclass
@@ -27,7 +27,7 @@ class FlashAttnBackend(AttentionBackend):
     def __init__(self) -> None:
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
-        from engine.attention.triton import store_kv_cache
+        from kvserve.engine.attention.triton import store_kv_cache
 
         self._varlen, self._with_kvcache = flash_attn_varlen_func, flash_attn_with_kvcache
         self._store = store_kv_cache

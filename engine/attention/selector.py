@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from engine.attention.backend import AttentionBackend
+from kvserve.engine.attention.backend import AttentionBackend
 
 log = logging.getLogger("kvserve.attention")
 
@@ -52,7 +52,7 @@ def make_backend(name: str, device: torch.device, block_size: int, dtype: torch.
     fp8_cache = kv_dtype is not None and kv_dtype.itemsize == 1
     if name == "triton":
         _check_triton(device, fp8_cache)
-        from engine.attention.triton_backend import TritonBackend
+        from kvserve.engine.attention.triton_backend import TritonBackend
 
         return TritonBackend()
     if name == "flash-attn":
@@ -61,10 +61,10 @@ def make_backend(name: str, device: torch.device, block_size: int, dtype: torch.
                 "flash-attn 2 reads no fp8 KV cache; use --attention-backend triton, or "
                 "--kv-cache-dtype auto")
         _check_flash_attn(device, block_size, dtype)
-        from engine.attention.flash_attn_backend import FlashAttnBackend
+        from kvserve.engine.attention.flash_attn_backend import FlashAttnBackend
 
         return FlashAttnBackend()
-    from engine.attention.torch_backend import TorchBackend
+    from kvserve.engine.attention.torch_backend import TorchBackend
 
     return TorchBackend()
 

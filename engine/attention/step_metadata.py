@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention.context import AttentionMetadata
+from kvserve.engine.attention.context import AttentionMetadata
 
 
 @dataclass

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention.backend import AttentionBackend
-from engine.attention.context import AttentionMetadata
-from engine.attention.cpu_paged import (PagedDecode, kernel_reads, paged_decode, store_kv,
-                                        widened)
-from engine.attention.fp8_cache import read_rows
-from engine.attention.step_metadata import context_slots
+from kvserve.engine.attention.backend import AttentionBackend
+from kvserve.engine.attention.context import AttentionMetadata
+from kvserve.engine.attention.cpu_paged import (PagedDecode, kernel_reads, paged_decode, store_kv,
+                                                widened)
+from kvserve.engine.attention.fp8_cache import read_rows
+from kvserve.engine.attention.step_metadata import context_slots
 
 
 @dataclass

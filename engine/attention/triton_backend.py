@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.backend import AttentionBackend
-from engine.attention.context import AttentionMetadata
-from engine.attention.triton import decode_attention, prefill_attention, store_kv_cache
+from kvserve.engine.attention.backend import AttentionBackend
+from kvserve.engine.attention.context import AttentionMetadata
+from kvserve.engine.attention.triton import decode_attention, prefill_attention, store_kv_cache
 
 
 @dataclass

@@ -8,7 +8,7 @@ import asyncio
 import itertools
 import threading
 
-from engine.client.messages import AdapterReply, ChangeAdapter, StepReport
+from kvserve.engine.client.messages import AdapterReply, ChangeAdapter, StepReport
 
 
 class AdapterNotFoundError(LookupError):

@@ -9,11 +9,11 @@ import logging
 import queue
 import threading
 
-from engine.engine import Engine
-from engine.client.adapters import served_adapters
-from engine.client.engine_client import EngineClient
-from engine.client.engine_loop import EngineLoop
-from engine.client.messages import EngineCommand, Shutdown
+from kvserve.engine.engine import Engine
+from kvserve.engine.client.adapters import served_adapters
+from kvserve.engine.client.engine_client import EngineClient
+from kvserve.engine.client.engine_loop import EngineLoop
+from kvserve.engine.client.messages import EngineCommand, Shutdown
 
 log = logging.getLogger("kvserve.async_engine")
 

@@ -17,13 +17,13 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
-from engine.client.adapters import Adapters
-from engine.client.messages import (AbortRequest, AddRequest, EngineCommand, EngineSnapshot,
-                                    StepReport, TakeSnapshot)
-from engine.outputs import RequestOutput
-from engine.request_checks import check_request
-from engine.spec_decode.speculator import SpecDecodeStats
-from scheduler.sampling_params import SamplingParams
+from kvserve.engine.client.adapters import Adapters
+from kvserve.engine.client.messages import (AbortRequest, AddRequest, EngineCommand,
+                                            EngineSnapshot, StepReport, TakeSnapshot)
+from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.request_checks import check_request
+from kvserve.engine.spec_decode.speculator import SpecDecodeStats
+from kvserve.scheduler.sampling_params import SamplingParams
 
 log = logging.getLogger("kvserve.engine_client")
 

@@ -12,11 +12,11 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Protocol
 
-from engine.engine import Engine
-from engine.lora.manager import adapter_names
-from engine.client.messages import (AbortRequest, AdapterReply, AddRequest, ChangeAdapter,
-                                    EngineCommand, EngineSnapshot, Shutdown, StepReport,
-                                    TakeSnapshot)
+from kvserve.engine.engine import Engine
+from kvserve.engine.lora.manager import adapter_names
+from kvserve.engine.client.messages import (AbortRequest, AdapterReply, AddRequest, ChangeAdapter,
+                                            EngineCommand, EngineSnapshot, Shutdown, StepReport,
+                                            TakeSnapshot)
 
 
 class CommandSource(Protocol):

@@ -7,8 +7,8 @@ bf16, 2 cores; the 16-client workload gave 169 vs 229 output tok/s). The thread 
 for tests and embedding."""
 from __future__ import annotations
 
-from engine.config import EngineConfig
-from engine.client.engine_client import EngineClient
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.client.engine_client import EngineClient
 
 ENGINE_MODES = ("auto", "thread", "process")
 
@@ -23,12 +23,12 @@ def start_engine(config: EngineConfig, mode: str = "auto") -> EngineClient:
     """Loads the model (in whichever place) and returns its client, not yet started.
     Raises what loading raises (ModelLoadError, ModelConfigError, EngineStartError...)."""
     if pick_mode(mode) == "thread":
-        from engine.client.async_engine import AsyncEngine
-        from engine.engine import Engine
+        from kvserve.engine.client.async_engine import AsyncEngine
+        from kvserve.engine.engine import Engine
 
         return AsyncEngine(Engine(config))
-    from modelstore.tokenizer import has_tokenizer, load_tokenizer
-    from engine.client.process_engine import ProcessEngine
+    from kvserve.modelstore.tokenizer import has_tokenizer, load_tokenizer
+    from kvserve.engine.client.process_engine import ProcessEngine
 
     tokenizer = load_tokenizer(config.model) if has_tokenizer(config.model) else None
     return ProcessEngine(config, tokenizer)

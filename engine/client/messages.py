@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.outputs import RequestOutput
-from engine.spec_decode.speculator import SpecDecodeStats
-from scheduler.sampling_params import SamplingParams
-from scheduler.snapshot import SchedulerSnapshot
+from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.spec_decode.speculator import SpecDecodeStats
+from kvserve.scheduler.sampling_params import SamplingParams
+from kvserve.scheduler.snapshot import SchedulerSnapshot
 
 
 @dataclass(frozen=True, slots=True)

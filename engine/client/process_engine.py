@@ -15,10 +15,10 @@ import signal
 import threading
 from multiprocessing.connection import Connection
 
-from engine.config import EngineConfig
-from engine.client.adapters import served_adapters
-from engine.client.engine_client import EngineClient, EngineDeadError
-from engine.client.messages import EngineCommand, Shutdown
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.client.adapters import served_adapters
+from kvserve.engine.client.engine_client import EngineClient, EngineDeadError
+from kvserve.engine.client.messages import EngineCommand, Shutdown
 
 log = logging.getLogger("kvserve.process_engine")
 
@@ -50,9 +50,9 @@ def _child_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level,
                         format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
-    from engine.engine import Engine
-    from engine.client.engine_loop import EngineLoop
-    from engine.heap import freeze_startup_heap
+    from kvserve.engine.engine import Engine
+    from kvserve.engine.client.engine_loop import EngineLoop
+    from kvserve.engine.heap import freeze_startup_heap
 
     try:
         engine = Engine(config)
@@ -82,7 +82,7 @@ def _child_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
         logging.getLogger("kvserve.engine").exception("engine loop died")
         send(("dead", f"{type(exc).__name__}: {exc}"))
     engine.close()
-    from engine.compiled_model import exit_if_compiling
+    from kvserve.engine.compiled_model import exit_if_compiling
 
     exit_if_compiling(0)
 

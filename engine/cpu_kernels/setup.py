@@ -11,14 +11,14 @@ from collections import Counter
 import torch
 from torch import nn
 
-from engine.cpu_kernels.build import BuildError, load_kernels
-from engine.cpu_kernels.packing import register_fake
-from engine.loader import cpu_flags
-from engine.models.linear import Linear
-from engine.quantization import model_bytes
-from engine.quantization.layer import QuantizedLinear
-from modelstore.default_model import cache_root
-from modelstore.errors import ModelLoadError
+from kvserve.engine.cpu_kernels.build import BuildError, load_kernels
+from kvserve.engine.cpu_kernels.packing import register_fake
+from kvserve.engine.loader import cpu_flags
+from kvserve.engine.models.linear import Linear
+from kvserve.engine.quantization import model_bytes
+from kvserve.engine.quantization.layer import QuantizedLinear
+from kvserve.modelstore.default_model import cache_root
+from kvserve.modelstore.errors import ModelLoadError
 
 log = logging.getLogger("kvserve.cpu_kernels")
 

@@ -26,8 +26,8 @@ from collections import deque
 import msgpack
 import zmq
 
-from engine.kv_events.config import KVEventsConfig, binds_every_interface
-from scheduler.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from kvserve.engine.kv_events.config import KVEventsConfig, binds_every_interface
+from kvserve.scheduler.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 log = logging.getLogger("kvserve.kv_events")
 

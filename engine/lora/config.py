@@ -6,8 +6,8 @@ import argparse
 import json
 from dataclasses import dataclass
 
-from engine.arg_types import parse_bool, positive_int
-from engine.settings import setting
+from kvserve.engine.arg_types import parse_bool, positive_int
+from kvserve.engine.settings import setting
 
 
 def parse_lora_module(text: str) -> tuple[str, str]:

@@ -13,11 +13,12 @@ import logging
 
 import torch
 
-from engine.host_copy import to_device
-from engine.lora.adapter import LoRAAdapter, LoRAAdapterError, load_adapter, projection_shapes
-from engine.lora.config import LoRAConfig
-from engine.lora.slots import LoRASlots
-from engine.lora.step import LoRAStep, slot_mask
+from kvserve.engine.host_copy import to_device
+from kvserve.engine.lora.adapter import (LoRAAdapter, LoRAAdapterError, load_adapter,
+                                         projection_shapes)
+from kvserve.engine.lora.config import LoRAConfig
+from kvserve.engine.lora.slots import LoRASlots
+from kvserve.engine.lora.step import LoRAStep, slot_mask
 
 log = logging.getLogger("kvserve.lora")
 

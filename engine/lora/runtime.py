@@ -3,8 +3,8 @@
 or unloaded adapter retired once no request uses it."""
 from __future__ import annotations
 
-from engine.lora.adapter import LoRAAdapter
-from engine.lora.manager import lora_manager
+from kvserve.engine.lora.adapter import LoRAAdapter
+from kvserve.engine.lora.manager import lora_manager
 
 
 class RuntimeAdapters:

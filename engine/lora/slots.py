@@ -10,8 +10,8 @@ from collections import OrderedDict
 
 import torch
 
-from engine.lora.adapter import LoRAAdapter
-from engine.lora.step import GROUP_INDEX, GROUP_OF, GROUPS, projection_b
+from kvserve.engine.lora.adapter import LoRAAdapter
+from kvserve.engine.lora.step import GROUP_INDEX, GROUP_OF, GROUPS, projection_b
 
 
 class NoFreeSlotError(RuntimeError):

@@ -103,7 +103,7 @@ def lora_bgmv(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor
               token_slots: torch.Tensor, out_sizes: list[int]) -> torch.Tensor:
     """y + each token's product for its slot, projection by projection, through the
     Triton kernels (a [projections, slots, rank, in]; b block-diagonal)."""
-    from engine.lora.triton_kernels import add_lora_triton
+    from kvserve.engine.lora.triton_kernels import add_lora_triton
 
     out, start = y.clone(), 0
     slots, rank = a.shape[1], a.shape[2]

@@ -6,8 +6,8 @@ import math
 import torch
 from torch import nn
 
-from engine.config import RopeConfig
-from engine.models.linear import Linear
+from kvserve.engine.config import RopeConfig
+from kvserve.engine.models.linear import Linear
 
 
 class RMSNorm(nn.Module):

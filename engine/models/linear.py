@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.cpu_kernels.packing import PackedWeight, pack_weight
+from kvserve.engine.cpu_kernels.packing import PackedWeight, pack_weight
 
 
 class Linear(nn.Linear):

@@ -9,16 +9,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import paged_attention
-from engine.attention.cpu_paged import PagedDecode, decode_in_place
-from engine.attention.fp8_cache import rotate
-from engine.config import ModelConfig
-from engine.lora.step import LoRAStep
-from engine.models.linear import Linear
-from engine.models.layers import PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary
-from engine.parallel import comm
-from engine.parallel.layers import RowParallelLinear, VocabParallelEmbedding
-from engine.parallel.shard import SINGLE, TPShard
+from kvserve.engine.attention import paged_attention
+from kvserve.engine.attention.cpu_paged import PagedDecode, decode_in_place
+from kvserve.engine.attention.fp8_cache import rotate
+from kvserve.engine.config import ModelConfig
+from kvserve.engine.lora.step import LoRAStep
+from kvserve.engine.models.linear import Linear
+from kvserve.engine.models.layers import PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary
+from kvserve.engine.parallel import comm
+from kvserve.engine.parallel.layers import RowParallelLinear, VocabParallelEmbedding
+from kvserve.engine.parallel.shard import SINGLE, TPShard
 
 
 class Attention(nn.Module):

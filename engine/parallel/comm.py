@@ -9,7 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from engine.parallel.shard import SINGLE, TPShard
+from kvserve.engine.parallel.shard import SINGLE, TPShard
 
 _shard: TPShard = SINGLE
 

@@ -22,12 +22,12 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from engine.config import EngineConfig, ModelConfig
-from engine.parallel import comm
-from engine.parallel.shard import TPShard
-from engine.parallel.step_channel import StepChannel
-from engine.parallel.worker import WorkerSpec
-from modelstore.errors import ModelLoadError
+from kvserve.engine.config import EngineConfig, ModelConfig
+from kvserve.engine.parallel import comm
+from kvserve.engine.parallel.shard import TPShard
+from kvserve.engine.parallel.step_channel import StepChannel
+from kvserve.engine.parallel.worker import WorkerSpec
+from kvserve.modelstore.errors import ModelLoadError
 
 log = logging.getLogger("kvserve.tensor_parallel")
 
@@ -82,7 +82,7 @@ class TensorParallelGroup:
             with tempfile.NamedTemporaryFile("wb", suffix=".tp-spec", delete=False) as f:
                 pickle.dump(spec, f)
             self._workers.append(subprocess.Popen(
-                [sys.executable, "-m", "engine.parallel.worker", f.name]))
+                [sys.executable, "-m", "kvserve.engine.parallel.worker", f.name]))
         threading.Thread(target=self._watch, name="kvserve-tp-watch", daemon=True).start()
         comm.init(TPShard(0, size), port, device)
         self.cpu_group = dist.new_group(backend="gloo") if device.type == "cuda" else None

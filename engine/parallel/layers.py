@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.cpu_kernels.packing import PackedWeight
-from engine.models.linear import Linear
-from engine.parallel import comm
+from kvserve.engine.cpu_kernels.packing import PackedWeight
+from kvserve.engine.models.linear import Linear
+from kvserve.engine.parallel import comm
 
 
 class RowParallelLinear(Linear):

@@ -10,8 +10,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.config import ModelConfig
-from modelstore.errors import ModelLoadError
+from kvserve.engine.config import ModelConfig
+from kvserve.modelstore.errors import ModelLoadError
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.attention.step_metadata import HostStep
+from kvserve.engine.attention.step_metadata import HostStep
 
 STOP, FORWARD = 0, 1
 # op, generation, name (2 words), capacity, T, R, W, L, C, max_query_len, max_seq_len,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import EngineConfig, ModelConfig
+from kvserve.engine.config import EngineConfig, ModelConfig
 
 log = logging.getLogger("kvserve.tp_worker")
 
@@ -42,13 +42,14 @@ def _exit_with_parent(parent_pid: int) -> None:
 def serve(spec: WorkerSpec) -> None:
     import torch.distributed as dist
 
-    from engine.attention import clear_attention_context, make_backend, set_attention_context
-    from engine.cpu_kernels.setup import pack_model
-    from engine.kv_caches import KVCacheFormat, attach_kv_caches, copy_blocks
-    from engine.loader import load_model
-    from engine.parallel import comm
-    from engine.parallel.shard import TPShard
-    from engine.parallel.step_channel import StepChannel
+    from kvserve.engine.attention import (clear_attention_context, make_backend,
+                                          set_attention_context)
+    from kvserve.engine.cpu_kernels.setup import pack_model
+    from kvserve.engine.kv_caches import KVCacheFormat, attach_kv_caches, copy_blocks
+    from kvserve.engine.loader import load_model
+    from kvserve.engine.parallel import comm
+    from kvserve.engine.parallel.shard import TPShard
+    from kvserve.engine.parallel.step_channel import StepChannel
 
     config, device = spec.config, torch.device(spec.device)
     if device.type == "cuda":

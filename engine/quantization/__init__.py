@@ -17,11 +17,11 @@ from typing import Callable
 import torch
 from torch import nn
 
-from engine.quantization.awq import decoder_linears, search_scales
-from engine.quantization.fp8 import Fp8Linear, check_fp8_device, check_fp8_shapes
-from engine.quantization.int4 import PACK_ROWS, Int4Linear, fake_quantize_int4
-from engine.quantization.int8 import Int8Linear, fake_quantize_int8
-from modelstore.errors import ModelLoadError
+from kvserve.engine.quantization.awq import decoder_linears, search_scales
+from kvserve.engine.quantization.fp8 import Fp8Linear, check_fp8_device, check_fp8_shapes
+from kvserve.engine.quantization.int4 import PACK_ROWS, Int4Linear, fake_quantize_int4
+from kvserve.engine.quantization.int8 import Int8Linear, fake_quantize_int8
+from kvserve.modelstore.errors import ModelLoadError
 
 # auto: the checkpoint's own (a GGUF's quantized blocks stay quantized, float
 # weights stay float); none: every weight in --dtype; -awq: activation-aware scales.

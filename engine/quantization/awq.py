@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from engine.quantization.calibration import calibration_tokens, run_calibration_prompt
+from kvserve.engine.quantization.calibration import calibration_tokens, run_calibration_prompt
 
 ALPHAS = tuple(i / 10 for i in range(11))
 

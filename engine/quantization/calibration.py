@@ -11,11 +11,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.attention import clear_attention_context, set_attention_context
-from engine.attention.selector import make_backend
-from engine.attention.step_metadata import build_host_step
-from engine.kv_caches import KVCacheFormat, attach_kv_caches
-from modelstore.errors import ModelLoadError
+from kvserve.engine.attention import clear_attention_context, set_attention_context
+from kvserve.engine.attention.selector import make_backend
+from kvserve.engine.attention.step_metadata import build_host_step
+from kvserve.engine.kv_caches import KVCacheFormat, attach_kv_caches
+from kvserve.modelstore.errors import ModelLoadError
 
 CALIBRATION_TEXT = Path(__file__).with_name("calibration.txt")
 CALIBRATION_TOKENS = 512

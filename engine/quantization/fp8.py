@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention.fp8_cache import FP8_MAX, to_fp8
-from engine.quantization.layer import QuantizedLinear, nonzero
-from modelstore.errors import ModelLoadError
+from kvserve.engine.attention.fp8_cache import FP8_MAX, to_fp8
+from kvserve.engine.quantization.layer import QuantizedLinear, nonzero
+from kvserve.modelstore.errors import ModelLoadError
 
 # cuBLASLt's fp8 GEMM needs both matrix dimensions in multiples of 16.
 FP8_DIM_MULTIPLE = 16

@@ -19,9 +19,9 @@ import functools
 import torch
 from torch import nn
 
-from engine.cpu_kernels import packing
-from engine.quantization.kernel_rows import few_rows
-from engine.quantization.layer import QuantizedLinear, nonzero
+from kvserve.engine.cpu_kernels import packing
+from kvserve.engine.quantization.kernel_rows import few_rows
+from kvserve.engine.quantization.layer import QuantizedLinear, nonzero
 
 # Rows are packed in blocks whose size and order depend on the CPU capability torch
 # dispatches to (kernel_layout): 64 with AVX-512, 32 with AVX2. Layers keep their

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.cpu_kernels import packing
-from engine.quantization.kernel_rows import few_rows
-from engine.quantization.layer import QuantizedLinear, nonzero
+from kvserve.engine.cpu_kernels import packing
+from kvserve.engine.quantization.kernel_rows import few_rows
+from kvserve.engine.quantization.layer import QuantizedLinear, nonzero
 
 # torch's CPU int8 kernel reads int8 weights directly, but only pays for a few rows
 # in bf16/fp16 (bench/results/cpu_int8_kernels_2026-11-24.md: 1.9x faster than the

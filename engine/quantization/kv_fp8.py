@@ -30,11 +30,11 @@ import logging
 import torch
 from torch import nn
 
-from engine.attention.fp8_cache import FP8, FP8_MAX, key_rotation
-from engine.kv_caches import KVCacheFormat
-from engine.quantization.calibration import calibration_tokens, run_calibration_prompt
-from engine.quantization.layer import nonzero
-from modelstore.errors import ModelLoadError
+from kvserve.engine.attention.fp8_cache import FP8, FP8_MAX, key_rotation
+from kvserve.engine.kv_caches import KVCacheFormat
+from kvserve.engine.quantization.calibration import calibration_tokens, run_calibration_prompt
+from kvserve.engine.quantization.layer import nonzero
+from kvserve.modelstore.errors import ModelLoadError
 
 log = logging.getLogger("kvserve.engine")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.cpu_kernels.packing import Packed, PackedWeight
+from kvserve.engine.cpu_kernels.packing import Packed, PackedWeight
 
 
 class QuantizedLinear(nn.Module):

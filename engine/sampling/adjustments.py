@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.host_copy import to_device
-from engine.sampling.processors import add_bias, apply_penalties, ban_tokens, token_counts
-from scheduler.request import Request
+from kvserve.engine.host_copy import to_device
+from kvserve.engine.sampling.processors import add_bias, apply_penalties, ban_tokens, token_counts
+from kvserve.scheduler.request import Request
 
 
 @dataclass

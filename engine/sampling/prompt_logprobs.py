@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.outputs import TokenLogprob
-from scheduler.output import ScheduledRequest
-from scheduler.request import Request
+from kvserve.engine.outputs import TokenLogprob
+from kvserve.scheduler.output import ScheduledRequest
+from kvserve.scheduler.request import Request
 
 
 @dataclass

@@ -31,10 +31,10 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.host_copy import to_device
-from engine.sampling.draw import draw, pick
-from engine.sampling.sample import _probabilities
-from scheduler.sampling_params import SamplingParams
+from kvserve.engine.host_copy import to_device
+from kvserve.engine.sampling.draw import draw, pick
+from kvserve.engine.sampling.sample import _probabilities
+from kvserve.scheduler.sampling_params import SamplingParams
 
 PAD = -1
 

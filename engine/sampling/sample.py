@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from engine.host_copy import to_device
-from engine.sampling.adjustments import LogitAdjustments
-from engine.sampling.draw import draw
-from engine.sampling.processors import apply_min_p, apply_top_k, apply_top_p
-from scheduler.sampling_params import SamplingParams
+from kvserve.engine.host_copy import to_device
+from kvserve.engine.sampling.adjustments import LogitAdjustments
+from kvserve.engine.sampling.draw import draw
+from kvserve.engine.sampling.processors import apply_min_p, apply_top_k, apply_top_p
+from kvserve.scheduler.sampling_params import SamplingParams
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],

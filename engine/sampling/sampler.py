@@ -16,19 +16,19 @@ from __future__ import annotations
 
 import torch
 
-from engine import faults
-from engine.host_copy import to_device
-from engine.sampling.adjustments import build_adjustments
-from engine.sampling.logprobs import decode_block, logprob_block, raw_logprobs
-from engine.sampling.prompt_logprobs import PromptLogprobs, PromptSpan
-from engine.sampling.sample import sample
-from engine.sampling.step_logits import StepLogits
-from engine.sampling.step_result import (NON_FINITE, SampleLaunch, StepResult, drop_dead,
-                                         drop_failed, only, scheduled_ids)
-from engine.sampling.verify import verify as verify_drafts
-from engine.structured.matchers import DEAD_END, Matchers
-from scheduler.output import ScheduledRequest
-from scheduler.request import Request
+from kvserve.engine import faults
+from kvserve.engine.host_copy import to_device
+from kvserve.engine.sampling.adjustments import build_adjustments
+from kvserve.engine.sampling.logprobs import decode_block, logprob_block, raw_logprobs
+from kvserve.engine.sampling.prompt_logprobs import PromptLogprobs, PromptSpan
+from kvserve.engine.sampling.sample import sample
+from kvserve.engine.sampling.step_logits import StepLogits
+from kvserve.engine.sampling.step_result import (NON_FINITE, SampleLaunch, StepResult, drop_dead,
+                                                 drop_failed, only, scheduled_ids)
+from kvserve.engine.sampling.verify import verify as verify_drafts
+from kvserve.engine.structured.matchers import DEAD_END, Matchers
+from kvserve.scheduler.output import ScheduledRequest
+from kvserve.scheduler.request import Request
 
 
 class Sampler:

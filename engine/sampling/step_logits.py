@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.host_copy import to_device
+from kvserve.engine.host_copy import to_device
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,12 +8,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.outputs import TokenLogprob
-from engine.sampling.logprobs import HostTransfer
-from engine.sampling.prompt_logprobs import PromptSpan
-from engine.structured.matchers import DEAD_END
-from scheduler.output import ScheduledRequest
-from scheduler.request import Request
+from kvserve.engine.outputs import TokenLogprob
+from kvserve.engine.sampling.logprobs import HostTransfer
+from kvserve.engine.sampling.prompt_logprobs import PromptSpan
+from kvserve.engine.structured.matchers import DEAD_END
+from kvserve.scheduler.output import ScheduledRequest
+from kvserve.scheduler.request import Request
 
 log = logging.getLogger("kvserve.engine")
 

@@ -8,10 +8,10 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.sampling.verify_positions import verification_adjustments
-from engine.sampling.rejection import (GeneratorCheckpoints, pad_drafts,
-                                          rejection_sample, verification_probs)
-from scheduler.request import Request
+from kvserve.engine.sampling.verify_positions import verification_adjustments
+from kvserve.engine.sampling.rejection import (GeneratorCheckpoints, pad_drafts, rejection_sample,
+                                               verification_probs)
+from kvserve.scheduler.request import Request
 
 
 def verify(logits: torch.Tensor, requests: Sequence[Request],

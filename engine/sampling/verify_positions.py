@@ -10,8 +10,8 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.sampling.adjustments import LogitAdjustments, build_adjustments
-from scheduler.request import Request
+from kvserve.engine.sampling.adjustments import LogitAdjustments, build_adjustments
+from kvserve.scheduler.request import Request
 
 
 class DraftPosition:

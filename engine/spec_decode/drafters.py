@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import clear_attention_context, set_attention_context
-from engine.attention.step_metadata import build_host_step
-from engine.kv_caches import KVCacheFormat, attach_kv_caches
-from scheduler.output import ScheduledRequest
+from kvserve.engine.attention import clear_attention_context, set_attention_context
+from kvserve.engine.attention.step_metadata import build_host_step
+from kvserve.engine.kv_caches import KVCacheFormat, attach_kv_caches
+from kvserve.scheduler.output import ScheduledRequest
 
 
 class GreedyDrafter:

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import logging
 
-from engine.config import EngineConfig, ModelConfig
-from engine.cpu_kernels.setup import pack_model
-from engine.kv_caches import KVCacheFormat
-from engine.loader import ModelLoadError, load_model
-from engine.spec_decode.drafters import DraftModelDrafter, EarlyExitDrafter
-from engine.spec_decode.speculator import Speculator
+from kvserve.engine.config import EngineConfig, ModelConfig
+from kvserve.engine.cpu_kernels.setup import pack_model
+from kvserve.engine.kv_caches import KVCacheFormat
+from kvserve.engine.loader import ModelLoadError, load_model
+from kvserve.engine.spec_decode.drafters import DraftModelDrafter, EarlyExitDrafter
+from kvserve.engine.spec_decode.speculator import Speculator
 
 log = logging.getLogger("kvserve.engine")
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.config import SpeculativeConfig
-from engine.spec_decode.ngram import NgramProposer
-from scheduler.request import Request, RequestStatus
+from kvserve.engine.config import SpeculativeConfig
+from kvserve.engine.spec_decode.ngram import NgramProposer
+from kvserve.scheduler.request import Request, RequestStatus
 
 PLACEHOLDER = -1  # a draft the runner's drafter has yet to choose
 

@@ -41,10 +41,10 @@ from typing import NamedTuple
 
 import xgrammar as xgr
 
-from engine.config import DEFAULT_GRAMMAR_CACHE_BYTES, DEFAULT_GRAMMAR_COMPILE_TIMEOUT
-from engine.structured.grammar_cache import GrammarCache
-from engine.structured.grammars import Grammar, XgrammarGrammar, parse, uses_guidance
-from scheduler.structured_output import StructuredOutput
+from kvserve.engine.config import DEFAULT_GRAMMAR_CACHE_BYTES, DEFAULT_GRAMMAR_COMPILE_TIMEOUT
+from kvserve.engine.structured.grammar_cache import GrammarCache
+from kvserve.engine.structured.grammars import Grammar, XgrammarGrammar, parse, uses_guidance
+from kvserve.scheduler.structured_output import StructuredOutput
 
 log = logging.getLogger("kvserve.structured")
 
@@ -88,7 +88,7 @@ class GrammarCompiler:
         self._backend, self._stops = backend, list(stop_token_ids)
         self._guidance_tokenizer = None
         if backend == "guidance":
-            from engine.structured.guidance import guidance_tokenizer
+            from kvserve.engine.structured.guidance import guidance_tokenizer
             self._guidance_tokenizer = guidance_tokenizer(tokenizer, vocab_size, self._stops)
         self.timeout = timeout  # 0: none
         self.cache = GrammarCache(cache_bytes)
@@ -169,7 +169,7 @@ class GrammarCompiler:
     def build(self, spec: StructuredOutput) -> Grammar:
         """The grammar for spec over the vocabulary: the costly call, on a lane."""
         if uses_guidance(spec, self._backend):
-            from engine.structured.guidance import GuidanceGrammar, guidance_grammar
+            from kvserve.engine.structured.guidance import GuidanceGrammar, guidance_grammar
             return GuidanceGrammar(self._guidance_tokenizer, guidance_grammar(spec),
                                    self._stops)
         return XgrammarGrammar(self._xgrammar.compile_grammar(parse(spec)))

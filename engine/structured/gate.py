@@ -9,9 +9,9 @@ from __future__ import annotations
 import concurrent.futures
 import time
 
-from engine.structured.compiler import CompileJob, GrammarCompiler, Refusal
-from engine.structured.matchers import Matchers
-from scheduler.request import Request
+from kvserve.engine.structured.compiler import CompileJob, GrammarCompiler, Refusal
+from kvserve.engine.structured.matchers import Matchers
+from kvserve.scheduler.request import Request
 
 
 class GrammarGate:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from scheduler.structured_output import StructuredOutput
+from kvserve.scheduler.structured_output import StructuredOutput
 
 
 class GrammarCache:

@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 import xgrammar as xgr
 
-from scheduler.structured_output import StructuredOutput
+from kvserve.scheduler.structured_output import StructuredOutput
 
 
 class Matcher(Protocol):
@@ -47,7 +47,7 @@ class XgrammarGrammar:
 def check(spec: StructuredOutput, backend: str = "xgrammar") -> None:
     """ValueError saying what is wrong with a spec the backend cannot serve."""
     if uses_guidance(spec, backend):
-        from engine.structured.guidance import guidance_grammar
+        from kvserve.engine.structured.guidance import guidance_grammar
         guidance_grammar(spec)
     else:
         parse(spec)

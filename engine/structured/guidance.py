@@ -17,7 +17,7 @@ import llguidance.hf
 import llguidance.torch
 import torch
 
-from scheduler.structured_output import StructuredOutput
+from kvserve.scheduler.structured_output import StructuredOutput
 
 # No free whitespace, and the separators xgrammar's JSON uses (", " and ": "): the
 # two backends write the same JSON.

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 import xgrammar as xgr
 
-from engine.structured.cpu_mask import apply_bitmask_cpu_
-from engine.structured.grammars import Grammar, Matcher
-from scheduler.request import Request
+from kvserve.engine.structured.cpu_mask import apply_bitmask_cpu_
+from kvserve.engine.structured.grammars import Grammar, Matcher
+from kvserve.scheduler.request import Request
 
 DEAD_END = "the structured output's grammar allows no next token"
 REJECTED = "the sampled token does not match the structured output's grammar"

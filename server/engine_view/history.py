@@ -9,8 +9,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from engine.client.engine_client import EngineClient
-from server.metrics.frontend import FrontendHistograms
+from kvserve.engine.client.engine_client import EngineClient
+from kvserve.server.metrics.frontend import FrontendHistograms
 
 POINT_SECONDS = 1.0
 WINDOW_POINTS = 300  # five minutes of points

@@ -22,13 +22,13 @@ import logging
 import time
 from collections.abc import Callable
 
-from engine.client.engine_client import EngineClient, EngineDeadError
-from engine.client.messages import EngineSnapshot
-from server.auth import ANONYMOUS, Principal
-from server.engine_view.history import EngineHistory
-from server.engine_view.snapshot_json import snapshot_json
-from server.errors import sse_event
-from server.request_owners import owner_of
+from kvserve.engine.client.engine_client import EngineClient, EngineDeadError
+from kvserve.engine.client.messages import EngineSnapshot
+from kvserve.server.auth import ANONYMOUS, Principal
+from kvserve.server.engine_view.history import EngineHistory
+from kvserve.server.engine_view.snapshot_json import snapshot_json
+from kvserve.server.errors import sse_event
+from kvserve.server.request_owners import owner_of
 
 log = logging.getLogger("kvserve.engine_view")
 

@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
 
-from server.auth import current_principal
-from server.engine_view.hub import EngineViewHub
-from server.errors import sse_event
+from kvserve.server.auth import current_principal
+from kvserve.server.engine_view.hub import EngineViewHub
+from kvserve.server.errors import sse_event
 
 
 ENDING_EVENTS = ("engine_dead", "closing")

@@ -16,9 +16,9 @@ import secrets
 import time
 from collections.abc import Callable, Iterable
 
-from engine.client.engine_client import FinishedSequence
-from engine.client.messages import EngineSnapshot
-from scheduler.snapshot import STATE_NAMES, RequestView
+from kvserve.engine.client.engine_client import FinishedSequence
+from kvserve.engine.client.messages import EngineSnapshot
+from kvserve.scheduler.snapshot import STATE_NAMES, RequestView
 
 MAX_CELLS = 32768
 

@@ -18,11 +18,11 @@ from __future__ import annotations
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from engine.client.engine_client import EngineClient
-from server.metrics.engine import EngineCollector
-from server.metrics.frontend import FrontendHistograms
-from server.metrics.log import StatsLogger
-from server.metrics.requests import EngineHistograms
+from kvserve.engine.client.engine_client import EngineClient
+from kvserve.server.metrics.engine import EngineCollector
+from kvserve.server.metrics.frontend import FrontendHistograms
+from kvserve.server.metrics.log import StatsLogger
+from kvserve.server.metrics.requests import EngineHistograms
 
 
 class ServerMetrics:

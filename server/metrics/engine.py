@@ -9,7 +9,7 @@ import time
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from engine.client.engine_client import EngineClient
+from kvserve.engine.client.engine_client import EngineClient
 
 PREFIX = "kvserve:"
 LABEL = "model_name"

@@ -23,9 +23,9 @@ from collections.abc import Iterable
 from prometheus_client import CollectorRegistry
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.admission import GENERATION_PATHS
-from server.metrics_buckets import ITL_SECONDS, REQUEST_SECONDS, TTFT_SECONDS
-from server.metrics.requests import histogram
+from kvserve.server.admission import GENERATION_PATHS
+from kvserve.server.metrics_buckets import ITL_SECONDS, REQUEST_SECONDS, TTFT_SECONDS
+from kvserve.server.metrics.requests import histogram
 
 
 class FrontendHistograms:

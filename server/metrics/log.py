@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from engine.client.messages import StepReport
+from kvserve.engine.client.messages import StepReport
 
 log = logging.getLogger("kvserve.stats")
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Histogram
 
-from engine.client.messages import StepReport
-from engine.outputs import RequestOutput
-from server.metrics_buckets import (COMPILE_SECONDS, ITERATION_TOKENS, REQUEST_SECONDS,
-                                    one_two_five)
-from server.metrics.engine import LABEL, PREFIX
+from kvserve.engine.client.messages import StepReport
+from kvserve.engine.outputs import RequestOutput
+from kvserve.server.metrics_buckets import (COMPILE_SECONDS, ITERATION_TOKENS, REQUEST_SECONDS,
+                                            one_two_five)
+from kvserve.server.metrics.engine import LABEL, PREFIX
 
 
 def histogram(registry: CollectorRegistry, name: str, doc: str, buckets,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from server.errors import APIError
+from kvserve.server.errors import APIError
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system",
          "developer": "system"}  # chat templates know system, not developer

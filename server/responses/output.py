@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from server.responses.protocol import item_id
+from kvserve.server.responses.protocol import item_id
 
 _TEXT = {  # item type -> (its content part, the delta / done event's name)
     "reasoning": ("reasoning_text", "response.reasoning_text"),

@@ -9,8 +9,8 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from server.errors import APIError
-from server.protocol import OpenAIRequest
+from kvserve.server.errors import APIError
+from kvserve.server.protocol import OpenAIRequest
 
 # include: values that ask for nothing we would leave out. Reasoning comes back as
 # plain reasoning_text content, so there is never encrypted content to include.

@@ -10,16 +10,16 @@ import time
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
-from server import generation
-from server.chat import ChatService, ChatView
-from server.errors import APIError, sse_event
-from server.protocol import ChatCompletionRequest, SamplingFields
-from server.request_owners import ENGINE_ID_HEADER, engine_request_id
-from server.responses.inputs import (chat_response_format, chat_tool_choice, chat_tools,
-                                     input_messages)
-from server.responses.output import OutputWriter
-from server.responses.protocol import ResponsesRequest, refuse_hosted_features, response_id
-from server.responses.store import ResponseStore
+from kvserve.server import generation
+from kvserve.server.chat import ChatService, ChatView
+from kvserve.server.errors import APIError, sse_event
+from kvserve.server.protocol import ChatCompletionRequest, SamplingFields
+from kvserve.server.request_owners import ENGINE_ID_HEADER, engine_request_id
+from kvserve.server.responses.inputs import (chat_response_format, chat_tool_choice, chat_tools,
+                                             input_messages)
+from kvserve.server.responses.output import OutputWriter
+from kvserve.server.responses.protocol import ResponsesRequest, refuse_hosted_features, response_id
+from kvserve.server.responses.store import ResponseStore
 
 # vLLM's sampling extras (top_k, min_p, penalties, stop, logit_bias, ignore_eos, ...)
 # pass through as they do on chat; what the Responses API names itself, or what has

@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
-STATIC = files("server.ui") / "static"
+STATIC = files("kvserve.server.ui") / "static"
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
        "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 PAGE_HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff",
@@ -36,4 +36,4 @@ def install_ui(app: FastAPI) -> None:
 
     for path in ("/", "/ui", "/ui/"):
         app.add_api_route(path, index, methods=["GET"], include_in_schema=False)
-    app.mount("/ui/static", _StaticFiles(packages=[("server.ui", "static")]), name="ui")
+    app.mount("/ui/static", _StaticFiles(packages=[("kvserve.server.ui", "static")]), name="ui")

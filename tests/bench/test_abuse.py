@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from bench import abuse
 from bench.abuse_corpus import CORPUS
-from engine.client.async_engine import AsyncEngine
-from server.app import build_app
-from server.config import ServerConfig
+from kvserve.engine.client.async_engine import AsyncEngine
+from kvserve.server.app import build_app
+from kvserve.server.config import ServerConfig
 from tests.support.server import running_server
 
 

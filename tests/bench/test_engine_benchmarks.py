@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from bench.in_process.utilisation import (attention_flops, bytes_per_decode_step,
-                                           matmul_params, mbu, mfu, peak_tflops,
-                                           prefill_flops, table_peak_tflops)
-from engine.config import ModelConfig
-from server import cli
+from kvserve.benchmarks.in_process.utilisation import (attention_flops, bytes_per_decode_step,
+                                                       matmul_params, mbu, mfu, peak_tflops,
+                                                       prefill_flops, table_peak_tflops)
+from kvserve.engine.config import ModelConfig
+from kvserve.server import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--model", "preset:llama-tiny", "--load-format", "random", "--device", "cpu"]
@@ -71,7 +71,7 @@ def test_bench_decode_end_to_end(tmp_path, capsys):
         ours["decode"]["achieved_read_gbps"] / r["copy_bandwidth"]["gbps"])
     assert "transformers" not in r  # --transformers is off unless asked for
     # `kvserve estimate --calibrate` takes the first mbu/mfu it finds: kvserve's
-    from bench.client.estimate import find_number
+    from kvserve.benchmarks.client.estimate import find_number
     assert find_number(r, "mbu") == ours["decode"]["mbu"]
     assert find_number(r, "mfu") == ours["prefill"]["mfu"]
     table = capsys.readouterr().out
@@ -161,13 +161,14 @@ def test_cpu_peak_is_measured():
 
 # -- routing -------------------------------------------------------------------------
 def test_bench_tools_are_routed(monkeypatch):
-    import bench.in_process.cli
-    import bench.client.cli
+    import kvserve.benchmarks.client.cli
+    import kvserve.benchmarks.in_process.cli
 
     calls = []
-    monkeypatch.setattr(bench.in_process.cli, "main", lambda argv: calls.append(
+    monkeypatch.setattr(kvserve.benchmarks.in_process.cli, "main", lambda argv: calls.append(
         ("engine", argv)) or 0)
-    monkeypatch.setattr(bench.client.cli, "main", lambda argv: calls.append(("client", argv)) or 0)
+    monkeypatch.setattr(kvserve.benchmarks.client.cli, "main", lambda argv: calls.append(
+        ("client", argv)) or 0)
     for argv in (["bench", "decode", "--model", "x"], ["bench", "offline"],
                  ["bench", "serve", "--base-url", "u"], ["bench", "plot", "a.json"],
                  ["estimate", "--model", "m"]):
@@ -187,7 +188,7 @@ def test_serve_imports_no_benchmark_package():
 
 
 def test_bench_provenance_still_importable():
-    from bench.provenance import provenance
+    from kvserve.benchmarks.provenance import provenance
 
     info = provenance("some GPU")
     assert info["device"] == "some GPU" and {"commit", "command", "python"} <= set(info)

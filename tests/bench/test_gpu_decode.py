@@ -70,7 +70,7 @@ def test_a_cut_run_keeps_its_phases(tmp_path, monkeypatch):
     decode phase the file already holds its tok/s and MBU (the 8B stage's number),
     before TTFT, the split and transformers."""
     from bench import gpu_decode
-    from bench.in_process import decode
+    from kvserve.benchmarks.in_process import decode
 
     out, seen = tmp_path / "r.json", []
     ttft = decode.ours_ttft

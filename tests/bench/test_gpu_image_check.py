@@ -5,6 +5,7 @@ session's minutes are not spent on an ImportError."""
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -33,7 +34,7 @@ def test_the_wheels_bring_every_runtime_dependency_the_image_lacks():
 
 def test_the_emulation_refuses_what_the_image_lacks(tmp_path):
     code = ("import importlib\n"
-            "for name in ('xgrammar', 'pydantic', 'torch', 'engine.engine'):\n"
+            "for name in ('xgrammar', 'pydantic', 'torch', 'kvserve.engine.engine'):\n"
             "    try:\n"
             "        importlib.import_module(name); print(name, 'ok')\n"
             "    except ImportError as exc:\n"
@@ -43,19 +44,22 @@ def test_the_emulation_refuses_what_the_image_lacks(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = set(proc.stdout.split("\n"))
     # torch is on the image; engine needs xgrammar, which is not.
-    assert {"xgrammar refused", "pydantic refused", "torch ok", "engine.engine refused"} <= lines
+    assert {"xgrammar refused", "pydantic refused", "torch ok",
+            "kvserve.engine.engine refused"} <= lines
 
 
 def test_the_wheels_list_taken_as_installed_lets_the_engine_import():
     """--allow-listed bench/gpu_wheels.txt: the image plus the carried wheels, with
     nothing downloaded (the dry run of bench/gpu_session.sh imports so)."""
-    code = ("import engine.engine, server.app, bench.gpu_decode\n"
+    code = ("import kvserve.engine.engine, kvserve.server.app, bench.gpu_decode\n"
             "try:\n"
             "    import schemathesis\n"
             "except ImportError as exc:\n"
             "    print('refused' if 'GPU image' in str(exc) else exc)\n")
+    # The checkout on the path, as bench/gpu_session.sh puts it there (PYTHONPATH=.).
     proc = subprocess.run([sys.executable, "bench/gpu_image_check.py", "--allow-listed",
                            "bench/gpu_wheels.txt", "-c", code], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)},
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["refused"]  # a test-only package stays refused

@@ -14,9 +14,9 @@ import pytest
 
 from tests.deploy.files import ROOT, dockerfile_stages, exec_form
 
-# The packages setuptools installs (pyproject's packages.find include list).
-PACKAGES = ("server", "engine", "scheduler", "kvcache", "modelstore", "bench/client",
-            "bench/in_process")
+# The folders the wheel is built from (pyproject's package-dir: kvserve/ and the
+# design's folders installed into it).
+PACKAGES = ("kvserve", "server", "engine", "scheduler", "kvcache", "modelstore")
 
 
 def _hadolint() -> str | None:
@@ -46,7 +46,7 @@ def test_build_stage_installs_cuda_torch_kvserve_gpu_and_bakes_the_model():
     assert "INSTALL_FLASH_ATTN=0" in build.args("ARG")
     assert '[ "$INSTALL_FLASH_ATTN" = "1" ]' in runs and ".[flash-attn]" in runs
     assert build.env()["KVSERVE_CACHE"] == "/var/cache/kvserve"
-    assert "python -m modelstore.default_model" in runs
+    assert "python -m kvserve.modelstore.default_model" in runs
 
 
 def test_runtime_stage_is_cuda_runtime_non_root_with_a_health_check():

@@ -9,8 +9,8 @@ import re
 import httpx
 import yaml
 
-from engine.client.async_engine import AsyncEngine
-from server.app import build_app
+from kvserve.engine.client.async_engine import AsyncEngine
+from kvserve.server.app import build_app
 from tests.deploy.files import DEPLOY, compose, dashboard, dashboard_targets, provisioning
 from tests.support.server import running_server
 

@@ -19,9 +19,9 @@ import httpx
 import pytest
 import yaml
 
-from engine.client.async_engine import AsyncEngine
-from engine.config import SpeculativeConfig
-from server.app import build_app
+from kvserve.engine.client.async_engine import AsyncEngine
+from kvserve.engine.config import SpeculativeConfig
+from kvserve.server.app import build_app
 from tests.deploy.files import DEPLOY, dashboard, dashboard_targets
 from tests.support.server import free_port, running_server
 

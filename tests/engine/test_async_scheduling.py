@@ -9,11 +9,11 @@ import random
 
 import pytest
 
-from engine import faults
-from engine.config import EngineConfig, SpeculativeConfig
-from engine.cuda_graphs import DecodeGraphPlan
-from engine.engine import Engine
-from scheduler.sampling_params import SamplingParams
+from kvserve.engine import faults
+from kvserve.engine.config import EngineConfig, SpeculativeConfig
+from kvserve.engine.cuda_graphs import DecodeGraphPlan
+from kvserve.engine.engine import Engine
+from kvserve.scheduler.sampling_params import SamplingParams
 from tests.engine.test_fault_isolation import _exact, _values, assert_idle, run
 from tests.support.reference import varied_prompts
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.quantization.awq import search_scales
-from engine.quantization.int4 import Int4Linear, fake_quantize_int4
-from engine.quantization.int8 import Int8Linear, fake_quantize_int8
-from modelstore.errors import ModelLoadError
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.engine import Engine
+from kvserve.engine.quantization.awq import search_scales
+from kvserve.engine.quantization.int4 import Int4Linear, fake_quantize_int4
+from kvserve.engine.quantization.int8 import Int8Linear, fake_quantize_int8
+from kvserve.modelstore.errors import ModelLoadError
 
 
 def _outlier_inputs(gen: torch.Generator, rows: int = 256, k: int = 256) -> torch.Tensor:
@@ -78,7 +78,7 @@ def test_activation_aware_needs_a_tokenizer_to_read_its_calibration_text():
 def test_calibration_with_a_shorter_max_model_len_than_its_text_serves(tiny_model_dir, option):
     """The calibration pass takes the text's first 512 tokens, cut to the positions
     the model was built for (it once ran past them and stopped start-up)."""
-    from scheduler.sampling_params import SamplingParams
+    from kvserve.scheduler.sampling_params import SamplingParams
 
     engine = Engine(EngineConfig(model=str(tiny_model_dir("llama")), max_model_len=64,
                                  num_kv_blocks=16, **option))
@@ -103,7 +103,7 @@ def test_int4_on_a_random_preset_serves(tmp_path):
                                  quantization="int4", num_kv_blocks=16))
     layers = [m for m in engine.runner.model.modules() if isinstance(m, Int4Linear)]
     assert len(layers) == 4 * 2
-    from scheduler.sampling_params import SamplingParams
+    from kvserve.scheduler.sampling_params import SamplingParams
 
     out = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0,
                                                       ignore_eos=True))
@@ -116,8 +116,8 @@ def test_int4_in_compiled_mixed_steps_never_recompiles():
     built at start-up."""
     import random
 
-    from engine.compiled_model import graphs_compiled
-    from scheduler.sampling_params import SamplingParams
+    from kvserve.engine.compiled_model import graphs_compiled
+    from kvserve.scheduler.sampling_params import SamplingParams
 
     engine = Engine(EngineConfig(model="preset:llama-tiny", load_format="random",
                                  quantization="int4", dtype="bfloat16", num_kv_blocks=256,

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from engine.block_table_rows import BlockTableRows
+from kvserve.engine.block_table_rows import BlockTableRows
 
 
 def item(rid: str, table: list[int], new: int = 1, spec: tuple = ()) -> SimpleNamespace:

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.cpu_kernels import build
+from kvserve.engine.cpu_kernels import build
 
 OTHER_UID = 65534  # nobody
 
@@ -44,8 +44,8 @@ def copy_library(library: Path, to: Path) -> None:
 @pytest.fixture(scope="module")
 def library() -> Path:
     """The session's library in the real cache (built there if need be)."""
-    from engine.cpu_kernels.setup import load_once
-    from modelstore.default_model import cache_root
+    from kvserve.engine.cpu_kernels.setup import load_once
+    from kvserve.modelstore.default_model import cache_root
 
     try:
         load_once()

@@ -6,7 +6,7 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from engine.structured.cpu_mask import apply_bitmask_cpu_
+from kvserve.engine.structured.cpu_mask import apply_bitmask_cpu_
 
 
 def _bitmask(rows: int, vocab: int, allowed_share: list[float], gen) -> torch.Tensor:

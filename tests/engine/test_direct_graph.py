@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine.direct_graph import DirectCall, GraphRecorder, model_tensors
+from kvserve.engine.direct_graph import DirectCall, GraphRecorder, model_tensors
 
 
 class Toy(nn.Module):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampling.draw import draw, pick, uniforms
+from kvserve.engine.sampling.draw import draw, pick, uniforms
 
 
 def test_a_uniform_lands_on_the_token_whose_share_holds_it():

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.sampling_params import SamplingParams
+from kvserve.scheduler.sampling_params import SamplingParams
 from tests.support.reference import varied_prompts
 
 

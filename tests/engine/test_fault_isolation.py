@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import faults
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.sampling.sampler import _non_finite, _peaks
-from scheduler.sampling_params import SamplingParams
+from kvserve.engine import faults
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.engine import Engine
+from kvserve.engine.sampling.sampler import _non_finite, _peaks
+from kvserve.scheduler.sampling_params import SamplingParams
 
 PROMPTS = {"greedy": [5, 6, 7, 8], "seeded": [9, 10, 11],
            "logprobs": [12, 13, 14, 15, 16], "forked": [17, 18]}
@@ -133,8 +133,8 @@ def test_a_fault_in_every_request_of_a_step_is_the_engines(tiny_engine_factory):
 def test_a_disarmed_fault_point_is_the_plain_method():
     """The points cost nothing outside tests: no check runs, the method is the
     method; only while a fault is armed at a point does a wrapper stand there."""
-    from engine.model_runner import ModelRunner
-    from engine.sampling import Sampler
+    from kvserve.engine.model_runner import ModelRunner
+    from kvserve.engine.sampling import Sampler
 
     def points():
         return ModelRunner.prepare, Sampler._sample, Sampler._finish

@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from engine.attention.fp8_cache import FP8_MAX
-from engine.quantization.fp8 import (Fp8Linear, check_fp8_device, check_fp8_shapes,
-                                     quantize_fp8, quantize_rows)
-from modelstore.errors import ModelLoadError
+from kvserve.engine.attention.fp8_cache import FP8_MAX
+from kvserve.engine.quantization.fp8 import (Fp8Linear, check_fp8_device, check_fp8_shapes,
+                                             quantize_fp8, quantize_rows)
+from kvserve.modelstore.errors import ModelLoadError
 
 
 def test_each_row_spans_the_fp8_range():

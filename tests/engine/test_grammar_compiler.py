@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from engine.structured import compiler as compiler_module
-from engine.structured.compiler import GrammarCompiler
-from engine.structured.grammar_cache import GrammarCache
-from scheduler.sampling_params import SamplingParams
-from scheduler.structured_output import StructuredOutput
+from kvserve.engine.structured import compiler as compiler_module
+from kvserve.engine.structured.compiler import GrammarCompiler
+from kvserve.engine.structured.grammar_cache import GrammarCache
+from kvserve.scheduler.sampling_params import SamplingParams
+from kvserve.scheduler.structured_output import StructuredOutput
 from tests.support.held_compile import held_compile  # noqa: F401 - a fixture
 
 FAST = StructuredOutput("choice", '["yes", "no"]')

@@ -11,11 +11,11 @@ import re
 import jsonschema
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.structured.grammars import check
-from scheduler.sampling_params import SamplingParams
-from scheduler.structured_output import StructuredOutput
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.engine import Engine
+from kvserve.engine.structured.grammars import check
+from kvserve.scheduler.sampling_params import SamplingParams
+from kvserve.scheduler.structured_output import StructuredOutput
 from tests.engine.test_structured_outputs import JSON, REGEX, SCHEMA, run
 
 EBNF = StructuredOutput("grammar", 'root ::= "id-" [0-9] [0-9]? [0-9]? "!"')  # xgrammar's syntax

@@ -3,7 +3,7 @@ collected as before (engine/heap.py)."""
 import gc
 import weakref
 
-from engine.heap import freeze_startup_heap
+from kvserve.engine.heap import freeze_startup_heap
 
 
 class _Node:

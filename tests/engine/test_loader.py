@@ -7,10 +7,10 @@ import shutil
 import pytest
 import torch
 
-from engine import loader
-from engine.config import EngineConfig, ModelConfig, ModelConfigError
-from engine.engine import Engine
-from engine.loader import ModelLoadError
+from kvserve.engine import loader
+from kvserve.engine.config import EngineConfig, ModelConfig, ModelConfigError
+from kvserve.engine.engine import Engine
+from kvserve.engine.loader import ModelLoadError
 
 
 def copy_model(src, dst):
@@ -85,7 +85,7 @@ def test_auto_dtype_is_bf16_only_where_the_cpu_computes_it_natively(tmp_path):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_runs_and_mostly_agrees(tiny_engine_factory, dtype):
-    from scheduler.sampling_params import SamplingParams
+    from kvserve.scheduler.sampling_params import SamplingParams
     from tests.support.reference import varied_prompts
 
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -103,8 +103,8 @@ def test_half_precision_runs_and_mostly_agrees(tiny_engine_factory, dtype):
 def test_tied_embeddings_share_storage(tmp_path, cpu_kernels):
     """One copy of a tied table: shared by the head and the embedding, or (kvserve's
     CPU kernels) the head's packed panels, which the embedding reads too."""
-    from engine.cpu_kernels.setup import NEEDED_FLAGS
-    from engine.loader import cpu_flags
+    from kvserve.engine.cpu_kernels.setup import NEEDED_FLAGS
+    from kvserve.engine.loader import cpu_flags
     from tests.support.tiny_models import make_tiny_model
 
     if cpu_kernels == "kvserve" and not set(NEEDED_FLAGS) <= cpu_flags():

@@ -8,11 +8,11 @@ from collections import Counter
 import pytest
 import torch
 
-from engine.sampling import sample
-from engine.sampling.adjustments import build_adjustments
-from engine.sampling.processors import apply_min_p, apply_penalties, token_counts
-from scheduler.request import Request
-from scheduler.sampling_params import SamplingParams
+from kvserve.engine.sampling import sample
+from kvserve.engine.sampling.adjustments import build_adjustments
+from kvserve.engine.sampling.processors import apply_min_p, apply_penalties, token_counts
+from kvserve.scheduler.request import Request
+from kvserve.scheduler.sampling_params import SamplingParams
 
 V = 12
 EOS = 11

@@ -8,8 +8,8 @@ from collections import defaultdict
 import pytest
 import torch
 
-from engine.outputs import TokenLogprob
-from scheduler.sampling_params import SamplingParams
+from kvserve.engine.outputs import TokenLogprob
+from kvserve.scheduler.sampling_params import SamplingParams
 from tests.support.reference import load_reference, varied_prompts
 
 ATOL = 1e-4

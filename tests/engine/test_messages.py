@@ -7,12 +7,12 @@ import pickle
 
 import pytest
 
-from engine.client.engine_client import EngineClient
-from engine.client.engine_loop import EngineLoop
-from engine.client.messages import (AbortRequest, AddRequest, Shutdown, StepReport,
-                                    TakeSnapshot)
-from engine.outputs import RequestOutput
-from scheduler.sampling_params import SamplingParams
+from kvserve.engine.client.engine_client import EngineClient
+from kvserve.engine.client.engine_loop import EngineLoop
+from kvserve.engine.client.messages import (AbortRequest, AddRequest, Shutdown, StepReport,
+                                            TakeSnapshot)
+from kvserve.engine.outputs import RequestOutput
+from kvserve.scheduler.sampling_params import SamplingParams
 
 
 class RecordingClient(EngineClient):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from scheduler.sampling_params import SamplingParams
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.engine import Engine
+from kvserve.scheduler.sampling_params import SamplingParams
 from tests.support.reference import (load_reference, reference_greedy, reference_logits,
                                      varied_prompts)
 
@@ -17,8 +17,8 @@ ARCHS = ["llama", "llama3rope", "mistral", "qwen2", "qwen3"]
 
 def first_step_logits(engine: Engine, prompt: list[int]) -> torch.Tensor:
     """Logits of the prompt's last token, computed by the engine's runner."""
-    from scheduler.output import ScheduledRequest
-    from scheduler.request import Request
+    from kvserve.scheduler.output import ScheduledRequest
+    from kvserve.scheduler.request import Request
 
     req = Request("logits-probe", prompt, SamplingParams(max_tokens=1, temperature=0.0))
     assert engine.scheduler.kv.allocate_slots(req.request_id, prompt, 0, len(prompt))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.pooling import Pooler, PoolRows
-from scheduler.sampling_params import SamplingParams
+from kvserve.engine.pooling import Pooler, PoolRows
+from kvserve.scheduler.sampling_params import SamplingParams
 
 
 def unit(v: torch.Tensor) -> torch.Tensor:

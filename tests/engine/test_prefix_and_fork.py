@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from scheduler.sampling_params import SamplingParams
+from kvserve.scheduler.sampling_params import SamplingParams
 from tests.support.reference import varied_prompts
 
 

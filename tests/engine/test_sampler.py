@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampling import sample
-from scheduler.sampling_params import SamplingParams
+from kvserve.engine.sampling import sample
+from kvserve.scheduler.sampling_params import SamplingParams
 
 
 def test_greedy_is_argmax():
@@ -13,8 +13,8 @@ def test_greedy_is_argmax():
 
 
 def test_a_given_argmax_is_used_unless_an_adjustment_applies():
-    from engine.sampling.adjustments import build_adjustments
-    from scheduler.request import Request
+    from kvserve.engine.sampling.adjustments import build_adjustments
+    from kvserve.scheduler.request import Request
 
     logits = torch.tensor([[0.0, 5.0, 1.0]])
     greedy = SamplingParams(temperature=0.0)

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from scheduler.sampling_params import SamplingParams
+from kvserve.scheduler.sampling_params import SamplingParams
 from tests.support.reference import load_reference, varied_prompts
 
 PENALIZED = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,

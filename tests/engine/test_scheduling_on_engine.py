@@ -1,7 +1,7 @@
 """Scheduling proofs on the real engine (tiny model, CPU, float32 greedy)."""
 from __future__ import annotations
 
-from scheduler.sampling_params import SamplingParams
+from kvserve.scheduler.sampling_params import SamplingParams
 from tests.support.reference import varied_prompts
 
 

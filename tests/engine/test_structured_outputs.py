@@ -8,11 +8,11 @@ import re
 import jsonschema
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.structured.matchers import DEAD_END
-from scheduler.sampling_params import SamplingParams
-from scheduler.structured_output import StructuredOutput
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.engine import Engine
+from kvserve.engine.structured.matchers import DEAD_END
+from kvserve.scheduler.sampling_params import SamplingParams
+from kvserve.scheduler.structured_output import StructuredOutput
 
 SCHEMA = {"type": "object", "additionalProperties": False,
           "required": ["name", "age", "colour"],
@@ -117,7 +117,7 @@ def test_a_grammar_that_does_not_compile_ends_its_request_and_an_abort_ends_a_he
 def test_a_matcher_that_raises_fails_only_its_request(engine, monkeypatch):
     """A fault in one request's grammar state is that request's: fault isolation
     probes each request alone (with the grammars, never advancing them)."""
-    from engine.structured.matchers import Matchers
+    from kvserve.engine.structured.matchers import Matchers
 
     class Broken:
         def is_terminated(self):
@@ -158,8 +158,8 @@ def test_speculative_drafts_are_checked_against_the_grammar(default_model_dir, m
     know no grammar) are cut before the first token the grammar refuses and verified
     on masked rows; the matcher rolls back. Greedy output is the same as without
     speculation, sampled output is valid, and drafts were accepted."""
-    from engine.config import SpeculativeConfig
-    from engine.structured.matchers import Matchers
+    from kvserve.engine.config import SpeculativeConfig
+    from kvserve.engine.structured.matchers import Matchers
 
     walks = []  # (drafts, kept) of each constrained verification
     walk = Matchers._walk

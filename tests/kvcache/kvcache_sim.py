@@ -7,7 +7,7 @@ import itertools
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
-from kvcache import BlockCopy, KVCacheManager
+from kvserve.kvcache import BlockCopy, KVCacheManager
 
 
 class FakeDevice:

@@ -2,8 +2,8 @@
 pool and the request tables, for the engine page."""
 from __future__ import annotations
 
-from kvcache import KVCacheManager
-from kvcache.block_map import STATE_NAMES
+from kvserve.kvcache import KVCacheManager
+from kvserve.kvcache.block_map import STATE_NAMES
 
 BS = 4
 

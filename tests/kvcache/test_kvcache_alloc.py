@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvcache import KVCacheManager
+from kvserve.kvcache import KVCacheManager
 
 BS = 4
 

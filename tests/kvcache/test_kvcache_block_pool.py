@@ -1,7 +1,7 @@
 """BlockPool: allocation order, eviction, touch/release, hash map upkeep."""
 
-from kvcache.block_pool import BlockPool
-from kvcache.records import CacheStats
+from kvserve.kvcache.block_pool import BlockPool
+from kvserve.kvcache.records import CacheStats
 
 
 def free_ids(pool):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvcache import BlockCopy, KVCacheManager
+from kvserve.kvcache import BlockCopy, KVCacheManager
 
 BS = 4
 

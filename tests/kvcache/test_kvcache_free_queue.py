@@ -2,8 +2,8 @@
 
 import pytest
 
-from kvcache.block import Block
-from kvcache.free_queue import FreeBlockQueue
+from kvserve.kvcache.block import Block
+from kvserve.kvcache.free_queue import FreeBlockQueue
 
 
 def ids(queue):

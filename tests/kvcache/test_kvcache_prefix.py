@@ -2,8 +2,8 @@
 
 import pytest
 
-from kvcache import KVCacheManager
-from kvcache.block_hash import BlockHasher, root_hash
+from kvserve.kvcache import KVCacheManager
+from kvserve.kvcache.block_hash import BlockHasher, root_hash
 
 BS = 4
 

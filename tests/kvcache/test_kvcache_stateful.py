@@ -18,9 +18,9 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvcache import KVCacheManager
-from kvcache.block_hash import BlockHasher
-from kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvserve.kvcache import KVCacheManager
+from kvserve.kvcache.block_hash import BlockHasher
+from kvserve.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from tests.kvcache.kvcache_sim import FakeDevice, check_pool_invariants
 
 # A tiny vocabulary makes shared prefixes (and so prefix hits) common.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hypothesis.strategies as st
 from hypothesis import given, settings
 
-from kvcache import KVCacheManager
+from kvserve.kvcache import KVCacheManager
 from tests.kvcache.kvcache_sim import FakeDevice
 
 BS = 4

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from modelstore import default_model as dm
-from modelstore.gguf_convert import dtype_kwargs
+from kvserve.modelstore import default_model as dm
+from kvserve.modelstore.gguf_convert import dtype_kwargs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -63,7 +63,8 @@ def test_second_call_is_fast_and_imports_nothing_heavy(model_dir):
     assert again == model_dir
     # In a fresh interpreter the fast path must not pull in torch/transformers:
     # the server calls this at startup before deciding what to load.
-    code = ("import sys; from modelstore import default_model as dm; p = dm.ensure_default_model(); "
+    code = ("import sys; from kvserve.modelstore import default_model as dm; "
+            "p = dm.ensure_default_model(); "
             "print(p); print('transformers' in sys.modules, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
                          text=True, check=True, timeout=60).stdout.split("\n")

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import loader
-from engine.config import EngineConfig, ModelConfig, ModelConfigError
-from engine.engine import Engine
-from modelstore.presets import preset_names, resolve_model_path
-from modelstore.weight_bytes import weight_bytes
-from scheduler.sampling_params import SamplingParams
+from kvserve.engine import loader
+from kvserve.engine.config import EngineConfig, ModelConfig, ModelConfigError
+from kvserve.engine.engine import Engine
+from kvserve.modelstore.presets import preset_names, resolve_model_path
+from kvserve.modelstore.weight_bytes import weight_bytes
+from kvserve.scheduler.sampling_params import SamplingParams
 
 # Parameter counts of the released checkpoints (Hugging Face model cards / safetensors).
 REAL_SIZES = {"llama-3.2-1b": 1_235_814_400, "llama-3.1-8b": 8_030_261_248}
@@ -112,7 +112,7 @@ def test_package_data_ships_every_preset():
     tomllib = pytest.importorskip("tomllib")
     root = Path(__file__).resolve().parents[2]
     data = tomllib.loads((root / "pyproject.toml").read_text())
-    globs = data["tool"]["setuptools"]["package-data"]["modelstore.presets"]
+    globs = data["tool"]["setuptools"]["package-data"]["kvserve.modelstore.presets"]
     shipped = {p for g in globs for p in (root / "modelstore" / "presets").glob(g)}
     assert {resolve_model_path(f"preset:{n}") / "config.json" for n in preset_names()} <= shipped
 
@@ -124,12 +124,12 @@ class TestCli:
             monkeypatch.delenv(f"KVSERVE_{flag}", raising=False)
 
     def parse(self, *flags):
-        from server.cli import build_parser
+        from kvserve.server.cli import build_parser
 
         return build_parser().parse_args(["serve", *flags])
 
     def test_preset_with_random_weights(self):
-        from server.cli import engine_config_from_args, resolve_model
+        from kvserve.server.cli import engine_config_from_args, resolve_model
 
         args = self.parse("--model", "preset:llama-3.2-1b", "--load-format", "random")
         path, names = resolve_model(args)
@@ -141,7 +141,7 @@ class TestCli:
         (("--model", "preset:gpt-9", "--load-format", "random"), "unknown preset"),
     ])
     def test_clear_errors(self, flags, message):
-        from server.cli import resolve_model
+        from kvserve.server.cli import resolve_model
 
         with pytest.raises(SystemExit) as exc:
             resolve_model(self.parse(*flags))

@@ -29,12 +29,12 @@ import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 
-from kvcache import KVCacheManager
-from scheduler.output import SchedulerOutput
-from scheduler.request import Request, RequestStatus
-from scheduler.sampling_params import SamplingParams
-from scheduler.config import SchedulerConfig
-from scheduler.scheduler import Scheduler
+from kvserve.kvcache import KVCacheManager
+from kvserve.scheduler.output import SchedulerOutput
+from kvserve.scheduler.request import Request, RequestStatus
+from kvserve.scheduler.sampling_params import SamplingParams
+from kvserve.scheduler.config import SchedulerConfig
+from kvserve.scheduler.scheduler import Scheduler
 from tests.kvcache.kvcache_sim import check_pool_invariants
 
 ABORT_KINDS = ("waiting", "preempted", "prefill", "decode", "mid_step", "forking_parent",

@@ -3,9 +3,9 @@ others step aside, keeping their place, for the requests behind them; the base
 model is never held back), and the prefix cache is keyed by adapter."""
 from __future__ import annotations
 
-from kvcache import KVCacheManager
-from scheduler.request import Request
-from scheduler.sampling_params import SamplingParams
+from kvserve.kvcache import KVCacheManager
+from kvserve.scheduler.request import Request
+from kvserve.scheduler.sampling_params import SamplingParams
 from tests.scheduler.test_scheduler_unit import assert_empty, make, run_all, step
 
 

@@ -3,8 +3,8 @@ the scheduler gives it no prefix-cache hit (as vLLM does) until its first token 
 out; it still registers its blocks for others."""
 from __future__ import annotations
 
-from scheduler.request import Request
-from scheduler.sampling_params import SamplingParams
+from kvserve.scheduler.request import Request
+from kvserve.scheduler.sampling_params import SamplingParams
 from tests.scheduler.test_scheduler_unit import assert_empty, make, run_all, step
 
 PROMPT = list(range(500, 509))  # two full blocks of 4 and one token

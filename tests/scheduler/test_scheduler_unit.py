@@ -6,13 +6,13 @@ import zlib
 
 import pytest
 
-from kvcache import KVCacheManager
-from scheduler.output import SchedulerOutput
-from scheduler.request import Request, RequestStatus
-from scheduler.sampling_params import SamplingParams
-from scheduler.config import SchedulerConfig
-from scheduler.scheduler import Scheduler
-from scheduler.waiting_queue import FCFSQueue, PriorityQueue, make_waiting_queue
+from kvserve.kvcache import KVCacheManager
+from kvserve.scheduler.output import SchedulerOutput
+from kvserve.scheduler.request import Request, RequestStatus
+from kvserve.scheduler.sampling_params import SamplingParams
+from kvserve.scheduler.config import SchedulerConfig
+from kvserve.scheduler.scheduler import Scheduler
+from kvserve.scheduler.waiting_queue import FCFSQueue, PriorityQueue, make_waiting_queue
 from tests.kvcache.kvcache_sim import check_pool_invariants
 from tests.scheduler.sim import expected_tokens, sample_for
 

@@ -14,8 +14,8 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from kvcache.manager import KVCacheManager
-from scheduler.config import SchedulerConfig
+from kvserve.kvcache.manager import KVCacheManager
+from kvserve.scheduler.config import SchedulerConfig
 from tests.scheduler.sim import (ABORT_KINDS, SimResult, Simulation, Spec, blocks_alone,
                                  expected_tokens, make_workload, spec_len)
 

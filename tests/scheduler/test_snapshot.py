@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pickle
 
-from scheduler.snapshot import MAX_WAITING_LISTED, SchedulerSnapshot
+from kvserve.scheduler.snapshot import MAX_WAITING_LISTED, SchedulerSnapshot
 from tests.scheduler.test_scheduler_unit import make, req, step, three_full_blocks
 
 

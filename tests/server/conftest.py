@@ -3,11 +3,11 @@ from __future__ import annotations
 import openai
 import pytest
 
-from engine.client.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.engine import Engine
-from server.app import build_app
-from server.config import ServerConfig
+from kvserve.engine.client.async_engine import AsyncEngine
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.engine import Engine
+from kvserve.server.app import build_app
+from kvserve.server.config import ServerConfig
 from tests.support.server import running_server
 
 SMOL = "smol"  # the default model's served name in these servers

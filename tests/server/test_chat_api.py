@@ -7,8 +7,8 @@ import httpx
 import openai
 import pytest
 
-from scheduler.sampling_params import SamplingParams
-from server.chat_template import render_chat
+from kvserve.scheduler.sampling_params import SamplingParams
+from kvserve.server.chat_template import render_chat
 from tests.support.http import assert_error, parse_sse, wait_idle
 from tests.support.server import engine_http_client
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.chat_template import render_chat_text, template_variables
+from kvserve.server.chat_template import render_chat_text, template_variables
 
 TEMPLATE = ("{% if greeting %}{{ greeting }} {% endif %}{% for m in messages %}"
             "{% generation %}{{ m['content'] }}{% endgeneration %}{% endfor %}"
@@ -15,7 +15,7 @@ MESSAGES = [{"role": "user", "content": "hello"}]
 
 @pytest.fixture(scope="module")
 def tok(tiny_model_dir):
-    from modelstore.tokenizer import load_tokenizer
+    from kvserve.modelstore.tokenizer import load_tokenizer
 
     return load_tokenizer(tiny_model_dir("llama"))
 

@@ -10,10 +10,10 @@ import httpx
 import openai
 import pytest
 
-from engine.client.async_engine import AsyncEngine
-from engine.engine import Engine
-from scheduler.sampling_params import SamplingParams
-from server.app import VERSION, build_app
+from kvserve.engine.client.async_engine import AsyncEngine
+from kvserve.engine.engine import Engine
+from kvserve.scheduler.sampling_params import SamplingParams
+from kvserve.server.app import VERSION, build_app
 from tests.support.http import (CompletionsClient, assert_error, parse_sse,
                                 post_completions_concurrently, wait_idle)
 from tests.support.server import running_server

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.detokenizer import IncrementalDetokenizer
+from kvserve.server.detokenizer import IncrementalDetokenizer
 
 MULTIBYTE_TEXTS = [
     "Héllo wörld",
@@ -32,7 +32,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 @pytest.fixture(scope="module")
 def tok(tiny_model_dir):
-    from modelstore.tokenizer import load_tokenizer
+    from kvserve.modelstore.tokenizer import load_tokenizer
 
     return load_tokenizer(tiny_model_dir("llama"))
 
@@ -208,7 +208,7 @@ def test_special_tokens_are_skipped_or_kept(tok):
 
 @pytest.mark.slow
 def test_default_model_tokenizer_streaming(default_model_dir):
-    from modelstore.tokenizer import load_tokenizer
+    from kvserve.modelstore.tokenizer import load_tokenizer
 
     tok = load_tokenizer(default_model_dir)
     for text in MULTIBYTE_TEXTS + ["Ünïcödé ½ → ∞, 日本語のテキスト, 한국어, 🙂👍🏽🇫🇷"]:

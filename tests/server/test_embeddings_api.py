@@ -16,11 +16,11 @@ import pytest
 import torch
 from transformers import AutoModel, AutoTokenizer
 
-from engine.client.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.engine import Engine
-from server.app import build_app
-from server.config import ServerConfig
+from kvserve.engine.client.async_engine import AsyncEngine
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.engine import Engine
+from kvserve.server.app import build_app
+from kvserve.server.config import ServerConfig
 from tests.support.http import assert_error
 from tests.support.server import running_server
 from tests.support.tiny_models import CORPUS, make_tiny_model

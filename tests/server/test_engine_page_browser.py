@@ -11,9 +11,9 @@ import threading
 import httpx
 import pytest
 
-from engine.client.async_engine import AsyncEngine
-from server.app import build_app
-from server.config import ServerConfig
+from kvserve.engine.client.async_engine import AsyncEngine
+from kvserve.server.app import build_app
+from kvserve.server.config import ServerConfig
 from tests.server.conftest import SMOL
 from tests.support.browser import chromium, expect, screenshot
 from tests.support.server import running_server

@@ -9,11 +9,11 @@ import time
 import httpx
 import pytest
 
-from engine.config import EngineConfig
-from modelstore.tokenizer import load_tokenizer
-from engine.client.process_engine import EngineStartError, ProcessEngine
-from scheduler.sampling_params import SamplingParams
-from server.app import build_app
+from kvserve.engine.config import EngineConfig
+from kvserve.modelstore.tokenizer import load_tokenizer
+from kvserve.engine.client.process_engine import EngineStartError, ProcessEngine
+from kvserve.scheduler.sampling_params import SamplingParams
+from kvserve.server.app import build_app
 from tests.support.http import assert_error, parse_sse
 from tests.support.server import running_server
 
@@ -115,7 +115,7 @@ def test_a_model_that_cannot_load_fails_at_construction(tmp_path):
 
 
 def test_auto_mode_is_a_process():
-    from engine.client.launch import pick_mode
+    from kvserve.engine.client.launch import pick_mode
 
     assert pick_mode("auto") == "process"
     assert pick_mode("thread") == "thread"

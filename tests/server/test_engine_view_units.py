@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from server.engine_view.history import EngineHistory
-from server.engine_view.snapshot_json import coarsen, runs
-from server.metrics.frontend import FrontendHistograms
+from kvserve.server.engine_view.history import EngineHistory
+from kvserve.server.engine_view.snapshot_json import coarsen, runs
+from kvserve.server.metrics.frontend import FrontendHistograms
 from tests.engine.test_messages import RecordingClient
 
 

@@ -11,11 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from engine.client.async_engine import AsyncEngine
-from engine.structured import grammars
-from server.app import build_app
-from server.config import ServerConfig
-from server.grammar_limits import GrammarLimits
+from kvserve.engine.client.async_engine import AsyncEngine
+from kvserve.engine.structured import grammars
+from kvserve.server.app import build_app
+from kvserve.server.config import ServerConfig
+from kvserve.server.grammar_limits import GrammarLimits
 from tests.support.http import assert_error, wait_idle
 from tests.support.server import running_server
 

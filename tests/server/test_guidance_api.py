@@ -13,10 +13,10 @@ import openai
 import pytest
 
 from bench.structured_schemas import SCHEMAS
-from engine.client.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.engine import Engine
-from server.app import build_app
+from kvserve.engine.client.async_engine import AsyncEngine
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.engine import Engine
+from kvserve.server.app import build_app
 from tests.server.conftest import SMOL
 from tests.support.http import assert_error
 from tests.support.server import running_server

@@ -9,9 +9,9 @@ import time
 import httpx
 import pytest
 
-from engine.client.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.client.process_engine import ProcessEngine
+from kvserve.engine.client.async_engine import AsyncEngine
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.client.process_engine import ProcessEngine
 from tests.server.test_ops_shutdown import serving
 
 STATS_LINE = "Avg prompt throughput"

@@ -6,10 +6,10 @@ from __future__ import annotations
 import httpx
 import pytest
 
-import server.generation
-from engine.client.async_engine import AsyncEngine
-from server.app import build_app
-from server.detokenizer import IncrementalDetokenizer
+import kvserve.server.generation
+from kvserve.engine.client.async_engine import AsyncEngine
+from kvserve.server.app import build_app
+from kvserve.server.detokenizer import IncrementalDetokenizer
 from tests.support.http import assert_error, parse_sse, wait_idle
 from tests.support.server import running_server
 
@@ -27,7 +27,7 @@ class BrokenDetokenizer(IncrementalDetokenizer):
 @pytest.fixture(scope="module")
 def srv(tiny_engine_factory):
     patch = pytest.MonkeyPatch()
-    patch.setattr(server.generation, "IncrementalDetokenizer", BrokenDetokenizer)
+    patch.setattr(kvserve.server.generation, "IncrementalDetokenizer", BrokenDetokenizer)
     engine = tiny_engine_factory("llama")
     with running_server(build_app(AsyncEngine(engine), [MODEL])) as url, \
             httpx.Client(base_url=url, timeout=60) as http:

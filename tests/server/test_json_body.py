@@ -11,8 +11,8 @@ import pytest
 from fastapi import FastAPI
 from pydantic import BaseModel, field_validator
 
-from server.errors import install_error_handlers
-from server.json_body import INLINE_JSON_BYTES, OffLoopJSONRoute
+from kvserve.server.errors import install_error_handlers
+from kvserve.server.json_body import INLINE_JSON_BYTES, OffLoopJSONRoute
 
 PAD = "x" * (INLINE_JSON_BYTES + 1)  # makes a body big
 
@@ -85,7 +85,7 @@ def test_a_body_that_is_not_declared_json_is_left_to_fastapi():
 def test_the_loop_runs_while_a_big_body_is_read(monkeypatch):
     """The reader's thread parses: the loop answers meanwhile (a parse held here
     until the loop has run a callback)."""
-    import server.json_body as json_body
+    import kvserve.server.json_body as json_body
     loop_ran = threading.Event()
     real_loads = json.loads
 
@@ -113,8 +113,8 @@ def test_a_big_body_past_a_count_cap_is_refused_and_freed_on_the_readers_thread(
         monkeypatch):
     """The check app.state names runs on the reader's thread; a refused request's
     objects are freed there (the loop would take 14-27 ms for 20,000 tools)."""
-    from server.errors import APIError
-    from server.json_body import BODY_CHECK
+    from kvserve.server.errors import APIError
+    from kvserve.server.json_body import BODY_CHECK
 
     freed_on = []
 
@@ -149,7 +149,7 @@ def test_the_reader_lets_the_loop_run_during_one_parse():
     (with plain json.loads it runs only before and after)."""
     import time
 
-    from server.json_body import _read
+    from kvserve.server.json_body import _read
 
     body = json.dumps({"n": 1, "more": [{"k": i} for i in range(300_000)]}).encode()
     ticks, done = [], threading.Event()

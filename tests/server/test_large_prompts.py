@@ -11,8 +11,8 @@ import json
 import time
 
 import httpx
-from engine.client.async_engine import AsyncEngine
-from server.app import build_app
+from kvserve.engine.client.async_engine import AsyncEngine
+from kvserve.server.app import build_app
 from tests.server.test_ops_shutdown import serving
 from tests.support.server import running_server
 
@@ -99,7 +99,7 @@ def test_a_prompt_tokenized_in_full_stalls_nothing(tiny_engine_factory, monkeypa
     most 81 characters), then refused by the context check; the event loop keeps
     answering meanwhile. (Tokenizing 5 MB in full would still hold the GIL for
     ~0.5 s while the Rust tokenizer hands its 1.3M ids to Python.)"""
-    monkeypatch.setattr("server.tokenization.token_bound", lambda tok: None)
+    monkeypatch.setattr("kvserve.server.tokenization.token_bound", lambda tok: None)
     app = build_app(AsyncEngine(tiny_engine_factory("llama")), ["tiny"])
     with running_server(app) as url:
         seen = asyncio.run(_watch(url, _big_bodies(FIVE_MB[:600_000])))

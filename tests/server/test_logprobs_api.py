@@ -40,7 +40,7 @@ def ref_logprobs(tiny_model_dir):
 def offline(tiny_engine_factory):
     """(prompt ids, **SamplingParams fields) -> the token ids an engine of its own
     generates; seeded sampling does not depend on the batch, so they must match."""
-    from scheduler.sampling_params import SamplingParams
+    from kvserve.scheduler.sampling_params import SamplingParams
 
     engine = tiny_engine_factory("llama")
     return lambda ids, **params: engine.generate([ids], SamplingParams(**params))[0]
@@ -167,7 +167,7 @@ def test_echo_streaming_sends_the_prompt_first(srv):
 
 
 def test_chat_logprobs_match_the_reference(srv, ref_logprobs):
-    from server.chat_template import render_chat
+    from kvserve.server.chat_template import render_chat
 
     messages = [{"role": "user", "content": PROMPT}]
     body = post(srv, "/v1/chat/completions", messages=messages, max_tokens=5,

@@ -11,10 +11,10 @@ import httpx
 import pytest
 from peft import PeftModel
 
-from engine.client.async_engine import AsyncEngine
-from engine.lora.config import LoRAConfig
-from server.app import build_app
-from server.config import ServerConfig
+from kvserve.engine.client.async_engine import AsyncEngine
+from kvserve.engine.lora.config import LoRAConfig
+from kvserve.server.app import build_app
+from kvserve.server.config import ServerConfig
 from tests.engine.lora.test_adapter import make_adapter
 from tests.support.reference import load_reference, reference_greedy
 from tests.support.server import running_server
@@ -249,7 +249,7 @@ def test_an_adapter_is_read_beside_the_steps(server, adapters, monkeypatch):
     import threading
     import time
 
-    from engine.lora import manager
+    from kvserve.engine.lora import manager
 
     url, engine = server
     real, reader = manager.load_adapter, []

@@ -6,8 +6,8 @@ import time
 
 import httpx
 
-from engine.client.async_engine import AsyncEngine
-from server.app import build_app
+from kvserve.engine.client.async_engine import AsyncEngine
+from kvserve.server.app import build_app
 from tests.support.http import post_completions_concurrently
 from tests.support.metrics_script import Scrapes
 from tests.support.server import running_server

@@ -8,12 +8,12 @@ import time
 import httpx
 import pytest
 
-from engine.config import EngineConfig
-from engine.client.messages import StepReport
-from modelstore.tokenizer import load_tokenizer
-from engine.outputs import RequestOutput, RequestTimes
-from engine.client.process_engine import ProcessEngine
-from server.app import build_app
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.client.messages import StepReport
+from kvserve.modelstore.tokenizer import load_tokenizer
+from kvserve.engine.outputs import RequestOutput, RequestTimes
+from kvserve.engine.client.process_engine import ProcessEngine
+from kvserve.server.app import build_app
 from tests.support.metrics_script import Scrapes, complete
 from tests.support.server import running_server
 

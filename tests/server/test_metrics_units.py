@@ -8,11 +8,11 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry
 
-from engine.client.messages import StepReport
-from engine.outputs import RequestOutput
-from server import metrics_buckets as b
-from server.metrics.frontend import FrontendHistograms, RequestClock, current_clock
-from server.metrics.log import StatsLogger
+from kvserve.engine.client.messages import StepReport
+from kvserve.engine.outputs import RequestOutput
+from kvserve.server import metrics_buckets as b
+from kvserve.server.metrics.frontend import FrontendHistograms, RequestClock, current_clock
+from kvserve.server.metrics.log import StatsLogger
 
 
 def test_bucket_bounds_are_vllms():

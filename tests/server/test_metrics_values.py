@@ -10,8 +10,8 @@ import time
 import httpx
 import pytest
 
-from engine.client.async_engine import AsyncEngine
-from server.app import build_app
+from kvserve.engine.client.async_engine import AsyncEngine
+from kvserve.server.app import build_app
 from tests.support.metrics_script import Scrapes, assert_in_buckets, complete
 from tests.support.server import running_server
 

@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from server import cli
-from server.cli import build_parser
-from server.config import ServerConfig
+from kvserve.server import cli
+from kvserve.server.cli import build_parser
+from kvserve.server.config import ServerConfig
 
 
 @pytest.fixture(autouse=True)
@@ -67,10 +67,10 @@ def test_negative_or_bad_limits_are_usage_errors(flag, value, capsys):
 def test_serve_wires_the_flags_through(monkeypatch, tmp_path):
     """serve() hands the keys and the queue limit to build_app, and the drain timeout
     to the graceful server (the shutdown tests run the real thing)."""
-    import engine.client.async_engine
-    import engine.engine
-    import server.app
-    import server.shutdown
+    import kvserve.engine.client.async_engine
+    import kvserve.engine.engine
+    import kvserve.server.app
+    import kvserve.server.shutdown
 
     seen = {}
 
@@ -93,10 +93,10 @@ def test_serve_wires_the_flags_through(monkeypatch, tmp_path):
         def run(self):
             seen["ran"] = True
 
-    monkeypatch.setattr(engine.engine, "Engine", lambda config: object())
-    monkeypatch.setattr(engine.client.async_engine, "AsyncEngine", lambda e: e)
-    monkeypatch.setattr(server.app, "build_app", fake_build_app)
-    monkeypatch.setattr(server.shutdown, "GracefulServer", FakeServer)
+    monkeypatch.setattr(kvserve.engine.engine, "Engine", lambda config: object())
+    monkeypatch.setattr(kvserve.engine.client.async_engine, "AsyncEngine", lambda e: e)
+    monkeypatch.setattr(kvserve.server.app, "build_app", fake_build_app)
+    monkeypatch.setattr(kvserve.server.shutdown, "GracefulServer", FakeServer)
     cli.serve(_args("--model", str(tmp_path), "--engine-mode", "thread", "--api-key", "k1,k2",
                     "--max-waiting-requests", "5", "--shutdown-timeout", "3",
                     "--max-waiting-tokens", "7", "--max-request-body-bytes", "100",

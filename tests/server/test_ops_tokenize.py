@@ -4,9 +4,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from engine.client.async_engine import AsyncEngine
-from server.app import build_app
-from server.chat_template import render_chat
+from kvserve.engine.client.async_engine import AsyncEngine
+from kvserve.server.app import build_app
+from kvserve.server.chat_template import render_chat
 from tests.support.http import assert_error
 from tests.support.server import running_server
 
@@ -126,7 +126,7 @@ def test_tokenizer_routes_never_hold_up_a_prompt(served, monkeypatch):
     import threading
     import time
 
-    from server import tokenize_api
+    from kvserve.server import tokenize_api
 
     http, _ = served
     real = tokenize_api._tokenize

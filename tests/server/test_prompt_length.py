@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from server.errors import APIError
-from server.prompt_length import TokenBound, token_bound
-from server.tokenization import Tokenization
+from kvserve.server.errors import APIError
+from kvserve.server.prompt_length import TokenBound, token_bound
+from kvserve.server.tokenization import Tokenization
 from tests.support.tiny_models import make_tokenizer
 
 # Text that stresses the bound: long runs of one character (merged into long
@@ -31,7 +31,7 @@ def tiny_tokenizer(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def default_tokenizer(default_model_dir):
-    from modelstore.tokenizer import load_tokenizer
+    from kvserve.modelstore.tokenizer import load_tokenizer
 
     return load_tokenizer(str(default_model_dir))
 

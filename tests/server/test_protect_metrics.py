@@ -6,10 +6,10 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from engine.client.async_engine import AsyncEngine
-from server import cli
-from server.app import build_app
-from server.config import ServerConfig
+from kvserve.engine.client.async_engine import AsyncEngine
+from kvserve.server import cli
+from kvserve.server.app import build_app
+from kvserve.server.config import ServerConfig
 from tests.support.http import assert_error
 from tests.support.server import running_server
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from server.reasoning import ReasoningParser, reasoning_parser
+from kvserve.server.reasoning import ReasoningParser, reasoning_parser
 
 CASES = json.loads((Path(__file__).parent / "data" / "reasoning_outputs.json").read_text())
 IDS = [f"{i}-{c['parser']}" for i, c in enumerate(CASES)]

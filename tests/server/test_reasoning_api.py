@@ -11,12 +11,12 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from engine.client.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.engine import Engine
-from server.app import build_app
-from server.config import ServerConfig
-from server.reasoning import reasoning_parser
+from kvserve.engine.client.async_engine import AsyncEngine
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.engine import Engine
+from kvserve.server.app import build_app
+from kvserve.server.config import ServerConfig
+from kvserve.server.reasoning import reasoning_parser
 from tests.support.http import parse_sse
 from tests.support.server import running_server
 from tests.support.tiny_models import make_tiny_model

@@ -8,9 +8,9 @@ import time
 import httpx
 import pytest
 
-from engine.client.async_engine import AsyncEngine
-from server.app import build_app
-from server.config import ServerConfig
+from kvserve.engine.client.async_engine import AsyncEngine
+from kvserve.server.app import build_app
+from kvserve.server.config import ServerConfig
 from tests.support.http import assert_error, parse_sse, wait_idle
 from tests.support.server import running_server
 

@@ -2,8 +2,8 @@
 each entry its owner's alone."""
 from __future__ import annotations
 
-from server.responses.inputs import input_messages
-from server.responses.store import ResponseStore
+from kvserve.server.responses.inputs import input_messages
+from kvserve.server.responses.store import ResponseStore
 
 
 class Clock:

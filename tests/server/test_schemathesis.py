@@ -17,10 +17,10 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode, checks
 
-from engine.client.async_engine import AsyncEngine
-from server.app import build_app
-from server.config import ServerConfig
-from server.protocol import ChatCompletionRequest, CompletionRequest
+from kvserve.engine.client.async_engine import AsyncEngine
+from kvserve.server.app import build_app
+from kvserve.server.config import ServerConfig
+from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from tests.support.http import wait_idle
 from tests.support.server import running_server
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from engine.client.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.engine import Engine
-from scheduler.sampling_params import SamplingParams
-from server.app import build_app
+from kvserve.engine.client.async_engine import AsyncEngine
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.engine import Engine
+from kvserve.scheduler.sampling_params import SamplingParams
+from kvserve.server.app import build_app
 from tests.support.http import assert_error, parse_sse, wait_idle
 from tests.support.server import running_server
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from server.tool_formats import FORMATS, tool_format
+from kvserve.server.tool_formats import FORMATS, tool_format
 
 WEATHER = ("get_weather", {"city": "Paris"})
 TIME = ("get_time", {"zone": "CET"})

@@ -11,9 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.client.async_engine import AsyncEngine
-from server.app import build_app
-from server.ui.routes import CSP
+from kvserve.engine.client.async_engine import AsyncEngine
+from kvserve.server.app import build_app
+from kvserve.server.ui.routes import CSP
 from tests.support.server import running_server
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,7 +51,7 @@ def test_every_module_import_is_a_shipped_file():
 
 def test_package_data_ships_every_static_file():
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    globs = data["tool"]["setuptools"]["package-data"]["server.ui"]
+    globs = data["tool"]["setuptools"]["package-data"]["kvserve.server.ui"]
     shipped = {p for g in globs for p in (ROOT / "server" / "ui").glob(g)}
     assert set(STATIC.iterdir()) <= shipped
 

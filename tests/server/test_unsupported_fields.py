@@ -7,9 +7,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from engine.client.async_engine import AsyncEngine
-from server.app import build_app
-from server.unsupported_fields import CHAT_FIELDS, COMPLETION_FIELDS
+from kvserve.engine.client.async_engine import AsyncEngine
+from kvserve.server.app import build_app
+from kvserve.server.unsupported_fields import CHAT_FIELDS, COMPLETION_FIELDS
 from tests.support.http import assert_error, parse_sse
 from tests.support.server import running_server
 

@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from engine.structured.compiler import GrammarCompiler
-from scheduler.structured_output import StructuredOutput
+from kvserve.engine.structured.compiler import GrammarCompiler
+from kvserve.scheduler.structured_output import StructuredOutput
 
 _lengths = itertools.count(4)
 

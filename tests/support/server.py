@@ -42,8 +42,8 @@ def engine_http_client(engine, model_name: str, timeout: float = 120.0):
     httpx.Client on it, with the engine at `.engine` for leak checks."""
     import httpx
 
-    from engine.client.async_engine import AsyncEngine
-    from server.app import build_app
+    from kvserve.engine.client.async_engine import AsyncEngine
+    from kvserve.server.app import build_app
 
     app = build_app(AsyncEngine(engine), [model_name])
     with running_server(app) as url, httpx.Client(base_url=url, timeout=timeout) as http:

@@ -19,10 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention.triton.common import (LOG2E, cache_scales, check_cache,
-                                            check_head_layout, dot_precision, dot_tile,
-                                            parallelism, upcast_on_load)
-from engine.attention.triton.paged_tile import attend_paged
+from kvserve.engine.attention.triton.common import (LOG2E, cache_scales, check_cache,
+                                                    check_head_layout, dot_precision, dot_tile,
+                                                    parallelism, upcast_on_load)
+from kvserve.engine.attention.triton.paged_tile import attend_paged
 
 BLOCK_N = 64  # keys per tile: 16-bit models
 # fp32 models: twice the bytes a value, three tf32 products a dot; at 64 keys a tile

@@ -11,10 +11,10 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention.triton.common import (LOG2E, cache_scales, check_cache,
-                                            check_head_layout, dot_precision, dot_tile,
-                                            upcast_on_load)
-from engine.attention.triton.paged_tile import attend_paged
+from kvserve.engine.attention.triton.common import (LOG2E, cache_scales, check_cache,
+                                                    check_head_layout, dot_precision, dot_tile,
+                                                    upcast_on_load)
+from kvserve.engine.attention.triton.paged_tile import attend_paged
 
 def tiles(dtype: torch.dtype, block_d: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages), chosen by what each compiles to for

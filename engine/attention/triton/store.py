@@ -7,8 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention.fp8_cache import FP8_MAX
-from engine.attention.triton.common import cache_scales, check_cache, check_head_layout
+from kvserve.engine.attention.fp8_cache import FP8_MAX
+from kvserve.engine.attention.triton.common import cache_scales, check_cache, check_head_layout
 
 
 @triton.jit

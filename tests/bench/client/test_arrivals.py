@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from bench.client.arrivals import intervals, start_offsets
+from kvserve.benchmarks.client.arrivals import intervals, start_offsets
 
 
 def test_infinite_rate_sends_everything_at_once():

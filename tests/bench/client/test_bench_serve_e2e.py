@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from engine.client.async_engine import AsyncEngine
-from server import cli
-from server.app import build_app
+from kvserve.engine.client.async_engine import AsyncEngine
+from kvserve.server import cli
+from kvserve.server.app import build_app
 from tests.support.server import running_server
 
 
@@ -44,8 +44,8 @@ def test_random_completions_8_requests(url, tmp_path, capsys):
 
 def _sessions(doc):
     """The workload the run sent, rebuilt from its saved flags (same seed)."""
-    from bench.client.datasets import make_sessions
-    from bench.client.serve_cmd import dataset_spec
+    from kvserve.benchmarks.client.datasets import make_sessions
+    from kvserve.benchmarks.client.serve_cmd import dataset_spec
 
     return make_sessions(dataset_spec(argparse.Namespace(**doc["config"])))
 

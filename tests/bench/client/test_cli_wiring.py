@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from server import cli
+from kvserve.server import cli
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -19,16 +19,18 @@ def run_python(code: str) -> subprocess.CompletedProcess:
 
 
 def test_serve_parsing_does_not_import_the_bench_client():
-    r = run_python("import sys; from server.cli import build_parser; "
+    r = run_python("import sys; from kvserve.server.cli import build_parser; "
                    "build_parser().parse_args(['serve']); "
-                   "assert 'bench.client' not in sys.modules, 'bench.client imported'")
+                   "assert 'kvserve.benchmarks.client' not in sys.modules, "
+                   "'kvserve.benchmarks.client imported'")
     assert r.returncode == 0, r.stderr
 
 
 def test_kvbench_loads_without_the_server_or_torch():
-    r = run_python("import sys, bench.client.cli, bench.client.serve_cmd, bench.client.estimate_cmd, "
-                   "bench.client.plot; bad = {'torch', 'engine', 'scheduler', 'kvcache', "
-                   "'server', 'matplotlib'} & set(sys.modules); assert not bad, bad")
+    r = run_python("import sys, kvserve.benchmarks.client.cli, "
+                   "kvserve.benchmarks.client.serve_cmd, kvserve.benchmarks.client.estimate_cmd, kvserve.benchmarks.client.plot; "
+                   "bad = {'torch', 'kvserve.engine', 'kvserve.scheduler', 'kvserve.kvcache', "
+                   "'kvserve.server', 'matplotlib'} & set(sys.modules); assert not bad, bad")
     assert r.returncode == 0, r.stderr
 
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.client.datasets import DatasetSpec, make_sessions
-from bench.client.history import first_prompt, next_prompt
+from kvserve.benchmarks.client.datasets import DatasetSpec, make_sessions
+from kvserve.benchmarks.client.history import first_prompt, next_prompt
 
 
 def length(prompt) -> int:

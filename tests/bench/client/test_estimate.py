@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from bench.client.estimate import efficiency, estimate
-from bench.client.gpus import get_gpu
-from bench.client.model_shape import ModelShape, config_path, load_shape
-from bench.client.roofline import Setup
+from kvserve.benchmarks.client.estimate import efficiency, estimate
+from kvserve.benchmarks.client.gpus import get_gpu
+from kvserve.benchmarks.client.model_shape import ModelShape, config_path, load_shape
+from kvserve.benchmarks.client.roofline import Setup
 
 LLAMA_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, intermediate_size=14336,

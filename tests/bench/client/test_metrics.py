@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from bench.client.metrics import percentile, summarize
-from bench.client.records import RequestRecord
+from kvserve.benchmarks.client.metrics import percentile, summarize
+from kvserve.benchmarks.client.records import RequestRecord
 
 
 def rec(times, tokens=None, e2el=None, output=None, prompt=10):

@@ -5,9 +5,9 @@ import asyncio
 
 import pytest
 
-from bench.client.client import Target
-from bench.client.datasets import DatasetSpec, make_sessions
-from bench.client.runner import SKIPPED, Run, Traffic
+from kvserve.benchmarks.client.client import Target
+from kvserve.benchmarks.client.datasets import DatasetSpec, make_sessions
+from kvserve.benchmarks.client.runner import SKIPPED, Run, Traffic
 from tests.bench.client.fake_server import FakeServer
 
 

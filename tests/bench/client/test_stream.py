@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.client.stream import StreamReader
+from kvserve.benchmarks.client.stream import StreamReader
 
 
 def completion(text, logprob_tokens=None, usage=None):

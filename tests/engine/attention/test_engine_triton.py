@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from scheduler.sampling_params import SamplingParams
+from kvserve.scheduler.sampling_params import SamplingParams
 from tests.engine.attention.paged_batch import DEVICE, needs_kernel_device
 from tests.support.reference import varied_prompts
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import torch_backend
-from engine.attention.torch_backend import TorchBackend
+from kvserve.engine.attention import torch_backend
+from kvserve.engine.attention.torch_backend import TorchBackend
 from tests.engine.attention.paged_batch import make_batch
 
 

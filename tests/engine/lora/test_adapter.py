@@ -11,9 +11,9 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from engine.config import ModelConfig
-from engine.lora.adapter import LoRAAdapterError, load_adapter, projection_shapes
-from engine.lora.batched import add_lora
+from kvserve.engine.config import ModelConfig
+from kvserve.engine.lora.adapter import LoRAAdapterError, load_adapter, projection_shapes
+from kvserve.engine.lora.batched import add_lora
 
 CASES = {
     "r8-attention": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
@@ -104,7 +104,7 @@ def test_the_batched_product_equals_a_per_token_loop():
 
 
 def test_slots_are_zero_padded_and_least_recently_used(tiny_model_dir, tmp_path):
-    from engine.lora.slots import LoRASlots, NoFreeSlotError
+    from kvserve.engine.lora.slots import LoRASlots, NoFreeSlotError
 
     base = tiny_model_dir("llama")
     cfg = ModelConfig.from_pretrained(base)

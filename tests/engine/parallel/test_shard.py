@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import ModelConfig
-from engine.loader import load_model
-from engine.parallel.shard import TPShard
+from kvserve.engine.config import ModelConfig
+from kvserve.engine.loader import load_model
+from kvserve.engine.parallel.shard import TPShard
 
 
 def _load(model_dir, shard: TPShard):
@@ -62,7 +62,7 @@ def test_each_rank_holds_its_rows_and_columns(tiny_model_dir, size):
 
 
 def test_what_cannot_be_split_is_named():
-    from modelstore.errors import ModelLoadError
+    from kvserve.modelstore.errors import ModelLoadError
 
     cfg = ModelConfig("LlamaForCausalLM", 100, 64, 96, 1, num_heads=8, num_kv_heads=3,
                       head_dim=8, rms_norm_eps=1e-6, max_position_embeddings=64)

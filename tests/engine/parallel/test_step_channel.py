@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine.attention.step_metadata import build_host_step
-from engine.parallel import step_channel
-from engine.parallel.step_channel import StepChannel
+from kvserve.engine.attention.step_metadata import build_host_step
+from kvserve.engine.parallel import step_channel
+from kvserve.engine.parallel.step_channel import StepChannel
 
 CPU = torch.device("cpu")
 

@@ -11,10 +11,10 @@ import contextlib
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.parallel import step_channel
-from scheduler.sampling_params import SamplingParams
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.engine import Engine
+from kvserve.engine.parallel import step_channel
+from kvserve.scheduler.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
@@ -39,7 +39,7 @@ def engine(model_dir, tp: int, **overrides):
 
 
 def test_ranks_stay_on_the_cpu_beside_a_gpu(tiny_model_dir, monkeypatch):
-    from engine.loader import resolve_device
+    from kvserve.engine.loader import resolve_device
 
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     assert resolve_device(EngineConfig(model="m").device).type == "cuda"  # (the fake)
@@ -117,7 +117,7 @@ def test_three_ranks_match_one_rank_default_model(default_model_dir):
 
 
 def test_unsplittable_and_unsupported_are_refused(tiny_model_dir):
-    from modelstore.errors import ModelLoadError
+    from kvserve.modelstore.errors import ModelLoadError
 
     with pytest.raises(ModelLoadError, match="does not divide the model's 6 attention"):
         Engine(tp_config(tiny_model_dir("llama"), 4))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampling.rejection import GeneratorCheckpoints, rejection_sample
+from kvserve.engine.sampling.rejection import GeneratorCheckpoints, rejection_sample
 
 
 def run_chain(p_table, *, draft, num_samples, length, max_k, seed, seeded_rows=False,

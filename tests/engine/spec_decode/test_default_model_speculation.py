@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig, SpeculativeConfig
-from engine.engine import Engine
-from scheduler.sampling_params import SamplingParams
+from kvserve.engine.config import EngineConfig, SpeculativeConfig
+from kvserve.engine.engine import Engine
+from kvserve.scheduler.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 TEXTS = ["the quick brown fox jumps over the lazy dog", "one two three four five six",

@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from engine.config import SpeculativeConfig
-from scheduler.sampling_params import SamplingParams
+from kvserve.engine.config import SpeculativeConfig
+from kvserve.scheduler.sampling_params import SamplingParams
 from tests.support.tiny_models import make_tiny_model
 
 GREEDY = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)

@@ -3,7 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.spec_decode.ngram import NgramProposer, propose_ngram
+from kvserve.engine.spec_decode.ngram import NgramProposer, propose_ngram
 
 
 def test_proposes_what_followed_the_longest_match():

@@ -2,10 +2,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampling.adjustments import build_adjustments
-from engine.sampling.verify_positions import draft_positions, verification_adjustments
-from scheduler.request import Request
-from scheduler.sampling_params import SamplingParams
+from kvserve.engine.sampling.adjustments import build_adjustments
+from kvserve.engine.sampling.verify_positions import draft_positions, verification_adjustments
+from kvserve.scheduler.request import Request
+from kvserve.scheduler.sampling_params import SamplingParams
 
 VOCAB = 12
 CPU = torch.device("cpu")

@@ -3,11 +3,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampling import sample
-from engine.sampling.rejection import (PAD, GeneratorCheckpoints, pad_drafts,
-                                          pad_positions, rejection_sample, target_probs,
-                                          verification_probs)
-from scheduler.sampling_params import SamplingParams
+from kvserve.engine.sampling import sample
+from kvserve.engine.sampling.rejection import (PAD, GeneratorCheckpoints, pad_drafts,
+                                               pad_positions, rejection_sample, target_probs,
+                                               verification_probs)
+from kvserve.scheduler.sampling_params import SamplingParams
 from tests.engine.spec_decode.chain import chi_square_p, run_chain
 
 VOCAB = 6

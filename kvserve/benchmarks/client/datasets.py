@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from bench.client.words import random_token_ids, random_words
+from kvserve.benchmarks.client.words import random_token_ids, random_words
 
 Prompt = str | list[int]
 

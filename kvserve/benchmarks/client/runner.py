@@ -11,11 +11,11 @@ from typing import Callable
 
 import httpx
 
-from bench.client.arrivals import start_offsets
-from bench.client.client import Target, send
-from bench.client.datasets import Session
-from bench.client.history import approx_len, first_prompt, next_prompt
-from bench.client.records import RequestRecord
+from kvserve.benchmarks.client.arrivals import start_offsets
+from kvserve.benchmarks.client.client import Target, send
+from kvserve.benchmarks.client.datasets import Session
+from kvserve.benchmarks.client.history import approx_len, first_prompt, next_prompt
+from kvserve.benchmarks.client.records import RequestRecord
 
 SKIPPED = "not sent: an earlier turn of its session failed"
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bench.client.gpus import GPU
-from bench.client.model_shape import ModelShape
-from modelstore.weight_bytes import weight_bytes
+from kvserve.benchmarks.client.gpus import GPU
+from kvserve.benchmarks.client.model_shape import ModelShape
+from kvserve.modelstore.weight_bytes import weight_bytes
 
 
 @dataclass(frozen=True)

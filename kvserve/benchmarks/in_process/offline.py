@@ -10,12 +10,12 @@ import time
 
 import torch
 
-from bench.in_process.decode import free_device_memory, where_from
-from bench.in_process.utilisation import Clock
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.loader import resolve_load_format
-from scheduler.sampling_params import SamplingParams
+from kvserve.benchmarks.in_process.decode import free_device_memory, where_from
+from kvserve.benchmarks.in_process.utilisation import Clock
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.engine import Engine
+from kvserve.engine.loader import resolve_load_format
+from kvserve.scheduler.sampling_params import SamplingParams
 
 
 def random_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:

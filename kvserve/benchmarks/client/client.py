@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 import httpx
 from httpx_sse import EventSource
 
-from bench.client.records import RequestRecord
-from bench.client.stream import StreamReader
+from kvserve.benchmarks.client.records import RequestRecord
+from kvserve.benchmarks.client.stream import StreamReader
 
 
 @dataclass(frozen=True)

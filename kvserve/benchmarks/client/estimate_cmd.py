@@ -5,11 +5,11 @@ import argparse
 import json
 from pathlib import Path
 
-from bench.client.estimate import efficiency, estimate
-from bench.client.gpus import GPUS, get_gpu
-from bench.client.model_shape import DTYPE_BYTES, KV_DTYPE_BYTES, load_shape
-from bench.client.roofline import Setup
-from modelstore.weight_bytes import QUANTIZATIONS
+from kvserve.benchmarks.client.estimate import efficiency, estimate
+from kvserve.benchmarks.client.gpus import GPUS, get_gpu
+from kvserve.benchmarks.client.model_shape import DTYPE_BYTES, KV_DTYPE_BYTES, load_shape
+from kvserve.benchmarks.client.roofline import Setup
+from kvserve.modelstore.weight_bytes import QUANTIZATIONS
 
 
 def add_estimate_args(p: argparse.ArgumentParser) -> None:

@@ -11,12 +11,12 @@ import sys
 import httpx
 from tqdm import tqdm
 
-from bench.client.client import Target
-from bench.client.datasets import DatasetSpec, make_sessions
-from bench.client.metrics import summarize
-from bench.client.provenance import first_model, provenance, server_info
-from bench.client.report import format_result
-from bench.client.runner import Run, Traffic
+from kvserve.benchmarks.client.client import Target
+from kvserve.benchmarks.client.datasets import DatasetSpec, make_sessions
+from kvserve.benchmarks.client.metrics import summarize
+from kvserve.benchmarks.client.provenance import first_model, provenance, server_info
+from kvserve.benchmarks.client.report import format_result
+from kvserve.benchmarks.client.runner import Run, Traffic
 
 
 def dataset_spec(args) -> DatasetSpec:
@@ -102,7 +102,7 @@ def serve_main(args) -> int:
         with open(args.save_result, "w") as f:
             json.dump(doc, f, indent=2)
     if args.plot:
-        from bench.client.plot import plot_results  # matplotlib only when asked for
+        from kvserve.benchmarks.client.plot import plot_results  # matplotlib only when asked for
 
         plot_results([(args.label, doc)], args.plot)
     return 0 if all(r["completed"] for r in runs) else 1

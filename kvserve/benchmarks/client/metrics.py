@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from bench.client.records import RequestRecord
+from kvserve.benchmarks.client.records import RequestRecord
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 

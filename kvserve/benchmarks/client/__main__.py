@@ -2,6 +2,6 @@
 `kvserve bench|estimate`, for a client machine that only has this package's deps."""
 import sys
 
-from bench.client.cli import main
+from kvserve.benchmarks.client.cli import main
 
 sys.exit(main(sys.argv[1:]))

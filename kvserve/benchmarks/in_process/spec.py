@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import time
 
-from bench.provenance import provenance
-from engine.config import EngineConfig, SpeculativeConfig
-from engine.engine import Engine
-from scheduler.sampling_params import SamplingParams
+from kvserve.benchmarks.provenance import provenance
+from kvserve.engine.config import EngineConfig, SpeculativeConfig
+from kvserve.engine.engine import Engine
+from kvserve.scheduler.sampling_params import SamplingParams
 
 PASSAGE = ("The old lighthouse stood at the edge of the cliff for more than a hundred "
            "years. Every night its keeper climbed the narrow stairs, lit the great "

@@ -1,7 +1,7 @@
 """Reading one streamed OpenAI response (completions or chat) into a RequestRecord."""
 from __future__ import annotations
 
-from bench.client.records import RequestRecord
+from kvserve.benchmarks.client.records import RequestRecord
 
 
 def chunk_text(choice: dict, chat: bool) -> str:

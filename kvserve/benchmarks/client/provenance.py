@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.provenance import git_commit
+from kvserve.benchmarks.provenance import git_commit
 
 
 def provenance() -> dict:

@@ -6,12 +6,12 @@ import statistics
 
 import torch
 
-from bench.in_process.measure import (DECODE_PROMPT_LEN, decode_row, free_device_memory,
-                                      make_prompt, peak_memory, reset_peak_memory,
-                                      split_row)
-from bench.in_process.utilisation import Clock
-from engine.config import ModelConfig
-from modelstore.presets import resolve_model_path
+from kvserve.benchmarks.in_process.measure import (DECODE_PROMPT_LEN, decode_row,
+                                                   free_device_memory, make_prompt, peak_memory,
+                                                   reset_peak_memory, split_row)
+from kvserve.benchmarks.in_process.utilisation import Clock
+from kvserve.engine.config import ModelConfig
+from kvserve.modelstore.presets import resolve_model_path
 
 
 def build_hf(args, device: torch.device, dtype: torch.dtype):

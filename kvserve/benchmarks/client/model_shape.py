@@ -57,7 +57,7 @@ class ModelShape:
 
 def presets_dir() -> Path:
     """modelstore/presets (plain files; modelstore imports neither torch nor engine)."""
-    from modelstore.presets import PRESETS_DIR
+    from kvserve.modelstore.presets import PRESETS_DIR
 
     return PRESETS_DIR
 

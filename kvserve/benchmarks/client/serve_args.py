@@ -5,7 +5,7 @@ import argparse
 import json
 import math
 
-from bench.client.datasets import GENERATORS
+from kvserve.benchmarks.client.datasets import GENERATORS
 
 SLO_KEYS = ("ttft", "tpot", "e2el")
 

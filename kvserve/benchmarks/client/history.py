@@ -4,7 +4,7 @@ messages (/v1/chat/completions). With prefix caching, each turn's prompt starts 
 everything the previous turn computed, which is what the conversation workload tests."""
 from __future__ import annotations
 
-from bench.client.datasets import Prompt
+from kvserve.benchmarks.client.datasets import Prompt
 
 Messages = list[dict]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from bench.client.estimate_cmd import add_estimate_args
-from bench.client.serve_args import add_serve_args
+from kvserve.benchmarks.client.estimate_cmd import add_estimate_args
+from kvserve.benchmarks.client.serve_args import add_serve_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,13 +27,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "estimate":
-        from bench.client.estimate_cmd import estimate_main
+        from kvserve.benchmarks.client.estimate_cmd import estimate_main
 
         return estimate_main(args)
     if args.tool == "plot":
-        from bench.client.plot import plot_main
+        from kvserve.benchmarks.client.plot import plot_main
 
         return plot_main(args)
-    from bench.client.serve_cmd import serve_main  # httpx and tqdm only for a run
+    from kvserve.benchmarks.client.serve_cmd import serve_main  # httpx and tqdm only for a run
 
     return serve_main(args)

@@ -1,7 +1,7 @@
 """The result table printed at the end of a run."""
 from __future__ import annotations
 
-from bench.client.metrics import METRICS
+from kvserve.benchmarks.client.metrics import METRICS
 
 TITLES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
           "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}

@@ -1,8 +1,8 @@
 """The numbers `kvserve estimate` prints, as one flat dict."""
 from __future__ import annotations
 
-from bench.client.roofline import (Setup, decode_step_s, decode_weight_bytes, kv_budget_bytes,
-                              max_sequences, prefill_s)
+from kvserve.benchmarks.client.roofline import (Setup, decode_step_s, decode_weight_bytes,
+                                                kv_budget_bytes, max_sequences, prefill_s)
 
 
 def decode_numbers(s: Setup, batch: int, context: float, price: float, tag: str) -> dict:

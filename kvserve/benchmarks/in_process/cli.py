@@ -11,8 +11,8 @@ import os
 import shlex
 import sys
 
-from engine.config import EngineConfig  # light: imports no torch
-from engine.settings import add_flags, from_args
+from kvserve.engine.config import EngineConfig  # light: imports no torch
+from kvserve.engine.settings import add_flags, from_args
 
 TOOLS = {"offline": "engine throughput without HTTP: N requests at once to "
                     "Engine.generate",
@@ -106,11 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
 def resolve_model(args) -> None:
     """args.model becomes a directory or preset:NAME, args.model_name what to call it;
     SystemExit with a clear message for one that cannot load."""
-    from modelstore.presets import is_preset, resolve_model_path
+    from kvserve.modelstore.presets import is_preset, resolve_model_path
 
     if args.model is None:
-        from modelstore.default_model import (DEFAULT_MODEL_NAME, DefaultModelError,
-                                          ensure_default_model)
+        from kvserve.modelstore.default_model import (DEFAULT_MODEL_NAME, DefaultModelError,
+                                                      ensure_default_model)
         try:
             args.model = str(ensure_default_model())
         except DefaultModelError as exc:
@@ -132,7 +132,7 @@ def resolve_model(args) -> None:
 
 
 def _bench_compile(args) -> str:
-    from bench.in_process.measure import bench_compile  # torch: only when a tool runs
+    from kvserve.benchmarks.in_process.measure import bench_compile  # torch: only when a tool runs
 
     return bench_compile(args)
 
@@ -155,27 +155,27 @@ def spec_engine_config(args) -> EngineConfig:
 
 def run_tool(args, command: str) -> dict:
     if args.tool == "spec":
-        from bench.in_process import spec
-        from bench.in_process.decode import save
+        from kvserve.benchmarks.in_process import spec
+        from kvserve.benchmarks.in_process.decode import save
 
         result = spec.run(args, spec_engine_config(args), command)
         save(result, args.json)
         return result
     if args.tool == "offline":
-        from bench.in_process import offline
-        from bench.in_process.decode import save
+        from kvserve.benchmarks.in_process import offline
+        from kvserve.benchmarks.in_process.decode import save
 
         result = offline.run(args, offline_engine_config(args), command)
         save(result, args.json)
         return result
     if args.tool == "profile":
-        from bench.in_process import profile
-        from bench.in_process.decode import save
+        from kvserve.benchmarks.in_process import profile
+        from kvserve.benchmarks.in_process.decode import save
 
         result = profile.run(args, command)
         save(result, args.json)
         return result
-    from bench.in_process import decode
+    from kvserve.benchmarks.in_process import decode
 
     return decode.run(args, command)
 
@@ -189,18 +189,18 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     resolve_model(args)
-    from engine.attention import AttentionBackendError
-    from engine.config import ModelConfigError
-    from engine.loader import ModelLoadError
+    from kvserve.engine.attention import AttentionBackendError
+    from kvserve.engine.config import ModelConfigError
+    from kvserve.engine.loader import ModelLoadError
 
     try:
         result = run_tool(args, "kvserve bench " + shlex.join(argv))
     except (ModelLoadError, ModelConfigError, AttentionBackendError, ValueError) as exc:
         raise SystemExit(f"kvserve: {exc}") from None
-    from bench.in_process.spec import table as spec_table
-    from bench.in_process.tables import decode_table, offline_table
+    from kvserve.benchmarks.in_process.spec import table as spec_table
+    from kvserve.benchmarks.in_process.tables import decode_table, offline_table
 
-    from bench.in_process.profile import table as profile_table
+    from kvserve.benchmarks.in_process.profile import table as profile_table
 
     tables = {"offline": offline_table, "decode": decode_table, "spec": spec_table,
               "profile": profile_table}

@@ -25,18 +25,19 @@ from pathlib import Path
 
 import torch
 
-from bench.in_process.measure import (DECODE_PROMPT_LEN, bench_compile, decode_row,
-                                      free_device_memory, make_prompt, peak_memory,
-                                      reset_peak_memory, split_row)
-from bench.in_process.utilisation import (Clock, copy_bandwidth, mbu, mfu, peak_tflops,
-                                           prefill_flops, weights_read_per_step)
-from bench.provenance import provenance
-from engine.config import EngineConfig, ModelConfig
-from engine.engine import Engine
-from engine.loader import resolve_device, resolve_dtype, resolve_load_format
-from modelstore.weight_bytes import weight_bytes
-from modelstore.presets import PREFIX, is_preset
-from scheduler.sampling_params import SamplingParams
+from kvserve.benchmarks.in_process.measure import (DECODE_PROMPT_LEN, bench_compile, decode_row,
+                                                   free_device_memory, make_prompt, peak_memory,
+                                                   reset_peak_memory, split_row)
+from kvserve.benchmarks.in_process.utilisation import (Clock, copy_bandwidth, mbu, mfu,
+                                                       peak_tflops, prefill_flops,
+                                                       weights_read_per_step)
+from kvserve.benchmarks.provenance import provenance
+from kvserve.engine.config import EngineConfig, ModelConfig
+from kvserve.engine.engine import Engine
+from kvserve.engine.loader import resolve_device, resolve_dtype, resolve_load_format
+from kvserve.modelstore.weight_bytes import weight_bytes
+from kvserve.modelstore.presets import PREFIX, is_preset
+from kvserve.scheduler.sampling_params import SamplingParams
 
 BLOCK = 16
 
@@ -211,7 +212,7 @@ def run(args, command: str | None = None) -> dict:
     add_utilisation(result["kvserve"], cfg, args.prompt_len, copy_gbps, peak)
     save(result, args.json)  # each phase is kept even if a later one hangs or dies
     if args.transformers == "on":
-        from bench.in_process.hf_decode import ratios, run_hf
+        from kvserve.benchmarks.in_process.hf_decode import ratios, run_hf
 
         result["transformers"] = run_hf(args, device, dtype, cfg,
                                         lambda row: save({**result, "transformers": row},

@@ -32,14 +32,14 @@ import torch
 import torch._inductor.config
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from bench.in_process.measure import make_prompt
-from bench.in_process.utilisation import (bytes_per_decode_step, copy_bandwidth,
-                                          weights_read_per_step)
-from bench.provenance import provenance
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.loader import resolve_dtype
-from scheduler.sampling_params import SamplingParams
+from kvserve.benchmarks.in_process.measure import make_prompt
+from kvserve.benchmarks.in_process.utilisation import (bytes_per_decode_step, copy_bandwidth,
+                                                       weights_read_per_step)
+from kvserve.benchmarks.provenance import provenance
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.engine import Engine
+from kvserve.engine.loader import resolve_dtype
+from kvserve.scheduler.sampling_params import SamplingParams
 
 PROMPT = 128
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise",
