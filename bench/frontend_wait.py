@@ -77,11 +77,11 @@ def offline_steps(engine: Engine, prompts: list[list[int]], max_tokens: int) -> 
     steps, step = Steps(len(prompts)), engine.step
 
     def timed():
-        computed, t0 = engine.stats.prompt_tokens_computed, time.monotonic()
+        computed, t0 = engine.counters.prompt_tokens_computed, time.monotonic()
         outs = step()
         steps.record(StepReport(outputs=outs, step_start=t0,
                                 step_seconds=time.monotonic() - t0,
-                                prompt_tokens_computed=engine.stats.prompt_tokens_computed
+                                prompt_tokens_computed=engine.counters.prompt_tokens_computed
                                 - computed))
         return outs
 

@@ -7,35 +7,18 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvserve.engine.attention import make_backend
-from kvserve.engine.compiled_model import use_cache_dir
-from kvserve.engine.cpu_kernels.build import c_compiler
-from kvserve.engine.config import EngineConfig, ModelConfig
-from kvserve.engine.cuda_graphs import DecodeGraphPlan
-from kvserve.engine.lora.manager import LoRAManager, lora_key
+from kvserve.engine.build import build_engine
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.lora.manager import adapter_names, lora_key
 from kvserve.engine.lora.runtime import RuntimeAdapters
-from kvserve.engine.loader import resolve_device, resolve_dtype
-from kvserve.engine.memory_budget import log_kv_cache, num_kv_blocks
-from kvserve.engine.model_runner import ModelRunner
-from kvserve.engine.step_batch import LaunchedStep
-from kvserve.engine.model_setup import load_served_model
-from kvserve.engine.kv_events.publisher import make_publisher
-from kvserve.engine.parallel import comm
-from kvserve.engine.parallel.group import start_group
 from kvserve.engine.outputs import RequestOutput, RequestTimes
+from kvserve.engine.reports import EngineInfo, EngineSnapshot, EngineStats
 from kvserve.engine.request_checks import check_request
 from kvserve.engine.sampling import StepResult
-from kvserve.engine.spec_decode.setup import make_drafter, make_speculator
-from kvserve.engine.structured.gate import GrammarGate
-from kvserve.engine.structured.compiler import GrammarCompiler
-from kvserve.engine.structured.matchers import Matchers
+from kvserve.engine.step_batch import LaunchedStep
 from kvserve.scheduler.output import SchedulerOutput
 from kvserve.scheduler.request import Request
 from kvserve.scheduler.sampling_params import SamplingParams
-from kvserve.modelstore.default_model import cache_root
-from kvserve.modelstore.tokenizer import has_tokenizer, load_tokenizer
-from kvserve.scheduler.config import KVCacheConfig, SchedulerConfig
-from kvserve.scheduler.scheduler import Scheduler
 
 log = logging.getLogger("kvserve.engine")
 
@@ -48,121 +31,61 @@ class InFlight:
 
 
 @dataclass
-class EngineStats:
+class StepCounters:
     steps: int = 0
     prompt_tokens_computed: int = 0  # prompt KV actually computed (prefix hits excluded)
     generated_tokens: int = 0
 
 
 class Engine(RuntimeAdapters):
+    """Its parts are built by engine/build.py; the engine runs them, one step at a time."""
+
     def __init__(self, config: EngineConfig, tokenizer=None):
-        self.config = config
-        self.model_config = ModelConfig.from_pretrained(config.model)
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        cfg = self.model_config
-        self.max_model_len = min(config.max_model_len or cfg.max_model_len, cfg.max_model_len)
-        # A preset or a config-only directory has no tokenizer: the engine then takes
-        # and returns token ids only, and stops on the config's eos ids.
-        if tokenizer is None and has_tokenizer(config.model):
-            tokenizer = load_tokenizer(config.model)
-        self.tokenizer = tokenizer
-        if tokenizer is None:
-            log.info("%s has no tokenizer: token ids only", config.model)
-        self.eos_token_ids = self._eos_ids()
-        torch.manual_seed(config.seed)
-        # Tensor parallelism: the other ranks start loading their parts beside ours.
-        self.tp = start_group(config, cfg, self.device, self.dtype, self.max_model_len)
-        model, self.kv_format = load_served_model(config, cfg, tokenizer, self.device,
-                                                  self.dtype, self.max_model_len,
-                                                  comm.shard())
-        # Before the KV cache is sized: the adapter slots' memory is not the cache's.
-        self.lora = (LoRAManager(config.lora, cfg, self.device, self.dtype)
-                     if config.lora is not None else None)
-        kv_cfg = comm.shard().kv_view(cfg)  # the KV heads this process's cache holds
-        num_blocks = num_kv_blocks(config, kv_cfg, model, self.device, self.dtype, self.kv_format)
-        # A request longer than the whole cache could never run.
-        self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)
-        if self.tp is not None:
-            self.tp.share_num_blocks(num_blocks)
-        backend = make_backend(config.attention_backend, self.device, config.block_size,
-                               self.dtype, self.kv_format.dtype)
-        t0 = time.perf_counter()
-        self.runner = ModelRunner(model, num_blocks, config.block_size, self.device,
-                                  self.kv_format, backend,
-                                  make_drafter(self, model, backend, num_blocks),
-                                  self._decode_graph_plan(backend), self.lora,
-                                  self.tp.channel if self.tp is not None else None)
-        if self.runner.decode_graphs is not None:
-            log.info("captured CUDA graphs for decode batch sizes %s in %.1f s",
-                     self.runner.decode_graphs.buckets, time.perf_counter() - t0)
-        self._compile_forward()
-        self.grammars = self._grammar_gate()
-        self.kv_events = make_publisher(config.kv_events_config)
-        self.scheduler = Scheduler.with_kv_cache(SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len, policy=config.scheduling_policy,
-            long_prefill_token_threshold=config.long_prefill_token_threshold,
-            max_loras=config.lora.max_loras if config.lora is not None else 0),
-            KVCacheConfig(num_blocks, config.block_size, config.enable_prefix_caching,
-                          model_key=str(config.model), kv_events=self.kv_events is not None))
-        self.stats = EngineStats()
-        self.speculator = make_speculator(config)
+        parts = build_engine(config, tokenizer)
+        ctx = self.context = parts.context
+        # The context's facts, which everyone holding an engine reads.
+        self.config, self.model_config = ctx.config, ctx.model_config
+        self.device, self.dtype, self.kv_format = ctx.device, ctx.dtype, ctx.kv_format
+        self.tokenizer, self.eos_token_ids = ctx.tokenizer, ctx.eos_token_ids
+        self.max_model_len = ctx.max_model_len
+        self.runner, self.scheduler, self.speculator = (parts.runner, parts.scheduler,
+                                                        parts.speculator)
+        self.tp, self.lora, self.grammars = parts.tp, parts.lora, parts.grammars
+        self.kv_events = parts.kv_events
+        self.counters = StepCounters()
         self._inflight: InFlight | None = None  # async scheduling's running step
-        if config.async_scheduling and self.device.type != "cuda":
-            log.warning("async scheduling on %s overlaps nothing (the forward pass runs "
-                        "on the host) and reports each step one step later",
-                        self.device.type)
-        log_kv_cache(num_blocks, config.block_size, self.kv_format, kv_cfg, self.max_model_len)
 
-    def _decode_graph_plan(self, backend) -> DecodeGraphPlan | None:
-        """CUDA graphs for decode-only steps, on CUDA unless --enforce-eager."""
-        if self.device.type != "cuda" or self.config.enforce_eager or self.tp is not None:
-            return None  # (tensor parallel steps stay eager until measured on GPUs)
-        if not backend.graph_safe:
-            log.info("CUDA graphs off: the %s attention backend cannot be captured",
-                     backend.name)
-            return None
-        return DecodeGraphPlan(self.config.max_num_seqs, self.max_model_len)
+    # -- what it tells its driver ------------------------------------------------
+    def info(self) -> EngineInfo:
+        mc, lora = self.model_config, self.lora
+        return EngineInfo(max_model_len=self.max_model_len, vocab_size=mc.vocab_size,
+                          structured_backend=self.config.structured_outputs_backend,
+                          hidden_size=mc.hidden_size,
+                          shorter_embeddings=mc.shorter_embeddings,
+                          adapters=lora.names if lora is not None else None,
+                          max_loras=lora.config.max_loras if lora is not None else 0)
 
-    def _grammar_gate(self) -> GrammarGate | None:
-        """Structured outputs, where there is a tokenizer to build grammars over."""
-        if self.tokenizer is None:
-            return None
-        vocab, cfg = self.model_config.vocab_size, self.config
-        matchers = Matchers(vocab)
-        self.runner.sampler.matchers = matchers
-        return GrammarGate(GrammarCompiler(
-            self.tokenizer, vocab, list(self.eos_token_ids), cfg.structured_outputs_backend,
-            cfg.grammar_compile_timeout, cfg.grammar_cache_bytes), matchers)
+    def stats(self) -> EngineStats:
+        """Counters since start and the queues now; the grammar compiles that ended
+        since the previous call."""
+        sched, counters = self.scheduler.stats(), self.counters
+        running, waiting = self.adapters_in_use(sched)
+        return EngineStats(
+            steps=counters.steps, prompt_tokens_computed=counters.prompt_tokens_computed,
+            generated_tokens=counters.generated_tokens,
+            prefix_queries=sched.prefix_queries, prefix_hits=sched.prefix_hits,
+            num_preemptions=sched.num_preemptions,
+            spec=self.speculator.stats.copy() if self.speculator is not None else None,
+            num_waiting=sched.num_waiting, num_running=sched.num_running,
+            kv_usage=sched.kv_usage, lora_running=adapter_names(running),
+            lora_waiting=adapter_names(waiting),
+            grammar_compile_seconds=tuple(self.grammars.compiler.take_compile_seconds())
+            if self.grammars is not None else ())
 
-    def _compile_forward(self) -> None:
-        """The Inductor-compiled forward pass, as `compile` and --enforce-eager say."""
-        mode = "off" if self.config.enforce_eager or self.tp is not None else self.config.compile
-        if mode == "auto":
-            mode = "off" if self.device.type == "cuda" else "background"
-        if mode == "off":
-            return
-        if self.device.type == "cpu" and self.runner.attn_backend.name != "torch":
-            # Triton's interpreter (a test vehicle on CPU) reads raw pointers that
-            # Inductor's graphs do not promise it, and it is slower than any graph.
-            log.info("forward pass not compiled: the %s attention backend runs in "
-                     "Triton's interpreter on CPU", self.runner.attn_backend.name)
-            return
-        if c_compiler() is None:
-            log.warning("no C++ compiler found (g++ or $CXX): the forward pass stays "
-                        "eager, several times slower on CPU; install one (apt-get "
-                        "install g++) or pass --enforce-eager to silence this")
-            return
-        use_cache_dir(str(cache_root()))
-        self.runner.compile_forward(background=mode == "background")
-
-    def _eos_ids(self) -> tuple[int, ...]:
-        ids = set(self.model_config.eos_token_ids)
-        if getattr(self.tokenizer, "eos_token_id", None) is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return tuple(sorted(ids))
+    def snapshot(self) -> EngineSnapshot:
+        """The queues request by request, for the engine page."""
+        return EngineSnapshot(self.scheduler.snapshot(), self.speculator is not None,
+                              time.monotonic())
 
     def close(self) -> None:
         """Stops the other tensor-parallel ranks and the KV event publisher, if any
@@ -305,7 +228,7 @@ class Engine(RuntimeAdapters):
         outputs = [self._output(req, _new_tokens(req, result), result) for req in changed]
         # What reached the requests: not a token sampled for one that had ended
         # (aborted, or stopped) while its step ran.
-        self.stats.generated_tokens += sum(len(o.new_token_ids) for o in outputs)
+        self.counters.generated_tokens += sum(len(o.new_token_ids) for o in outputs)
         return failed + outputs
 
     def _fail(self, out: SchedulerOutput, failed: dict[str, str]) -> list[RequestOutput]:
@@ -319,7 +242,7 @@ class Engine(RuntimeAdapters):
                 for r, why in ended]
 
     def _count(self, out, tokens: dict[str, int | list[int]]) -> None:
-        self.stats.steps += 1
+        self.counters.steps += 1
         if self.speculator is not None:
             verified = [s for s in out.scheduled if s.spec_token_ids
                         and s.request.request_id in tokens]
@@ -328,7 +251,7 @@ class Engine(RuntimeAdapters):
                 [len(tokens[s.request.request_id]) - 1 for s in verified])
         for s in out.scheduled:
             prompt_left = s.request.num_prompt_tokens - s.start
-            self.stats.prompt_tokens_computed += max(0, min(s.num_new_tokens, prompt_left))
+            self.counters.prompt_tokens_computed += max(0, min(s.num_new_tokens, prompt_left))
 
     def _output(self, req: Request, new_tokens: list[int],
                 result: StepResult | None = None) -> RequestOutput:

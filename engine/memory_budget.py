@@ -68,7 +68,8 @@ def profile_kv_budget(model, config, device: torch.device, dtype: torch.dtype,
     blocks = math.ceil(tokens / config.block_size) + 1
     backend = make_backend(config.attention_backend, device, config.block_size, dtype,
                            kv_format.dtype)
-    runner = ModelRunner(model, blocks, config.block_size, device, kv_format, backend)
+    runner = ModelRunner(model, num_blocks=blocks, block_size=config.block_size, device=device,
+                         kv_format=kv_format, attn_backend=backend)
     runner.profile_step(tokens, config.max_num_seqs)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)

@@ -24,6 +24,7 @@ from kvserve.engine.parallel.step_channel import StepChannel
 from kvserve.engine.pooling import Pooler, PoolRows
 from kvserve.engine.sampling import Sampler, StepResult
 from kvserve.engine.step_batch import FlatBatch, LaunchedStep
+from kvserve.engine.structured.matchers import Matchers
 from kvserve.engine.sampling.logprobs import MAX_EXACT_ID
 from kvserve.engine.sampling.step_result import SampleLaunch
 from kvserve.engine.sampling.step_logits import LogitRows, StepLogits
@@ -40,11 +41,12 @@ class ModelRunner:
     parallelism the channel that hands each step to the other ranks (rank 0's
     runner is the only one: the others run the steps it sends)."""
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
+    def __init__(self, model: LlamaForCausalLM, *, num_blocks: int, block_size: int,
                  device: torch.device, kv_format: KVCacheFormat,
                  attn_backend: AttentionBackend,
                  drafter=None, decode_graphs: DecodeGraphPlan | None = None,
-                 lora: LoRAManager | None = None, step_channel: StepChannel | None = None):
+                 lora: LoRAManager | None = None, step_channel: StepChannel | None = None,
+                 matchers: Matchers | None = None):
         self.model, self.device, self.block_size = model, device, block_size
         self.attn_backend, self.drafter, self.lora = attn_backend, drafter, lora
         self.step_channel = step_channel
@@ -55,7 +57,7 @@ class ModelRunner:
         self.kv_caches = attach_kv_caches(model, num_blocks + 1, block_size, kv_format, device)
         if cfg.vocab_size >= MAX_EXACT_ID:
             raise ValueError("vocabularies of 2**24 tokens or more are not supported")
-        self.sampler = Sampler(device)
+        self.sampler = Sampler(device, matchers)  # matchers: structured outputs' masks
         self.pooler = Pooler()  # embedding requests' partial sums
         self.table_rows = BlockTableRows()  # the running requests' block tables
         self.decode_graphs: DecodeGraphs | None = None

@@ -82,11 +82,3 @@ def _settle(future: asyncio.Future, reply: AdapterReply) -> None:
 def _fail(future: asyncio.Future, exc: BaseException) -> None:
     if not future.done():
         future.set_exception(exc)
-
-
-def served_adapters(engine) -> tuple[dict[str, str] | None, int]:
-    """An Engine's adapters (None: LoRA off) and --max-loras: its client's
-    Adapters(*these), plain values that can cross the engine process's pipe."""
-    if engine.lora is None:
-        return None, 0
-    return engine.lora.names, engine.lora.config.max_loras

@@ -9,11 +9,10 @@ import logging
 import queue
 import threading
 
-from kvserve.engine.engine import Engine
-from kvserve.engine.client.adapters import served_adapters
 from kvserve.engine.client.engine_client import EngineClient
 from kvserve.engine.client.engine_loop import EngineLoop
 from kvserve.engine.client.messages import EngineCommand, Shutdown
+from kvserve.engine.engine import Engine
 
 log = logging.getLogger("kvserve.async_engine")
 
@@ -35,10 +34,7 @@ class _QueueSource:
 
 class AsyncEngine(EngineClient):
     def __init__(self, engine: Engine):
-        mc = engine.model_config
-        super().__init__(engine.tokenizer, engine.max_model_len, mc.vocab_size,
-                         engine.config.structured_outputs_backend, mc.hidden_size,
-                         mc.shorter_embeddings, served_adapters(engine))
+        super().__init__(engine.tokenizer, engine.info())
         self.engine = engine
         self._commands = _QueueSource()
         self._loop = EngineLoop(engine, self._commands, self._on_report)

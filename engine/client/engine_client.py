@@ -18,9 +18,10 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
 from kvserve.engine.client.adapters import Adapters
-from kvserve.engine.client.messages import (AbortRequest, AddRequest, EngineCommand,
-                                            EngineSnapshot, StepReport, TakeSnapshot)
+from kvserve.engine.client.messages import (AbortRequest, AddRequest, EngineCommand, StepReport,
+                                            TakeSnapshot)
 from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.reports import EngineInfo, EngineSnapshot
 from kvserve.engine.request_checks import check_request
 from kvserve.engine.spec_decode.speculator import SpecDecodeStats
 from kvserve.scheduler.sampling_params import SamplingParams
@@ -85,18 +86,14 @@ class EngineClient:
     """Subclasses provide start(), shutdown(), is_alive and _submit(command), and
     call _on_report / _on_dead as the engine answers."""
 
-    def __init__(self, tokenizer, max_model_len: int, vocab_size: int,
-                 structured_backend: str = "xgrammar", hidden_size: int = 0,
-                 shorter_embeddings: tuple[int, ...] | None = None,
-                 lora: tuple[dict[str, str] | None, int] = (None, 0)):
+    def __init__(self, tokenizer, info: EngineInfo):
         self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
-        self.vocab_size = vocab_size
+        self.info = info  # what the engine said of itself when it was ready
+        self.max_model_len, self.vocab_size = info.max_model_len, info.vocab_size
         # An embedding's length, and the shorter ones it may be cut to (ModelConfig).
-        self.hidden_size, self.shorter_embeddings = hidden_size, shorter_embeddings
-        self.structured_backend = structured_backend  # the front end checks specs for it
-        # LoRA adapters: (served name -> path, or None: LoRA off; --max-loras).
-        self.adapters = Adapters(*lora)
+        self.hidden_size, self.shorter_embeddings = info.hidden_size, info.shorter_embeddings
+        self.structured_backend = info.structured_backend  # the front end checks specs
+        self.adapters = Adapters(info.adapters, info.max_loras)  # LoRA's served names
         self.stats = ServingStats()
         # Guarded by _lock: reservations, adds not yet taken by the engine, and the
         # scheduler's queue lengths as of its last report.

@@ -1,6 +1,7 @@
 """The engine's busy loop, the same in a thread and in a separate process: take the
 commands that arrived (add, abort, stop), run one step, and report what happened in
-one StepReport. Where the commands come from and where the report goes is up to the
+one StepReport, made from the engine's own stats() snapshots (the differences since
+the last one). Where the commands come from and where the report goes is up to the
 caller (a queue and a callback in a thread; a pipe in a process).
 
 A LoRA adapter is read from disk on a thread of its own (seconds for a large one)
@@ -12,11 +13,9 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Protocol
 
-from kvserve.engine.engine import Engine
-from kvserve.engine.lora.manager import adapter_names
 from kvserve.engine.client.messages import (AbortRequest, AdapterReply, AddRequest, ChangeAdapter,
-                                            EngineCommand, EngineSnapshot, Shutdown, StepReport,
-                                            TakeSnapshot)
+                                            EngineCommand, Shutdown, StepReport, TakeSnapshot)
+from kvserve.engine.engine import Engine
 
 
 class CommandSource(Protocol):
@@ -30,9 +29,7 @@ class EngineLoop:
         self.engine, self.commands, self.report = engine, commands, report
         self.stopped = False
         self._snapshot_asked = False  # a TakeSnapshot came in since the last report
-        self._last = engine.scheduler.stats()  # counters are reported as differences
-        spec = engine.speculator
-        self._spec = spec.stats.copy() if spec is not None else None
+        self._last = engine.stats()  # counters are reported as differences
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvserve-lora-read")
         self._reads: list[tuple[ChangeAdapter, Future]] = []  # adapters being read
 
@@ -57,37 +54,30 @@ class EngineLoop:
             self._reader.shutdown(wait=False, cancel_futures=True)
 
     def _step(self, rep: StepReport) -> None:
-        stats = self.engine.stats
-        computed, sampled = stats.prompt_tokens_computed, stats.generated_tokens
         rep.step_start = time.monotonic()
         rep.outputs.extend(self.engine.step())
         rep.step_seconds = time.monotonic() - rep.step_start
-        rep.prompt_tokens_computed = stats.prompt_tokens_computed - computed
-        rep.step_tokens = rep.prompt_tokens_computed + stats.generated_tokens - sampled
 
     def _counts(self, rep: StepReport) -> None:
-        """Queue lengths and KV usage as they are now; counters since the last report."""
+        """Queue lengths and KV usage as they are now; counters since the last report
+        (only a step computes prompt tokens or samples: they are the step's)."""
         self.engine.publish_kv_events()
-        stats = self.engine.scheduler.stats()
-        rep.waiting, rep.running, rep.kv_usage = (stats.num_waiting, stats.num_running,
-                                                  stats.kv_usage)
-        rep.prefix_queries = stats.prefix_queries - self._last.prefix_queries
-        rep.prefix_hits = stats.prefix_hits - self._last.prefix_hits
-        rep.preemptions = stats.num_preemptions - self._last.num_preemptions
-        self._last = stats
-        if self.engine.grammars is not None:
-            rep.grammar_compile_seconds = self.engine.grammars.compiler.take_compile_seconds()
-        if self._spec is not None:
-            spec = self.engine.speculator.stats
-            rep.spec, self._spec = spec.since(self._spec), spec.copy()
-        if self.engine.lora is not None:
-            running, waiting = self.engine.adapters_in_use(stats)
-            rep.lora_running, rep.lora_waiting = adapter_names(running), adapter_names(waiting)
+        now = self.engine.stats()
+        last, self._last = self._last, now
+        rep.waiting, rep.running, rep.kv_usage = now.num_waiting, now.num_running, now.kv_usage
+        rep.prompt_tokens_computed = now.prompt_tokens_computed - last.prompt_tokens_computed
+        rep.step_tokens = (rep.prompt_tokens_computed
+                           + now.generated_tokens - last.generated_tokens)
+        rep.prefix_queries = now.prefix_queries - last.prefix_queries
+        rep.prefix_hits = now.prefix_hits - last.prefix_hits
+        rep.preemptions = now.num_preemptions - last.num_preemptions
+        rep.grammar_compile_seconds = list(now.grammar_compile_seconds)
+        if now.spec is not None:
+            rep.spec = now.spec.since(last.spec)
+        rep.lora_running, rep.lora_waiting = now.lora_running, now.lora_waiting
         if self._snapshot_asked:
             self._snapshot_asked = False
-            rep.snapshot = EngineSnapshot(self.engine.scheduler.snapshot(),
-                                          self.engine.speculator is not None,
-                                          time.monotonic())
+            rep.snapshot = self.engine.snapshot()
 
     def _handle(self, command: EngineCommand, rep: StepReport) -> None:
         if isinstance(command, AddRequest):

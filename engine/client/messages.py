@@ -1,16 +1,17 @@
-"""What crosses between the server and the engine loop: one small typed record per
-command down, one StepReport per loop iteration up. The same records travel a
-thread's queue (AsyncEngine) and a process's pipe (ProcessEngine), so they are
-plain, picklable and slotted (a step's report is unpickled on the server's event
+"""What crosses between the server and the engine loop, typed both ways: one small
+record per command down; up, EngineReady (or EngineDied) once the engine is built,
+then one StepReport per loop iteration, and EngineDied if it stops. The same records
+travel a thread's queue (AsyncEngine) and a process's pipe (ProcessEngine), so they
+are plain, picklable and slotted (a step's report is unpickled on the server's event
 loop every step)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.reports import EngineInfo, EngineSnapshot
 from kvserve.engine.spec_decode.speculator import SpecDecodeStats
 from kvserve.scheduler.sampling_params import SamplingParams
-from kvserve.scheduler.snapshot import SchedulerSnapshot
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,14 +59,19 @@ class TakeSnapshot:
     someone watches the engine page, never otherwise."""
 
 
-@dataclass(frozen=True, slots=True)
-class EngineSnapshot:
-    scheduler: SchedulerSnapshot
-    speculative: bool  # drafts are proposed and verified: acceptance is worth showing
-    taken_at: float  # time.monotonic(), comparable across processes
-
-
 EngineCommand = AddRequest | AbortRequest | ChangeAdapter | Shutdown | TakeSnapshot
+
+
+@dataclass(frozen=True, slots=True)
+class EngineReady:
+    """The engine is built and takes commands."""
+    info: EngineInfo
+
+
+@dataclass(frozen=True, slots=True)
+class EngineDied:
+    """The engine could not be built, or stopped for good (a crash, a dead rank)."""
+    reason: str
 
 
 @dataclass(slots=True)

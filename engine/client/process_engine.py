@@ -3,9 +3,9 @@ way). The server's event loop then never competes with the engine for the GIL: a
 hundreds of streams the front end's per-token work (SSE, JSON, detokenizing) takes
 as long as a GPU decode step, and in one process it would stretch every step.
 
-Parent and child share one duplex pipe: commands go down, one StepReport per loop
-iteration comes up, read by a thread in the parent that hands outputs to the event
-loops. The child is spawned (not forked: torch and CUDA do not survive a fork)."""
+Parent and child share one duplex pipe: commands go down; EngineReady (or EngineDied)
+comes up once, then one StepReport per loop iteration, read by a thread in the parent
+that hands outputs to the event loops, and EngineDied if the engine stops. The child is spawned (not forked: torch and CUDA do not survive a fork)."""
 from __future__ import annotations
 
 import logging
@@ -15,10 +15,11 @@ import signal
 import threading
 from multiprocessing.connection import Connection
 
-from kvserve.engine.config import EngineConfig
-from kvserve.engine.client.adapters import served_adapters
 from kvserve.engine.client.engine_client import EngineClient, EngineDeadError
-from kvserve.engine.client.messages import EngineCommand, Shutdown
+from kvserve.engine.client.messages import (EngineCommand, EngineDied, EngineReady, Shutdown,
+                                            StepReport)
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.reports import EngineInfo
 
 log = logging.getLogger("kvserve.process_engine")
 
@@ -57,9 +58,8 @@ def _child_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
     try:
         engine = Engine(config)
     except BaseException as exc:
-        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        conn.send(EngineDied(f"{type(exc).__name__}: {exc}"))
         return
-    mc = engine.model_config
     send_lock = threading.Lock()  # the loop reports; a rank's watcher may say it died
 
     def send(message) -> None:
@@ -68,19 +68,17 @@ def _child_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
 
     def rank_died(why: str) -> None:
         logging.getLogger("kvserve.engine").critical("%s", why)
-        send(("dead", why))
+        send(EngineDied(why))
         os._exit(1)  # the loop may be blocked in a collective that never completes
 
     engine.on_rank_death(rank_died)
     freeze_startup_heap()
-    send(("ready", {"max_model_len": engine.max_model_len, "vocab_size": mc.vocab_size,
-                    "hidden_size": mc.hidden_size, "shorter_embeddings": mc.shorter_embeddings,
-                    "adapters": served_adapters(engine)}))
+    send(EngineReady(engine.info()))
     try:
-        EngineLoop(engine, _PipeSource(conn), lambda rep: send(("report", rep))).run()
+        EngineLoop(engine, _PipeSource(conn), send).run()
     except BaseException as exc:
         logging.getLogger("kvserve.engine").exception("engine loop died")
-        send(("dead", f"{type(exc).__name__}: {exc}"))
+        send(EngineDied(f"{type(exc).__name__}: {exc}"))
     engine.close()
     from kvserve.engine.compiled_model import exit_if_compiling
 
@@ -99,26 +97,23 @@ class ProcessEngine(EngineClient):
                                     daemon=True)
         self._process.start()
         child_conn.close()
-        info = self._await_ready()
-        super().__init__(tokenizer, info["max_model_len"], info["vocab_size"],
-                         config.structured_outputs_backend, info["hidden_size"],
-                         info["shorter_embeddings"], info["adapters"])
+        super().__init__(tokenizer, self._await_ready())
         self._send_lock = threading.Lock()
         self._reader = threading.Thread(target=self._read, name="kvserve-engine-reader",
                                         daemon=True)
 
-    def _await_ready(self) -> dict:
+    def _await_ready(self) -> EngineInfo:
         if not self._conn.poll(STARTUP_TIMEOUT_S):
             self._process.kill()
             raise EngineStartError("the engine process did not start in time")
         try:
-            kind, payload = self._conn.recv()
+            message = self._conn.recv()
         except EOFError:  # it died without a word (killed, or a crash in C)
             self._process.join(5)
-            kind, payload = "failed", f"exit code {self._process.exitcode}"
-        if kind != "ready":
-            raise EngineStartError(f"the engine process failed to start: {payload}")
-        return payload
+            message = EngineDied(f"exit code {self._process.exitcode}")
+        if not isinstance(message, EngineReady):
+            raise EngineStartError(f"the engine process failed to start: {message.reason}")
+        return message.info
 
     def start(self) -> None:
         self._reader.start()
@@ -148,15 +143,15 @@ class ProcessEngine(EngineClient):
     def _read(self) -> None:
         while True:
             try:
-                kind, payload = self._conn.recv()
+                message = self._conn.recv()
             except (EOFError, OSError):  # the process is gone, stopped or killed
                 self._process.join(1)
                 if self.error is None:
                     self._on_dead(RuntimeError(
                         f"engine process exited (code {self._process.exitcode})"))
                 return
-            if kind == "report":
-                self._on_report(payload)
-            elif kind == "dead":
-                self._on_dead(RuntimeError(payload))
+            if isinstance(message, StepReport):
+                self._on_report(message)
+            elif isinstance(message, EngineDied):
+                self._on_dead(RuntimeError(message.reason))
                 return

@@ -32,15 +32,16 @@ from kvserve.scheduler.request import Request
 
 
 class Sampler:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, matchers: Matchers | None = None,
+                 advances_matchers: bool = True):
         self.device = device
         self.prompt = PromptLogprobs()
         self._generators: dict[str, torch.Generator] = {}
-        # Structured outputs' grammar state: the engine's, set where it has a
-        # tokenizer. A scratch sampler (fault isolation's probes) masks with it, so a
-        # request's grammar fault is found as its own, but never advances it.
-        self.matchers: Matchers | None = None
-        self._advances_matchers = True
+        # Structured outputs' grammar state: the engine's, where it has a tokenizer.
+        # A scratch sampler (fault isolation's probes) masks with it, so a request's
+        # grammar fault is found as its own, but never advances it.
+        self.matchers = matchers
+        self._advances_matchers = advances_matchers
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
@@ -203,11 +204,10 @@ class Sampler:
 
     def _scratch(self) -> Sampler:
         """A sampler with a copy of this one's state: a probe run changes nothing here."""
-        scratch = Sampler(self.device)
+        scratch = Sampler(self.device, self.matchers, advances_matchers=False)
         scratch._generators = {rid: torch.Generator(device=g.device).set_state(g.get_state())
                                for rid, g in self._generators.items()}
         scratch.prompt = self.prompt.copy()
-        scratch.matchers, scratch._advances_matchers = self.matchers, False
         return scratch
 
     @faults.fault_point("sample", lambda self, logits, seqs, argmax=None: seqs)

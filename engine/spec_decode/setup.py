@@ -25,22 +25,22 @@ def make_speculator(config: EngineConfig) -> Speculator | None:
     return Speculator(spec)
 
 
-def make_drafter(engine, model, backend, num_blocks: int):
-    """The drafter of the engine's --speculative-method (engine: its config, device,
-    dtype and model facts), or None."""
-    spec, config = engine.config.speculative, engine.config
+def make_drafter(ctx, model, backend):
+    """The drafter of --speculative-method, or None. ctx: the engine's EngineContext
+    (engine/build.py): its config, device, dtype, model facts and cache size."""
+    spec, config = ctx.config.speculative, ctx.config
     if spec is not None and spec.method == "early-exit":
-        return EarlyExitDrafter(model, backend, config.block_size, engine.device,
+        return EarlyExitDrafter(model, backend, config.block_size, ctx.device,
                                 spec.draft_layers)
     if spec is None or spec.method != "draft":
         return None
     cfg = ModelConfig.from_pretrained(spec.model)
-    if cfg.vocab_size != engine.model_config.vocab_size:
+    if cfg.vocab_size != ctx.model_config.vocab_size:
         raise ModelLoadError(f"the draft model's vocabulary ({cfg.vocab_size} tokens) "
-                             f"is not the model's ({engine.model_config.vocab_size})")
-    draft = load_model(spec.model, cfg, engine.dtype, engine.device, engine.max_model_len,
+                             f"is not the model's ({ctx.model_config.vocab_size})")
+    draft = load_model(spec.model, cfg, ctx.dtype, ctx.device, ctx.max_model_len,
                        config.load_format, config.seed + 1)
-    pack_model(draft, config.cpu_kernels, engine.device, engine.dtype)
+    pack_model(draft, config.cpu_kernels, ctx.device, ctx.dtype)
     # The draft's own cache stays in the model dtype: it has no calibrated scales.
-    return DraftModelDrafter(draft, num_blocks, backend, config.block_size, engine.device,
-                             KVCacheFormat(engine.dtype))
+    return DraftModelDrafter(draft, ctx.num_blocks, backend, config.block_size, ctx.device,
+                             KVCacheFormat(ctx.dtype))

@@ -9,9 +9,10 @@ import pytest
 
 from kvserve.engine.client.engine_client import EngineClient
 from kvserve.engine.client.engine_loop import EngineLoop
-from kvserve.engine.client.messages import (AbortRequest, AddRequest, Shutdown, StepReport,
-                                            TakeSnapshot)
+from kvserve.engine.client.messages import (AbortRequest, AddRequest, EngineDied, EngineReady,
+                                            Shutdown, StepReport, TakeSnapshot)
 from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.reports import EngineInfo
 from kvserve.scheduler.sampling_params import SamplingParams
 
 
@@ -19,7 +20,8 @@ class RecordingClient(EngineClient):
     """An engine client whose transport only records what it is asked to send."""
 
     def __init__(self):
-        super().__init__(tokenizer=None, max_model_len=64, vocab_size=100)
+        super().__init__(None, EngineInfo(max_model_len=64, vocab_size=100,
+                                          structured_backend="xgrammar"))
         self.sent: list = []
 
     def start(self) -> None:
@@ -39,9 +41,32 @@ class RecordingClient(EngineClient):
 def test_every_message_crosses_a_pipe_unchanged():
     params = SamplingParams(max_tokens=3, n=2, seed=1)
     report = StepReport(outputs=[RequestOutput("r", 1, [5], True, "length")], added=1)
+    ready = EngineReady(EngineInfo(max_model_len=64, vocab_size=100, structured_backend="xgrammar",
+                                   shorter_embeddings=(32, 16), adapters={"a": "/x"}, max_loras=2))
     for message in (AddRequest("r", [1, 2], params, "salt", 2), AbortRequest("r", 1, "stop"),
-                    Shutdown(), report):
+                    Shutdown(), report, ready, EngineDied("rank 1 exited")):
         assert pickle.loads(pickle.dumps(message)) == message
+
+
+def test_the_engine_describes_itself_and_its_counters_in_typed_records(tiny_engine_factory):
+    """What a client is built from (EngineInfo) and what the loop reports from
+    (EngineStats): the engine's own records, no reaching into its parts."""
+    engine = tiny_engine_factory("llama")
+    info = engine.info()
+    assert (info.max_model_len, info.vocab_size) == (engine.max_model_len,
+                                                     engine.model_config.vocab_size)
+    assert info.adapters is None and info.max_loras == 0
+    client = RecordingClient.__new__(RecordingClient)
+    EngineClient.__init__(client, None, info)
+    assert (client.max_model_len, client.vocab_size) == (info.max_model_len, info.vocab_size)
+    before = engine.stats()
+    engine.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=4, temperature=0))
+    after = engine.stats()
+    assert after.steps - before.steps >= 4
+    assert after.prompt_tokens_computed - before.prompt_tokens_computed == 5
+    assert after.generated_tokens - before.generated_tokens == 4
+    assert (after.num_waiting, after.num_running, after.kv_usage) == (0, 0, 0.0)
+    assert pickle.loads(pickle.dumps(after)) == after
 
 
 def test_a_request_is_one_add_and_leaving_early_one_abort_for_all_its_sequences():

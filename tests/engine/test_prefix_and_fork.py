@@ -19,26 +19,26 @@ def test_shared_prefix_computes_only_the_tail(tiny_engine_factory):
 
     cached = tiny_engine_factory()
     out_first = cached.generate([first], greedy(32))[0]
-    computed_before = cached.stats.prompt_tokens_computed
+    computed_before = cached.stats().prompt_tokens_computed
     out_second = cached.generate([second], greedy(32))[0]  # its owner has finished
-    second_computed = cached.stats.prompt_tokens_computed - computed_before
+    second_computed = cached.stats().prompt_tokens_computed - computed_before
     assert second_computed == len(tails[1])  # 256 = 16 full blocks hit
     assert cached.scheduler.kv.stats.prefix_hits == 256
 
     plain = tiny_engine_factory(enable_prefix_caching=False)
     assert plain.generate([first], greedy(32))[0] == out_first
     assert plain.generate([second], greedy(32))[0] == out_second
-    assert plain.stats.prompt_tokens_computed == len(first) + len(second)
+    assert plain.stats().prompt_tokens_computed == len(first) + len(second)
 
 
 def test_prefix_hit_keeps_the_last_prompt_token_computed(tiny_engine_factory):
     engine = tiny_engine_factory()
     prompt = varied_prompts(400, 1, seed=22, lengths=(64,))[0]  # exactly 4 blocks
     once = engine.generate([prompt], greedy(8))[0]
-    before = engine.stats.prompt_tokens_computed
+    before = engine.stats().prompt_tokens_computed
     assert engine.generate([prompt], greedy(8))[0] == once
     # 3 blocks hit; the 4th is recomputed because its last token's logits are needed
-    assert engine.stats.prompt_tokens_computed - before == 16
+    assert engine.stats().prompt_tokens_computed - before == 16
 
 
 def test_n4_stores_the_prompt_once_and_cow_keeps_sequences_apart(tiny_engine_factory):

@@ -75,7 +75,7 @@ def test_prefix_hits(tiny_engine_factory):
     # of 16 either way), so both start mid-context.
     second = [first[:64] + prompts(30, seed=3)[0], first[:70] + prompts(9, seed=4)[0]]
     engine = assert_same_run(tiny_engine_factory, "qwen3", [[first], second], greedy(4))
-    computed = engine.stats.prompt_tokens_computed
+    computed = engine.stats().prompt_tokens_computed
     assert computed == 80 + (94 - 64) + (79 - 64), "the prefix cache was not hit"
 
 
