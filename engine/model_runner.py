@@ -11,11 +11,10 @@ from kvserve.engine import faults
 from kvserve.engine.attention import clear_attention_context, set_attention_context
 from kvserve.engine.attention.backend import AttentionBackend
 from kvserve.engine.attention.step_metadata import build_host_step
-from kvserve.engine.attention.cpu_paged import PagedDecode
-from kvserve.engine.attention.torch_backend import TorchAttentionMetadata, TorchBackend
 from kvserve.engine.block_table_rows import BlockTableRows
 from kvserve.engine.compiled_model import CompiledModel
-from kvserve.engine.cuda_graphs import DecodeGraphPlan, DecodeGraphs
+from kvserve.engine.cuda_graphs import DecodeGraphPlan
+from kvserve.engine.forward_paths import ForwardPaths
 from kvserve.engine.host_copy import to_device
 from kvserve.engine.kv_caches import KVCacheFormat, attach_kv_caches, copy_blocks
 from kvserve.engine.lora.manager import LoRAManager
@@ -23,11 +22,11 @@ from kvserve.engine.models.llama import LlamaForCausalLM
 from kvserve.engine.parallel.step_channel import StepChannel
 from kvserve.engine.pooling import Pooler, PoolRows
 from kvserve.engine.sampling import Sampler, StepResult
+from kvserve.engine.sampling.logprobs import MAX_EXACT_ID
+from kvserve.engine.sampling.step_logits import LogitRows, StepLogits
+from kvserve.engine.sampling.step_result import SampleLaunch
 from kvserve.engine.step_batch import FlatBatch, LaunchedStep
 from kvserve.engine.structured.matchers import Matchers
-from kvserve.engine.sampling.logprobs import MAX_EXACT_ID
-from kvserve.engine.sampling.step_result import SampleLaunch
-from kvserve.engine.sampling.step_logits import LogitRows, StepLogits
 from kvserve.scheduler.output import ScheduledRequest, SchedulerOutput
 
 log = logging.getLogger("kvserve.engine")
@@ -39,7 +38,8 @@ class ModelRunner:
     draft model; None without), the plan for decode-only steps' CUDA graphs, and the
     LoRA adapters (engine/lora/manager.py; None: LoRA off), and under tensor
     parallelism the channel that hands each step to the other ranks (rank 0's
-    runner is the only one: the others run the steps it sends)."""
+    runner is the only one: the others run the steps it sends). Which forward pass a
+    step takes is engine/forward_paths.py's to decide."""
 
     def __init__(self, model: LlamaForCausalLM, *, num_blocks: int, block_size: int,
                  device: torch.device, kv_format: KVCacheFormat,
@@ -48,7 +48,8 @@ class ModelRunner:
                  lora: LoRAManager | None = None, step_channel: StepChannel | None = None,
                  matchers: Matchers | None = None):
         self.model, self.device, self.block_size = model, device, block_size
-        self.attn_backend, self.drafter, self.lora = attn_backend, drafter, lora
+        self.drafter, self.lora = drafter, lora
+        self.paths = ForwardPaths(model, attn_backend, device, block_size, lora)
         self.step_channel = step_channel
         cfg = model.config
         # One block more than the KV cache manager hands out: the compiled graphs'
@@ -60,37 +61,20 @@ class ModelRunner:
         self.sampler = Sampler(device, matchers)  # matchers: structured outputs' masks
         self.pooler = Pooler()  # embedding requests' partial sums
         self.table_rows = BlockTableRows()  # the running requests' block tables
-        self.decode_graphs: DecodeGraphs | None = None
         if decode_graphs is not None:
-            self.use_decode_graphs(decode_graphs)
-        # compile_forward's graphs: being built, or built (`compiling.ready`); steps
-        # take them from when `compiled` is set, once they are ready.
-        self.compiling: CompiledModel | None = None
-        self.compiled: CompiledModel | None = None
+            self.paths.use_decode_graphs(decode_graphs)
+
+    # The forward paths' state, as everyone holding a runner reads it.
+    attn_backend = property(lambda self: self.paths.backend)
+    decode_graphs = property(lambda self: self.paths.decode_graphs)
+    compiling = property(lambda self: self.paths.compiling)
+    compiled = property(lambda self: self.paths.compiled)
+
+    def use_decode_graphs(self, plan: DecodeGraphPlan) -> None:
+        self.paths.use_decode_graphs(plan)
 
     def compile_forward(self, background: bool) -> CompiledModel:
-        """Steps go through Inductor-compiled graphs once they are built (on a thread
-        of their own with `background`, steps staying eager meanwhile)."""
-        # Attention reading K/V in place too, where the backend has such a path
-        # (decodes traced into the graphs, prompt chunks through the CPU kernel): the
-        # graphs are warmed up through a copy that takes it, and steps take it from
-        # when the graphs are ready (a step keeps the path it was prepared on).
-        paged = isinstance(self.attn_backend, TorchBackend) and self.device.type == "cpu"
-        compiled = self.compiling = CompiledModel(self.model, paged_decode=paged,
-                                                  lora=self.lora is not None,
-                                                  cpp_wrapper=self.device.type == "cpu",
-                                                  device=self.device)
-        warm_backend = TorchBackend(in_place=True) if paged else self.attn_backend
-
-        def ready() -> None:
-            if paged:
-                self.attn_backend.in_place = True
-            self.compiled = compiled
-
-        compiled.build(lambda fn, n, decode, lora: self._warm_up_step(warm_backend, fn, n,
-                                                                      decode, lora),
-                       background, ready)
-        return compiled
+        return self.paths.compile(background, self._warm_up_step)
 
     @torch.inference_mode()
     def _warm_up_step(self, backend: AttentionBackend, fn, num_tokens: int,
@@ -122,22 +106,11 @@ class ModelRunner:
             adapters = (self.lora.warm_up_inputs(len(ids), per_token=decode),) if lora else ()
             try:
                 if decode:
-                    fn(input_ids, positions, _decode_inputs(meta), *adapters)
+                    fn(input_ids, positions, backend.traced_decode(meta), *adapters)
                 else:
                     fn(input_ids, positions, *adapters)
             finally:
                 clear_attention_context()
-
-    def use_decode_graphs(self, plan: DecodeGraphPlan) -> None:
-        """Decode-only steps go through padded static buffers from now on (tests
-        switch an engine's runner over to the eager padded path with this)."""
-        if plan.capture and not (self.device.type == "cuda" and self.attn_backend.graph_safe):
-            raise ValueError("CUDA graphs need CUDA and a graph-safe attention backend")
-        self.decode_graphs = DecodeGraphs(self.model, self.attn_backend, self.block_size,
-                                          plan.max_num_seqs, plan.max_model_len,
-                                          self.device, plan.capture, self.lora)
-        if plan.capture:
-            self.decode_graphs.capture_all()
 
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput, previous: LaunchedStep | None = None
@@ -148,7 +121,7 @@ class ModelRunner:
         self.copy_blocks(out.block_copies)
         for request_id in out.preempted:  # readmitted, it gets other blocks
             self.table_rows.drop(request_id)
-        if self._graph_step(out.scheduled):
+        if self.paths.takes_decode_graphs(out.scheduled, self.drafter):
             return self._launch_decode(out.scheduled, previous)
         if self.drafter is not None:
             self._draft(out.scheduled)
@@ -217,15 +190,6 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[-1:].expand(num_sampling_rows, -1))
         logits.softmax(dim=-1).sort(dim=-1)  # top-p sorts the probabilities
 
-    def _graph_step(self, scheduled: list[ScheduledRequest]) -> bool:
-        g = self.decode_graphs
-        if self.drafter is not None and self.drafter.observes_batches:
-            return False  # the draft model must see the batch: eager steps
-        return (g is not None and g.fits(len(scheduled))
-                and all(s.num_new_tokens == 1 and not s.spec_token_ids for s in scheduled)
-                and not any(s.request.needs_prompt_logits or s.request.params.pooling
-                            for s in scheduled))
-
     def _launch_decode(self, scheduled: list[ScheduledRequest],
                        previous: LaunchedStep | None) -> LaunchedStep:
         """A decode-only step through the padded (captured) forward pass."""
@@ -270,20 +234,11 @@ class ModelRunner:
             self.step_channel.send(batch.host, batch.input_ids, batch.logit_rows)
         set_attention_context(self.attn_backend, batch.attention)
         try:
-            compiled, paged = self.compiled, _decode_inputs(batch.attention)
-            decode_only = (batch.rows.num_sample == batch.rows.total == len(batch.input_ids)
-                           and not batch.pooling)  # pooling needs the hidden rows
-            if compiled is None:
-                hidden = self.model(batch.input_ids, batch.positions, lora=batch.lora)
-            elif decode_only and (paged is not None or not compiled.paged_decode):
-                # Every row samples, in order (one graph, LM head in it).
-                return compiled.decode_logits(batch.input_ids, batch.positions, paged,
-                                              batch.lora and batch.lora.gathered())
-            else:  # mixed steps, and a decode step prepared before the graphs were
-                # ready (no PagedDecode): the graph that calls the custom op
-                hidden = compiled.hidden(batch.input_ids, batch.positions, batch.lora)
+            hidden, are_logits = self.paths.run(batch)
         finally:
             clear_attention_context()
+        if are_logits:
+            return hidden
         if batch.pooling:
             batch.pooled = self.pooler.observe(hidden, batch.pooling)
         return self.model.compute_logits(hidden[batch.logit_rows])
@@ -348,12 +303,6 @@ def _pool_rows(scheduled: list[ScheduledRequest], query_starts: list[int]) -> li
     return [PoolRows(s.request.request_id, s.request.params.pooling, query_starts[i],
                      s.num_new_tokens, restarts=s.start == 0, completes=s.samples)
             for i, s in enumerate(scheduled) if s.request.params.pooling]
-
-
-def _decode_inputs(meta) -> PagedDecode | None:
-    """A decode-only step's attention inputs, where its attention can be traced into
-    a compiled graph (the torch backend's paged decode); None: the custom op."""
-    return meta.decode_only() if isinstance(meta, TorchAttentionMetadata) else None
 
 
 def _sampled(step: LaunchedStep | None) -> SampleLaunch | None:

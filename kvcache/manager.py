@@ -17,10 +17,11 @@ from .block_map import block_states
 from .block_pool import BlockPool
 from .events import KVCacheEvent, KVEventLog
 from .records import BlockCopy, CacheStats
+from .block_writes import BlockWrites
 from .request_blocks import RequestBlocks
 
 
-class KVCacheManager:
+class KVCacheManager(BlockWrites):
     """Allocates, shares and frees KV-cache blocks for running requests."""
 
     def __init__(
@@ -179,19 +180,9 @@ class KVCacheManager:
                 or num_pending_tokens < 0 or end > known:
             raise _bad_range(num_computed_tokens, num_new_tokens, known)
         reach = end + num_lookahead_tokens
-        bs = self.block_size
         ids = req.block_ids if req is not None else ()
-        have = len(ids)
-        grow = max(0, -(-reach // bs) - have)
-        first = num_computed_tokens // bs
-        shared = ()
-        # Hot path (decode): the write lands in the private last block, so the
-        # general scan is skipped unless that block is shared or the write
-        # reaches back into earlier blocks.
-        if num_new_tokens and first < have and (
-            first < have - 1 or self._blocks[ids[first]].ref_count > 1
-        ):
-            shared = self._shared_write_targets(req, num_computed_tokens, reach)
+        grow = max(0, -(-reach // self.block_size) - len(ids))
+        shared = self._shared_writes(req, ids, num_computed_tokens, num_new_tokens, reach)
         if grow + len(shared) > self._free_queue.size:
             return False
         if req is None:
@@ -204,72 +195,6 @@ class KVCacheManager:
             req.num_tokens = end
         self._hash_known(req, token_ids, end)
         return True
-
-    def _hash_known(self, req: RequestBlocks, token_ids: Sequence[int], end: int) -> None:
-        """Hash the blocks now full below `end` whose tokens are all known."""
-        full = min(end, len(token_ids)) // self.block_size
-        if full > len(req.hashes) and self.enable_prefix_caching:
-            self._hash_full_blocks(req, token_ids, full)
-
-    def _append_in_place(self, req: RequestBlocks, token_ids: Sequence[int],
-                         pos: int, known: int) -> bool:
-        """The decode fast path, taken for almost every request every step: one
-        token at `pos` that lands in the request's own last block. False (nothing
-        done) when the general path must decide: a new block, a shared block, a
-        write behind the last block, or a bad position."""
-        ids = req.block_ids
-        bs = self.block_size
-        if not (0 <= pos < known and pos // bs == len(ids) - 1
-                and self._blocks[ids[-1]].ref_count == 1):
-            return False
-        end = pos + 1
-        if end > req.num_tokens:
-            req.num_tokens = end
-        # A block filled now, or earlier by a multi-token step (accepted drafts) or
-        # by a token that was still pending then.
-        self._hash_known(req, token_ids, end)
-        return True
-
-    def _shared_write_targets(
-        self, req: RequestBlocks, start: int, end: int
-    ) -> list[int]:
-        """Logical indices of existing blocks in [start, end) held by others."""
-        bs = self.block_size
-        ids = req.block_ids
-        blocks = self._blocks
-        last = min(len(ids), (end - 1) // bs + 1)
-        # Normally this is the one partly filled last block, or nothing.
-        return [i for i in range(start // bs, last) if blocks[ids[i]].ref_count > 1]
-
-    def _copy_on_write(self, req: RequestBlocks, index: int, computed: int) -> None:
-        """Give the request a private block for logical block ``index``."""
-        old = self._blocks[req.block_ids[index]]
-        (new,) = self._pool.allocate(1)
-        # Slots from `computed` on are about to be overwritten; keep the rest.
-        keep = min(computed, req.num_tokens) - index * self.block_size
-        if keep > 0:
-            keep = min(keep, self.block_size)
-            self._copies.append(BlockCopy(old.block_id, new.block_id, keep))
-        req.block_ids[index] = new.block_id
-        self._pool.release((old,))
-
-    def _hash_full_blocks(
-        self, req: RequestBlocks, token_ids: Sequence[int], num_full: int
-    ) -> None:
-        """Hash blocks that just became full and offer them for sharing."""
-        hashes = req.hashes
-        first = len(hashes)
-        parent = hashes[-1] if hashes else req.root_hash
-        new_hashes = self._hasher.hash_blocks(parent, token_ids, first, num_full)
-        hashes.extend(new_hashes)
-        blocks = self._blocks
-        filled = [blocks[i] for i in req.block_ids[first:num_full]]
-        if self._pool.events is None:
-            self._pool.register_all(filled, new_hashes)
-        else:  # a chain's first block has no parent block (its root is no block)
-            size = self.block_size
-            self._pool.register_all(filled, new_hashes, hashes[first - 1] if first else None,
-                                    token_ids[first * size:num_full * size])
 
     # ------------------------------------------------------ fork and free
 

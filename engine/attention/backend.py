@@ -20,10 +20,24 @@ class AttentionBackend(ABC):
     # copies of the lengths) and forward() never syncs: decode steps can then be
     # captured in a CUDA graph.
     graph_safe: bool = False
+    # True when a decode-only step's attention can be traced into a compiled graph,
+    # its inputs (traced_decode) taken as graph inputs (the torch backend's paged
+    # decode, on CPU).
+    traces_paged_decode: bool = False
 
     def prepare(self, common: AttentionMetadata) -> Any:
         """Per-step metadata of this backend; by default the common one as is."""
         return common
+
+    def in_place_reader(self) -> AttentionBackend:
+        """This backend reading K/V where they lie in the cache, where it has such a
+        path (what compiled steps use); by default itself."""
+        return self
+
+    def traced_decode(self, meta: Any) -> Any:
+        """A step's inputs for a compiled graph with the attention traced in, if
+        every row of it is such a decode (traces_paged_decode); else None."""
+        return None
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

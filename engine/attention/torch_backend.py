@@ -72,15 +72,22 @@ class TorchBackend(AttentionBackend):
     the cache's dtype (engine/cpu_kernels/paged_prefill.cpp, up to 2x faster than the
     gather and SDPA); the rest stays the reference."""
     name = "torch"
+    traces_paged_decode = True
 
     def __init__(self, in_place: bool = False):
         self.in_place = in_place
+
+    def in_place_reader(self) -> TorchBackend:
+        return self if self.in_place else TorchBackend(in_place=True)
+
+    def traced_decode(self, meta: TorchAttentionMetadata) -> PagedDecode | None:
+        return meta.decode_only()
 
     def prepare(self, common: AttentionMetadata) -> TorchAttentionMetadata:
         rows = torch.nonzero(common.slot_mapping >= 0).squeeze(1)
         slots, mask, paged = None, None, None
         nd = common.num_decodes
-        in_place = self.in_place  # read once: it is switched on while steps run
+        in_place = self.in_place
         if nd and in_place:
             paged = PagedDecode(widened(common.block_tables[:nd]), common.seq_lens[:nd],
                                 common.slot_mapping[:nd])
