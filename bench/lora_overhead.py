@@ -24,7 +24,8 @@ import torch
 from safetensors.torch import save_file
 
 from kvserve.benchmarks.in_process.decode import where_from
-from kvserve.engine.config import EngineConfig, ModelConfig
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.model_config import ModelConfig
 from kvserve.engine.engine import Engine
 from kvserve.engine.lora.adapter import TARGETS, projection_shapes
 from kvserve.engine.lora.config import LoRAConfig

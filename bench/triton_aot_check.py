@@ -105,7 +105,7 @@ DEFAULT_MODEL = dict(name="smollm2-135m", hidden=576, intermediate=1536, layers=
 # ---------------------------------------------------------------------- model shapes
 def model_configs() -> dict:
     """Name -> ModelConfig of every preset and of the default model."""
-    from kvserve.engine.config import ModelConfig
+    from kvserve.engine.model_config import ModelConfig
     from kvserve.modelstore.presets import preset_names
 
     d = DEFAULT_MODEL

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.engine.attention import make_backend
-from kvserve.engine.compiled_model import use_cache_dir
-from kvserve.engine.config import EngineConfig, ModelConfig
+from kvserve.engine.compile_process import use_cache_dir
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.model_config import ModelConfig
 from kvserve.engine.cpu_kernels.build import c_compiler
 from kvserve.engine.cuda_graphs import DecodeGraphPlan
 from kvserve.engine.kv_caches import KVCacheFormat

@@ -48,6 +48,7 @@ import torch
 import torch._inductor.config
 
 from kvserve.engine.attention.cpu_paged import PagedDecode
+from kvserve.engine.compile_process import track_build
 from kvserve.engine.direct_graph import DirectCall, GraphRecorder, model_tensors
 from kvserve.engine.lora.step import LoRAStep
 from kvserve.engine.models.llama import LlamaForCausalLM
@@ -110,40 +111,6 @@ def _own_code(fn, instance):
     own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
                              fn.__defaults__, fn.__closure__)
     return types.MethodType(own, instance)
-
-
-def use_cache_dir(root: str) -> None:
-    """Inductor's and Triton's on-disk caches under `root`, unless the user chose
-    (torch itself sets TORCHINDUCTOR_CACHE_DIR to its default the first time it
-    looks: that one is replaced)."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if not inductor or inductor == default_cache_dir():
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "inductor")
-    if not os.environ.get("TRITON_CACHE_DIR"):
-        os.environ["TRITON_CACHE_DIR"] = os.path.join(root, "triton")
-
-
-_builders: list[threading.Thread] = []  # background builds of this process
-
-
-def exit_if_compiling(code: int = 0) -> None:
-    """Ends the process at once (os._exit) if a background build is still running:
-    a compiler thread cannot be stopped, and tearing the interpreter down under it
-    crashes (a C++ terminate or a segfault) instead of exiting. Called last, once
-    everything else has shut down."""
-    if any(t.is_alive() for t in _builders):
-        log.info("exiting while the forward pass was still compiling")
-        logging.shutdown()
-        os._exit(code)
-
-
-def graphs_compiled() -> int:
-    """Graphs Dynamo has compiled in this process (a recompilation adds one)."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
 
 
 class CompiledModel:
@@ -283,7 +250,7 @@ class CompiledModel:
             return None
         thread = threading.Thread(target=self._build, args=(run_step, on_ready),
                                   name="kvserve-compile", daemon=True)
-        _builders.append(thread)
+        track_build(thread)
         thread.start()
         return thread
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kvserve.engine.config import ModelConfig
+from kvserve.engine.model_config import ModelConfig
 from kvserve.engine.gguf_checkpoint import FLOAT_TYPES, KEPT_QUANTIZED, GGUFCheckpoint, find_gguf
 from kvserve.engine.models.llama import LlamaForCausalLM
 from kvserve.engine.quantization.int4 import PACK_ROWS, Int4Linear

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kvserve.engine.config import ModelConfig
+from kvserve.engine.model_config import ModelConfig
 from kvserve.engine.models.llama import LlamaForCausalLM
 from kvserve.engine.parallel.shard import SINGLE, TPShard
 from kvserve.modelstore.errors import ModelLoadError

@@ -9,7 +9,8 @@ import logging
 import torch
 from torch import nn
 
-from kvserve.engine.config import EngineConfig, ModelConfig
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.model_config import ModelConfig
 from kvserve.engine.cpu_kernels.setup import pack_model
 from kvserve.engine.kv_caches import KVCacheFormat
 from kvserve.engine.loader import load_model, resolve_load_format

@@ -84,7 +84,7 @@ def serve(args) -> None:
     import uvicorn
 
     from kvserve.engine.attention import AttentionBackendError
-    from kvserve.engine.config import ModelConfigError
+    from kvserve.engine.model_config import ModelConfigError
     from kvserve.engine.heap import freeze_startup_heap
     from kvserve.engine.client.launch import start_engine
     from kvserve.engine.loader import ModelLoadError
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int | None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
         serve(args)
-        from kvserve.engine.compiled_model import exit_if_compiling
+        from kvserve.engine.compile_process import exit_if_compiling
 
         exit_if_compiling(0)
 

@@ -80,7 +80,7 @@ def _child_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
         logging.getLogger("kvserve.engine").exception("engine loop died")
         send(EngineDied(f"{type(exc).__name__}: {exc}"))
     engine.close()
-    from kvserve.engine.compiled_model import exit_if_compiling
+    from kvserve.engine.compile_process import exit_if_compiling
 
     exit_if_compiling(0)
 

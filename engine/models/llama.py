@@ -12,7 +12,7 @@ from torch import nn
 from kvserve.engine.attention import paged_attention
 from kvserve.engine.attention.cpu_paged import PagedDecode, decode_in_place
 from kvserve.engine.attention.fp8_cache import rotate
-from kvserve.engine.config import ModelConfig
+from kvserve.engine.model_config import ModelConfig
 from kvserve.engine.lora.step import LoRAStep
 from kvserve.engine.models.linear import Linear
 from kvserve.engine.models.layers import PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary

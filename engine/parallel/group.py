@@ -22,7 +22,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from kvserve.engine.config import EngineConfig, ModelConfig
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.model_config import ModelConfig
 from kvserve.engine.parallel import comm
 from kvserve.engine.parallel.shard import TPShard
 from kvserve.engine.parallel.step_channel import StepChannel

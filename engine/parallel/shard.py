@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvserve.engine.config import ModelConfig
+from kvserve.engine.model_config import ModelConfig
 from kvserve.modelstore.errors import ModelLoadError
 
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.engine.config import EngineConfig, ModelConfig
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.model_config import ModelConfig
 
 log = logging.getLogger("kvserve.tp_worker")
 

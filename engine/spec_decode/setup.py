@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import logging
 
-from kvserve.engine.config import EngineConfig, ModelConfig
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.model_config import ModelConfig
 from kvserve.engine.cpu_kernels.setup import pack_model
 from kvserve.engine.kv_caches import KVCacheFormat
 from kvserve.engine.loader import ModelLoadError, load_model

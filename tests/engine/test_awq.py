@@ -116,7 +116,7 @@ def test_int4_in_compiled_mixed_steps_never_recompiles():
     built at start-up."""
     import random
 
-    from kvserve.engine.compiled_model import graphs_compiled
+    from kvserve.engine.compile_process import graphs_compiled
     from kvserve.scheduler.sampling_params import SamplingParams
 
     engine = Engine(EngineConfig(model="preset:llama-tiny", load_format="random",

@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 
-from kvserve.engine.compiled_model import graphs_compiled
+from kvserve.engine.compile_process import graphs_compiled
 from kvserve.engine.config import SpeculativeConfig
 from kvserve.scheduler.sampling_params import SamplingParams
 from tests.support.reference import (assert_same_tokens, load_reference, reference_greedy,

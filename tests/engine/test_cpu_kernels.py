@@ -573,7 +573,7 @@ def test_paged_prefill_refuses_what_it_cannot_read(kernels):
 # -- in compiled graphs ---------------------------------------------------------------
 @needs_avx2
 def test_compiled_graphs_call_the_op_for_any_row_count_without_recompiling(kernels):
-    from kvserve.engine.compiled_model import graphs_compiled
+    from kvserve.engine.compile_process import graphs_compiled
 
     layer = Linear(64, 80, bias=True)
     with torch.no_grad():
@@ -714,7 +714,7 @@ def tied_bf16_dir(tmp_path_factory):
 @needs_avx2
 def test_pack_model_packs_every_float32_linear_and_keeps_the_embedding(kernels,
                                                                         tied_bf16_dir):
-    from kvserve.engine.config import ModelConfig
+    from kvserve.engine.model_config import ModelConfig
 
     cfg = ModelConfig.from_pretrained(str(tied_bf16_dir))
     plain = load_model(tied_bf16_dir, cfg, F32, CPU, 256)
@@ -782,7 +782,7 @@ def test_quantized_layers_packed_compute_what_they_did(kernels, kind, rows):
 def test_pack_model_packs_quantized_layers_too(kernels, tied_bf16_dir):
     """(int4 layers need rows in blocks of 64, more than the tiny model has: the GGUF
     tests serve them through the kernel, tests/engine/test_gguf_loading.py.)"""
-    from kvserve.engine.config import ModelConfig
+    from kvserve.engine.model_config import ModelConfig
     from kvserve.engine.quantization import quantize_model
 
     cfg = ModelConfig.from_pretrained(str(tied_bf16_dir))
@@ -806,7 +806,7 @@ def test_a_quantized_models_lm_head_and_tied_table_are_packed_as_q8_0(kernels, t
     --quantization int8 / int4 quantized: the bf16 LM head is rounded to Q8_0 (half
     its bytes read each step, as llama.cpp's Q8_0 files hold it) and the tied
     embedding looks its rows up in those panels, so both read the same values."""
-    from kvserve.engine.config import ModelConfig
+    from kvserve.engine.model_config import ModelConfig
     from kvserve.engine.quantization import quantize_model
 
     cfg = ModelConfig.from_pretrained(str(tied_bf16_dir))

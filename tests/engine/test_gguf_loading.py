@@ -11,7 +11,8 @@ import gguf
 import pytest
 import torch
 
-from kvserve.engine.config import EngineConfig, ModelConfig
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.model_config import ModelConfig
 from kvserve.engine.engine import Engine
 from kvserve.engine.loader import load_model
 from kvserve.engine.quantization.int4 import Int4Linear

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from kvserve.engine import loader
-from kvserve.engine.config import EngineConfig, ModelConfig, ModelConfigError
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.model_config import ModelConfig, ModelConfigError
 from kvserve.engine.engine import Engine
 from kvserve.engine.loader import ModelLoadError
 

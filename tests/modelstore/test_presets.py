@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kvserve.engine import loader
-from kvserve.engine.config import EngineConfig, ModelConfig, ModelConfigError
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.model_config import ModelConfig, ModelConfigError
 from kvserve.engine.engine import Engine
 from kvserve.modelstore.presets import preset_names, resolve_model_path
 from kvserve.modelstore.weight_bytes import weight_bytes

@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     resolve_model(args)
     from kvserve.engine.attention import AttentionBackendError
-    from kvserve.engine.config import ModelConfigError
+    from kvserve.engine.model_config import ModelConfigError
     from kvserve.engine.loader import ModelLoadError
 
     try:

@@ -32,7 +32,8 @@ from kvserve.benchmarks.in_process.utilisation import (Clock, copy_bandwidth, mb
                                                        peak_tflops, prefill_flops,
                                                        weights_read_per_step)
 from kvserve.benchmarks.provenance import provenance
-from kvserve.engine.config import EngineConfig, ModelConfig
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.model_config import ModelConfig
 from kvserve.engine.engine import Engine
 from kvserve.engine.loader import resolve_device, resolve_dtype, resolve_load_format
 from kvserve.modelstore.weight_bytes import weight_bytes

@@ -8,7 +8,7 @@ import random
 import torch
 
 from kvserve.benchmarks.in_process.utilisation import bytes_per_decode_step
-from kvserve.engine.config import ModelConfig
+from kvserve.engine.model_config import ModelConfig
 
 DECODE_PROMPT_LEN = 128
 

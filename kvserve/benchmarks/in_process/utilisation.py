@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from kvserve.engine.config import ModelConfig
+from kvserve.engine.model_config import ModelConfig
 from kvserve.engine.kv_caches import KVCacheFormat
 from kvserve.modelstore.weight_bytes import weight_bytes
 

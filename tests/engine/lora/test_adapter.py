@@ -11,7 +11,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from kvserve.engine.config import ModelConfig
+from kvserve.engine.model_config import ModelConfig
 from kvserve.engine.lora.adapter import LoRAAdapterError, load_adapter, projection_shapes
 from kvserve.engine.lora.batched import add_lora
 

@@ -189,7 +189,7 @@ def test_unloading_waits_for_the_requests_using_it(tiny_engine_factory, served):
 def test_dense_gathered_and_kernel_paths_agree(served):
     """The CPU's masked matmuls, its per-token gather (compiled decode steps) and the
     BGMV Triton kernels (the interpreter here) on the same slots and tokens."""
-    from kvserve.engine.config import ModelConfig
+    from kvserve.engine.model_config import ModelConfig
     from kvserve.engine.lora.manager import LoRAManager
 
     base, paths, _ = served
@@ -220,7 +220,7 @@ def test_compiled_graphs_take_adapters_without_recompiling(tiny_engine_factory, 
     twins before the first step): the same tokens as PEFT's merged models, decode
     batches of one and of many, mixed steps; no graph compiled after the build, and
     a load (new weights in a slot) reaches the compiled steps."""
-    from kvserve.engine.compiled_model import graphs_compiled
+    from kvserve.engine.compile_process import graphs_compiled
 
     from tests.engine.test_compiled_forward import assert_same_tokens
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.engine.config import ModelConfig
+from kvserve.engine.model_config import ModelConfig
 from kvserve.engine.loader import load_model
 from kvserve.engine.parallel.shard import TPShard
 
