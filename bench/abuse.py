@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.abuse_corpus import CORPUS  # noqa: E402
 from kvserve.benchmarks.provenance import provenance, simd_flags  # noqa: E402
-from kvserve.engine.loader import cpu_flags  # noqa: E402
+from kvserve.engine.platform.device import cpu_flags  # noqa: E402
 
 KEYS = ("abuse-tenant-a", "abuse-tenant-b", "abuse-admin")
 
@@ -51,7 +51,7 @@ def _free_port() -> int:
 
 def start_server(extra: list[str]) -> tuple[subprocess.Popen, str]:
     port = _free_port()
-    cmd = [sys.executable, "-m", "kvserve.server.cli", "serve", "--port", str(port),
+    cmd = [sys.executable, "-m", "kvserve.server.entrypoints.cli", "serve", "--port", str(port),
            "--api-key", f"{KEYS[0]},{KEYS[1]}", "--admin-api-key", KEYS[2], *extra]
     proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1])
     url = f"http://127.0.0.1:{port}"

@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kvserve.benchmarks.in_process.utilisation import copy_bandwidth  # noqa: E402
 from kvserve.benchmarks.provenance import provenance, simd_flags  # noqa: E402
-from kvserve.engine.loader import NATIVE_BF16_FLAGS, cpu_flags  # noqa: E402
+from kvserve.engine.platform.device import NATIVE_BF16_FLAGS, cpu_flags  # noqa: E402
 
 ROWS_OUT, ROWS_IN = 49152, 576  # SmolLM2-135M's LM head
 

@@ -1,4 +1,4 @@
-"""kvserve's packed CPU GEMM (engine/cpu_kernels) against torch's, per decode step.
+"""kvserve's packed CPU GEMM (engine/kernels/cpu) against torch's, per decode step.
 
 For every row count asked (decode batch sizes, prompt chunks), one "step" multiplies
 that many float32 rows by every linear weight of a model shape once, each layer's
@@ -33,10 +33,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kvserve.benchmarks.in_process.utilisation import copy_bandwidth  # noqa: E402
 from kvserve.benchmarks.provenance import provenance, simd_flags  # noqa: E402
-from kvserve.engine.cpu_kernels.packing import (pack_weight, packed_linear,  # noqa: E402
+from kvserve.engine.kernels.cpu.packing import (pack_weight, packed_linear,  # noqa: E402
                                                 reference_product)
-from kvserve.engine.cpu_kernels.setup import load_once  # noqa: E402
-from kvserve.engine.loader import cpu_flags  # noqa: E402
+from kvserve.engine.weights.cpu_packing import load_once  # noqa: E402
+from kvserve.engine.platform.device import cpu_flags  # noqa: E402
 
 # SmolLM2-135M: hidden, intermediate, q width, kv width, vocabulary, layers
 DEFAULT_SHAPE = (576, 1536, 576, 192, 49152, 30)

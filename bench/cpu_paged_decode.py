@@ -1,4 +1,4 @@
-"""kvserve::paged_decode alone (engine/cpu_kernels/paged_decode.cpp): one decode step's
+"""kvserve::paged_decode alone (engine/kernels/cpu/paged_decode.cpp): one decode step's
 attention over the default model's 30 layers (9 query heads over 3 KV heads of 64,
 blocks of 16 scattered at random over the cache), ms a step and the KV bytes it read
 per second. Each layer has its caches of its own, so a step's K/V outgrow L2 as in a
@@ -8,7 +8,7 @@ real step (where the weights flush them from L3 between steps, too).
   python bench/cpu_paged_decode.py --dtype bfloat16 --batch 32 --context 290 --against-inductor
 
 --against-inductor also times what the kernel replaced, the reference's ops compiled by
-Inductor (engine/attention/cpu_paged.py), over the same caches, steps alternating in
+Inductor (engine/kernels/attention/cpu_paged.py), over the same caches, steps alternating in
 this process. Compare kernels in separate processes, alternating (bench/results/
 cpu_paged_decode_avx2_2026-11-26.md): one process's kernel is the one it built."""
 from __future__ import annotations
@@ -21,9 +21,9 @@ import time
 import torch
 
 from kvserve.benchmarks.provenance import simd_flags
-from kvserve.engine.attention.cpu_paged import paged_decode_reference
-from kvserve.engine.cpu_kernels.setup import load_once
-from kvserve.engine.loader import cpu_flags
+from kvserve.engine.kernels.attention.cpu_paged import paged_decode_reference
+from kvserve.engine.weights.cpu_packing import load_once
+from kvserve.engine.platform.device import cpu_flags
 
 LAYERS, BLOCK, KV_HEADS, Q_HEADS, DIM = 30, 16, 3, 9, 64
 

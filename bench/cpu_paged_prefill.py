@@ -1,4 +1,4 @@
-"""kvserve::paged_prefill alone (engine/cpu_kernels/paged_prefill.cpp) against what it
+"""kvserve::paged_prefill alone (engine/kernels/cpu/paged_prefill.cpp) against what it
 replaced, the torch backend's context gathered out of the cache + torch's SDPA, calls
 alternating in one process: one prompt chunk of --chunk tokens, the last of --context
 positions, over the default model's 30 layers (9 query heads over 3 KV heads of 64,
@@ -16,10 +16,10 @@ import time
 import torch
 
 from kvserve.benchmarks.provenance import simd_flags
-from kvserve.engine.attention.step_metadata import context_slots
-from kvserve.engine.attention.torch_backend import _prefill
-from kvserve.engine.cpu_kernels.setup import load_once
-from kvserve.engine.loader import cpu_flags
+from kvserve.engine.kernels.attention.step_metadata import context_slots
+from kvserve.engine.kernels.attention.torch_backend import _prefill
+from kvserve.engine.weights.cpu_packing import load_once
+from kvserve.engine.platform.device import cpu_flags
 
 LAYERS, BLOCK, KV_HEADS, Q_HEADS, DIM = 30, 16, 3, 9, 64
 

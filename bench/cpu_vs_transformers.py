@@ -23,9 +23,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvserve.benchmarks.provenance import provenance  # noqa: E402
-from kvserve.engine.config import EngineConfig  # noqa: E402
+from kvserve.engine.config.engine_config import EngineConfig  # noqa: E402
 from kvserve.modelstore.default_model import ensure_default_model  # noqa: E402
-from kvserve.engine.engine import Engine  # noqa: E402
+from kvserve.engine.core.engine import Engine  # noqa: E402
 from kvserve.scheduler.sampling_params import SamplingParams  # noqa: E402
 
 PROMPT_LEN, OUTPUT_LEN, CONCURRENCY = 128, 128, 16
@@ -62,7 +62,7 @@ def ours_http(engine: Engine, prompts: list[list[int]]) -> dict:
     from httpx_sse import EventSource
 
     from kvserve.engine.client.async_engine import AsyncEngine
-    from kvserve.server.app import build_app
+    from kvserve.server.entrypoints.app import build_app
     from tests.support.server import running_server
 
     body = {"max_tokens": OUTPUT_LEN, "temperature": 0, "ignore_eos": True, "stream": True}

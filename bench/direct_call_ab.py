@@ -13,10 +13,10 @@ import json
 import statistics
 import time
 
-from kvserve.engine.config import EngineConfig
-from kvserve.engine.engine import Engine
+from kvserve.engine.config.engine_config import EngineConfig
+from kvserve.engine.core.engine import Engine
 from kvserve.benchmarks.provenance import simd_flags
-from kvserve.engine.loader import cpu_flags
+from kvserve.engine.platform.device import cpu_flags
 from kvserve.scheduler.sampling_params import SamplingParams
 
 

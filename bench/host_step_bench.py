@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Host time to build one step's flat-batch metadata (positions, slots, padded block
 tables) for 256 decodes, at several context lengths: from the block tables as lists
-(padded anew every step, as before engine/block_table_rows.py) and from the
+(padded anew every step, as before engine/runner/block_table_rows.py) and from the
 persistent rows (what the runner does). Under async scheduling this is host work
 that must fit inside the device's step; it grew with the context before.
 
@@ -20,8 +20,8 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvserve.benchmarks.provenance import provenance  # noqa: E402
-from kvserve.engine.attention.step_metadata import build_host_step  # noqa: E402
-from kvserve.engine.block_table_rows import BlockTableRows  # noqa: E402
+from kvserve.engine.kernels.attention.step_metadata import build_host_step  # noqa: E402
+from kvserve.engine.runner.block_table_rows import BlockTableRows  # noqa: E402
 
 BLOCK = 16
 

@@ -23,8 +23,8 @@ import math
 import sys
 from pathlib import Path
 
-from kvserve.engine.config import EngineConfig
-from kvserve.engine.engine import Engine
+from kvserve.engine.config.engine_config import EngineConfig
+from kvserve.engine.core.engine import Engine
 from kvserve.scheduler.sampling_params import SamplingParams
 
 TEXT = Path(__file__).with_name("data") / "alice_ch1.txt"
@@ -77,7 +77,7 @@ def main() -> None:
                     "a step and generates one request at a time, the rows batch-1 "
                     "decode multiplies (a quantized model's int4 layers, gguf's, then "
                     "take integer products over int8-quantized inputs on AVX2 CPUs: "
-                    "engine/cpu_kernels); default: the engine's (512-token prefill "
+                    "engine/kernels/cpu); default: the engine's (512-token prefill "
                     "chunks, 16 requests at once)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()

@@ -239,9 +239,9 @@ def serving(model_dir: str | Path, concurrency: int = 64):
     """A server on `model_dir` in this process, with an API key, --max-n and a body
     limit (some bad requests are judged against them)."""
     from kvserve.engine.client.async_engine import AsyncEngine
-    from kvserve.engine.config import EngineConfig
-    from kvserve.engine.engine import Engine
-    from kvserve.server.app import build_app
+    from kvserve.engine.config.engine_config import EngineConfig
+    from kvserve.engine.core.engine import Engine
+    from kvserve.server.entrypoints.app import build_app
     from kvserve.server.config import ServerConfig
     from tests.support.server import running_server
 

@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.method_timer import MethodTimer  # noqa: E402
 from kvserve.benchmarks.provenance import provenance  # noqa: E402
-from kvserve.engine.config import EngineConfig  # noqa: E402
-from kvserve.engine.engine import Engine  # noqa: E402
+from kvserve.engine.config.engine_config import EngineConfig  # noqa: E402
+from kvserve.engine.core.engine import Engine  # noqa: E402
 from kvserve.scheduler.sampling_params import SamplingParams  # noqa: E402
 
 

@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ of this c
 
 from bench.structured_schemas import SCHEMAS  # noqa: E402
 from kvserve.benchmarks.in_process.decode import where_from  # noqa: E402
-from kvserve.engine.config import EngineConfig  # noqa: E402
-from kvserve.engine.engine import Engine  # noqa: E402
+from kvserve.engine.config.engine_config import EngineConfig  # noqa: E402
+from kvserve.engine.core.engine import Engine  # noqa: E402
 from kvserve.engine.structured.compiler import GrammarCompiler  # noqa: E402
 from kvserve.modelstore.default_model import default_model_dir  # noqa: E402
 from kvserve.scheduler.sampling_params import SamplingParams  # noqa: E402

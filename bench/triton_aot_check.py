@@ -23,7 +23,7 @@ from the ptxas log of that same compile; --one-per-variant compiles one each.
 
 Covered: the presets (modelstore/presets) and the default model (SmolLM2-135M, 9/3
 heads of 64), per tensor-parallel rank at 1/2/4/8 ranks; bf16, fp16, fp32; caches in
-the model dtype and fp8 e4m3 (sm_90 only: engine/attention/selector.py refuses an fp8
+the model dtype and fp8 e4m3 (sm_90 only: engine/kernels/attention/selector.py refuses an fp8
 cache below compute capability 8.9; none under tensor parallelism, which refuses LoRA
 and CUDA graphs too); block sizes 16 (the default) and 32; LoRA max ranks 4-64 over 1
 or 4 slots.
@@ -105,7 +105,7 @@ DEFAULT_MODEL = dict(name="smollm2-135m", hidden=576, intermediate=1536, layers=
 # ---------------------------------------------------------------------- model shapes
 def model_configs() -> dict:
     """Name -> ModelConfig of every preset and of the default model."""
-    from kvserve.engine.model_config import ModelConfig
+    from kvserve.engine.config.model_config import ModelConfig
     from kvserve.modelstore.presets import preset_names
 
     d = DEFAULT_MODEL
@@ -120,9 +120,9 @@ def model_configs() -> dict:
 
 
 def rank_config(cfg, tp: int):
-    """cfg as one of `tp` ranks holds it (engine/parallel/shard.py), or None where
+    """cfg as one of `tp` ranks holds it (engine/models/tp_shard.py), or None where
     the model does not split so."""
-    from kvserve.engine.parallel.shard import TPShard
+    from kvserve.engine.models.tp_shard import TPShard
     from kvserve.modelstore.errors import ModelLoadError
 
     shard = TPShard(0, tp)
@@ -164,7 +164,7 @@ def graph_max_lens(max_len: int) -> list[int]:
 
 def eager_metadata(starts: list[int], lens: list[int], block_size: int):
     """The step's AttentionMetadata as the model runner builds it on CUDA."""
-    from kvserve.engine.attention import step_metadata
+    from kvserve.engine.kernels.attention import step_metadata
 
     width = max(-(-(s + n) // block_size) for s, n in zip(starts, lens))
     host = step_metadata.build_host_step(starts, lens, np.zeros((len(lens), width), np.int64),
@@ -177,9 +177,9 @@ def eager_metadata(starts: list[int], lens: list[int], block_size: int):
 
 
 def graph_metadata(batch: int, max_len: int, block_size: int):
-    """A decode step inside a CUDA graph (engine/cuda_graphs.py): the static buffers'
+    """A decode step inside a CUDA graph (engine/runner/cuda_graphs.py): the static buffers'
     first rows, tables as wide as max_len, no host lengths, planned for max_len."""
-    from kvserve.engine.attention.context import AttentionMetadata
+    from kvserve.engine.kernels.attention.context import AttentionMetadata
 
     width = -(-max_len // block_size)
     return AttentionMetadata(
@@ -205,8 +205,8 @@ def qkv(cfg, tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
 def run_attention(cfg, dtype: torch.dtype, fp8: bool, block_size: int, graphs: bool) -> None:
     """Every step of eager_steps (and, with graphs, every CUDA-graph bucket) through
     the Triton backend over one layer's cache."""
-    from kvserve.engine.attention.triton_backend import TritonBackend
-    from kvserve.engine.cuda_graphs import batch_buckets
+    from kvserve.engine.kernels.attention.triton_backend import TritonBackend
+    from kvserve.engine.runner.cuda_graphs import batch_buckets
 
     backend = TritonBackend()
     shape = (2, block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -225,11 +225,11 @@ def run_attention(cfg, dtype: torch.dtype, fp8: bool, block_size: int, graphs: b
 def run_lora(cfg, dtype: torch.dtype, slots: int, rank: int) -> None:
     """Each projection group's LoRA product through the BGMV kernels, as the model
     adds it, over the LoRA manager's own stacked buffers (one layer of them)."""
-    from kvserve.engine.host_copy import to_device
+    from kvserve.engine.platform.host_copy import to_device
     from kvserve.engine.lora.adapter import projection_shapes
-    from kvserve.engine.lora.config import LoRAConfig
+    from kvserve.engine.config.lora_config import LoRAConfig
     from kvserve.engine.lora.manager import LoRAManager
-    from kvserve.engine.lora.step import GROUPS
+    from kvserve.engine.models.lora_step import GROUPS
 
     one_layer = dataclasses.replace(cfg, num_layers=1)
     manager = LoRAManager(LoRAConfig(True, (), slots, rank), one_layer, torch.device("cpu"),
@@ -369,7 +369,7 @@ class Recorder:
         from triton.runtime.interpreter import InterpretedFunction
         from triton.runtime.jit import JITFunction
 
-        from kvserve.engine.attention.triton import common
+        from kvserve.engine.kernels.attention.triton import common
 
         def run(kernel, *args, grid, warmup, **kwargs):
             self.launch(kernel, args, kwargs)
@@ -396,8 +396,8 @@ def replaced(func, replacement) -> Iterator[None]:
 
 def record(target: Target, block_sizes: tuple[int, ...]) -> list[Specialisation]:
     """Every specialisation the target's configurations launch."""
-    import kvserve.engine.attention.triton_backend  # noqa: F401  (the helpers to replace)
-    import kvserve.engine.lora.triton_kernels  # noqa: F401
+    import kvserve.engine.kernels.attention.triton_backend  # noqa: F401  (the helpers to replace)
+    import kvserve.engine.kernels.lora.triton_kernels  # noqa: F401
 
     recorder = Recorder(target)
     with recorder.recording(), torch.inference_mode():

@@ -2,7 +2,7 @@
 it (BlockStored, BlockRemoved, AllBlocksCleared): routers that place requests by
 cached prefix rebuild each replica's set from these alone. The block pool records
 them as its hash map changes; the engine takes them after each step and publishes
-them (engine/kv_events/)."""
+them (engine/core/kv_events.py)."""
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -1,12 +1,12 @@
 """The server's settings (everything of `kvserve serve` that is not the engine's):
 each one a field declared once, its flag and KVSERVE_* variable made from it
-(engine/settings.py)."""
+(engine/config/settings.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvserve.engine.arg_types import non_negative, parse_bool, positive_int
-from kvserve.engine.settings import setting
+from kvserve.engine.config.arg_types import non_negative, parse_bool, positive_int
+from kvserve.engine.config.settings import setting
 from kvserve.scheduler.sampling_params import POOLING_METHODS
 from kvserve.server.reasoning import PARSER_CHOICES as REASONING_PARSERS
 from kvserve.server.tool_formats import PARSER_CHOICES

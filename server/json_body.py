@@ -2,7 +2,7 @@
 the route's request model, off the event loop.
 
 FastAPI parses and validates a route's JSON body on the event loop: 50-200 ms to
-parse a 5 MB body of 20,000 tool definitions on one of our 2 cores (engine/heap.py
+parse a 5 MB body of 20,000 tool definitions on one of our 2 cores (engine/platform/heap.py
 says why it varies), 26 ms to validate 40,000 `logit_bias` entries. A body can be up
 to --max-request-body-bytes (10 MiB) whatever our checks later make of it, so this is
 what one request costs before any of them can run, and every stream's next token and

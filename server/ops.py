@@ -40,7 +40,8 @@ def install_ops(app: FastAPI, engine: EngineClient, model_names: list[str], vers
                            protect_metrics=config.protect_metrics)
     server_metrics = ServerMetrics(engine, model_names[0] if model_names else "")
     # Outermost: a request's latency counts from its arrival, auth and admission included.
-    app.add_middleware(ArrivalMiddleware, hist=server_metrics.frontend)
+    app.add_middleware(ArrivalMiddleware, hist=server_metrics.frontend,
+                       paths=GENERATION_PATHS)
     app.include_router(tokenize_router(engine, model_names, tokenization,
                                        config.trust_request_chat_template))
 

@@ -8,7 +8,7 @@ up to `timeout` seconds. Then the rest are aborted (they end with finish reason
 "abort") and uvicorn's normal shutdown closes connections and stops the engine.
 A second signal skips the wait; a third exits without waiting for anything.
 
-When the engine dies the server exits too (non-zero, see server/cli.py serve), after
+When the engine dies the server exits too (non-zero, see server/entrypoints/cli.py serve), after
 answering its open requests with errors, so that a supervisor restarts it."""
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ import torch._dynamo
 from tests.support.tiny_models import make_tiny_model
 
 # One test process holds engines of many model shapes and dtypes, and the compiled
-# CPU paged decode (engine/attention/cpu_paged.py) is one function shared by all of
+# CPU paged decode (engine/kernels/attention/cpu_paged.py) is one function shared by all of
 # them: a graph per shape passes Dynamo's default limit of 8 per function. A server
 # holds one model (and perhaps a draft). Recompilation under load is what the tests
 # count themselves (graphs_compiled), unaffected by this limit.
@@ -36,7 +36,7 @@ torch._dynamo.config.recompile_limit = 64
 # Likewise float32 where the dtype is left at auto (which picks bf16 on CUDA and on
 # CPUs with native bf16): the tests compare against float32 references, the same on
 # any CPU and on a GPU (bench/gpu_session.sh runs the engine tests there).
-# And float32 runs on kvserve's CPU kernels (engine/cpu_kernels) wherever the CPU
+# And float32 runs on kvserve's CPU kernels (engine/kernels/cpu) wherever the CPU
 # has AVX2 and FMA, not only where --cpu-kernels auto picks it (no AVX-512), so every
 # CI machine tests the same path. Servers started as subprocesses keep kvserve's own
 # defaults.
@@ -50,9 +50,9 @@ def _compile_mode():
     Session-wide, so module- and session-scoped engines get it too."""
     import dataclasses
 
-    from kvserve.engine.cpu_kernels.setup import NEEDED_FLAGS
-    from kvserve.engine.engine import Engine
-    from kvserve.engine.loader import cpu_flags, resolve_device
+    from kvserve.engine.weights.cpu_packing import NEEDED_FLAGS
+    from kvserve.engine.core.engine import Engine
+    from kvserve.engine.platform.device import cpu_flags, resolve_device
 
     init = Engine.__init__
     packable = set(NEEDED_FLAGS) <= cpu_flags()
@@ -110,8 +110,8 @@ def default_model_dir():
 @pytest.fixture(scope="session")
 def tiny_engine_factory(tiny_model_dir):
     """make(arch="llama", **EngineConfig overrides) -> a fresh Engine."""
-    from kvserve.engine.config import EngineConfig
-    from kvserve.engine.engine import Engine
+    from kvserve.engine.config.engine_config import EngineConfig
+    from kvserve.engine.core.engine import Engine
 
     def make(arch: str = "llama", **overrides):
         cfg = dict(model=str(tiny_model_dir(arch)), num_kv_blocks=512,

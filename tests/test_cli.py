@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from kvserve.engine.arg_types import parse_size
-from kvserve.server import cli
-from kvserve.server.cli import build_parser, engine_config_from_args, resolve_model
+from kvserve.engine.config.arg_types import parse_size
+from kvserve.server.entrypoints import cli
+from kvserve.server.entrypoints.cli import build_parser, engine_config_from_args, resolve_model
 
 GiB, MiB, KiB = 2**30, 2**20, 2**10
 

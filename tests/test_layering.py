@@ -18,7 +18,7 @@ SOURCES = {**{f"kvserve.{name}": ROOT / name for name in [*LAYERS, "modelstore"]
 
 
 def _unit(module: str) -> str:
-    """What a layering rule talks about: kvserve.engine.loader -> engine (the layer),
+    """What a layering rule talks about: kvserve.engine.weights.loader -> engine (the layer),
     torch.nn -> torch, bench.abuse -> bench."""
     parts = module.split(".")
     return parts[1] if parts[0] == "kvserve" and len(parts) > 1 else parts[0]
@@ -97,7 +97,7 @@ def test_the_bench_client_is_a_client_of_the_http_api_only():
 
 @pytest.mark.parametrize("package", LAYERS)
 def test_layers_import_the_benchmarks_only_lazily(package):
-    """server/cli.py hands `bench`/`estimate` to kvserve/benchmarks from inside a
+    """server/entrypoints/cli.py hands `bench`/`estimate` to kvserve/benchmarks from inside a
     function, so `kvserve serve` never loads it; bench/ (not installed) never."""
     for path in (ROOT / package).rglob("*.py"):
         assert "benchmarks" not in module_level_imports(path), path
@@ -110,6 +110,44 @@ def test_layers_import_the_benchmarks_only_lazily(package):
 SCHEDULER_VERBS = {"add_request", "abort_request", "has_unfinished", "schedule", "update",
                    "stats", "fail_requests", "withdraw_unwritten", "with_kv_cache",
                    "running", "take_kv_events", "snapshot"}
+
+
+# engine/ in layers, from the bottom (engine/__init__.py says what each holds): a
+# folder imports only itself and the folders before it.
+ENGINE_LAYERS = ["platform", "config", "kernels", "models", "weights", "structured",
+                 "sampling", "lora", "spec_decode", "ranks", "runner", "core", "client"]
+
+
+def _engine_folders_imported(path: Path) -> set[str]:
+    """The engine folders a file imports from (kvserve.engine.X... -> X)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = ([f"{node.module}.{alias.name}" for alias in node.names]
+                     if node.module == "kvserve.engine" else [node.module])
+        else:
+            continue
+        found |= {n.split(".")[2] for n in names
+                  if n.startswith("kvserve.engine.") and len(n.split(".")) > 2}
+    return found
+
+
+def test_engine_is_layers_only():
+    """No loose modules: every module belongs to a layer."""
+    engine = ROOT / "engine"
+    assert [p.name for p in engine.glob("*.py")] == ["__init__.py"]
+    assert {d.name for d in engine.iterdir() if d.is_dir() and d.name != "__pycache__"} \
+        == set(ENGINE_LAYERS)
+
+
+@pytest.mark.parametrize("layer", ENGINE_LAYERS)
+def test_engine_layers_import_only_the_layers_below(layer):
+    allowed = set(ENGINE_LAYERS[:ENGINE_LAYERS.index(layer) + 1])
+    for path in (ROOT / "engine" / layer).rglob("*.py"):
+        upward = _engine_folders_imported(path) - allowed
+        assert not upward, f"{path} imports the layer(s) above it: {sorted(upward)}"
 
 
 def _scheduler_uses(tree) -> set[str]:
@@ -162,6 +200,30 @@ def _import_graph() -> dict[str, set[str]]:
                         if p in modules and not name.startswith(p + "."))
         graph[name] = deps - {name}
     return graph
+
+
+def _folder_graph() -> dict[str, set[str]]:
+    """Package -> the other packages its modules import (a module's package is the
+    folder it lies in)."""
+    package_of = {}
+    for pkg in SOURCES:
+        for path in SOURCES[pkg].rglob("*.py"):
+            name = _module_name(pkg, path)
+            package_of[name] = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    graph: dict[str, set[str]] = {}
+    for name, deps in _import_graph().items():
+        graph.setdefault(package_of[name], set()).update(
+            package_of[d] for d in deps if package_of[d] != package_of[name])
+    return graph
+
+
+def test_no_folder_level_import_cycles():
+    import graphlib
+
+    try:
+        list(graphlib.TopologicalSorter(_folder_graph()).static_order())
+    except graphlib.CycleError as exc:
+        pytest.fail(f"folder-level import cycle: {' -> '.join(exc.args[1])}")
 
 
 def test_no_import_cycles_anywhere():

@@ -79,4 +79,4 @@ def test_the_wheel_holds_every_module_and_data_file_of_the_packages(wheel):
 
 def test_the_console_script_names_the_installed_cli(wheel):
     (entry,) = [n for n in wheel.namelist() if n.endswith(".dist-info/entry_points.txt")]
-    assert "kvserve = kvserve.server.cli:main" in wheel.read(entry).decode()
+    assert "kvserve = kvserve.server.entrypoints.cli:main" in wheel.read(entry).decode()

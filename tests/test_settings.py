@@ -1,4 +1,4 @@
-"""Every setting is declared once, as a config field (engine/settings.py): each
+"""Every setting is declared once, as a config field (engine/config/settings.py): each
 field of the engine's, the speculative and the server's config has help text, a
 `kvserve serve` flag and a KVSERVE_* variable, and the command line has no flag
 that is not such a field."""
@@ -8,12 +8,12 @@ import dataclasses
 
 import pytest
 
-from kvserve.engine.arg_types import parse_bool, parse_size
-from kvserve.engine.config import EngineConfig, SpeculativeConfig
-from kvserve.engine.kv_events.config import KVEventsConfig, parse_flag
-from kvserve.engine.lora.config import LoRAConfig
-from kvserve.engine.settings import dest_name, env_name, flag_name, from_args, settings_of
-from kvserve.server.cli import build_parser
+from kvserve.engine.config.arg_types import parse_bool, parse_size
+from kvserve.engine.config.engine_config import EngineConfig, SpeculativeConfig
+from kvserve.engine.config.kv_events_config import KVEventsConfig, parse_flag
+from kvserve.engine.config.lora_config import LoRAConfig
+from kvserve.engine.config.settings import dest_name, env_name, flag_name, from_args, settings_of
+from kvserve.server.entrypoints.cli import build_parser
 from kvserve.server.config import ServerConfig
 
 CONFIGS = [EngineConfig, SpeculativeConfig, LoRAConfig, ServerConfig]

@@ -17,5 +17,5 @@ model_args=()
 # the forward pass is compiled before the server answers (--compile wait) instead of
 # in the background while it serves eagerly: the same compiled path, but none of the
 # timed requests runs before it is ready.
-exec "$py" -c 'import sys; from kvserve.server.cli import main; sys.argv[0] = "kvserve"; sys.exit(main())' \
+exec "$py" -c 'import sys; from kvserve.server.entrypoints.cli import main; sys.argv[0] = "kvserve"; sys.exit(main())' \
   serve "${model_args[@]}" --host 127.0.0.1 --port "$port" --compile wait "$@"

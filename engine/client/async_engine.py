@@ -12,7 +12,7 @@ import threading
 from kvserve.engine.client.engine_client import EngineClient
 from kvserve.engine.client.engine_loop import EngineLoop
 from kvserve.engine.client.messages import EngineCommand, Shutdown
-from kvserve.engine.engine import Engine
+from kvserve.engine.core.engine import Engine
 
 log = logging.getLogger("kvserve.async_engine")
 

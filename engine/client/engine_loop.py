@@ -15,7 +15,7 @@ from typing import Protocol
 
 from kvserve.engine.client.messages import (AbortRequest, AdapterReply, AddRequest, ChangeAdapter,
                                             EngineCommand, Shutdown, StepReport, TakeSnapshot)
-from kvserve.engine.engine import Engine
+from kvserve.engine.core.engine import Engine
 
 
 class CommandSource(Protocol):

@@ -7,7 +7,7 @@ bf16, 2 cores; the 16-client workload gave 169 vs 229 output tok/s). The thread 
 for tests and embedding."""
 from __future__ import annotations
 
-from kvserve.engine.config import EngineConfig
+from kvserve.engine.config.engine_config import EngineConfig
 from kvserve.engine.client.engine_client import EngineClient
 
 ENGINE_MODES = ("auto", "thread", "process")
@@ -24,7 +24,7 @@ def start_engine(config: EngineConfig, mode: str = "auto") -> EngineClient:
     Raises what loading raises (ModelLoadError, ModelConfigError, EngineStartError...)."""
     if pick_mode(mode) == "thread":
         from kvserve.engine.client.async_engine import AsyncEngine
-        from kvserve.engine.engine import Engine
+        from kvserve.engine.core.engine import Engine
 
         return AsyncEngine(Engine(config))
     from kvserve.modelstore.tokenizer import has_tokenizer, load_tokenizer

@@ -18,8 +18,8 @@ from multiprocessing.connection import Connection
 from kvserve.engine.client.engine_client import EngineClient, EngineDeadError
 from kvserve.engine.client.messages import (EngineCommand, EngineDied, EngineReady, Shutdown,
                                             StepReport)
-from kvserve.engine.config import EngineConfig
-from kvserve.engine.reports import EngineInfo
+from kvserve.engine.config.engine_config import EngineConfig
+from kvserve.engine.core.reports import EngineInfo
 
 log = logging.getLogger("kvserve.process_engine")
 
@@ -51,9 +51,9 @@ def _child_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level,
                         format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
-    from kvserve.engine.engine import Engine
+    from kvserve.engine.core.engine import Engine
     from kvserve.engine.client.engine_loop import EngineLoop
-    from kvserve.engine.heap import freeze_startup_heap
+    from kvserve.engine.platform.heap import freeze_startup_heap
 
     try:
         engine = Engine(config)
@@ -80,7 +80,7 @@ def _child_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
         logging.getLogger("kvserve.engine").exception("engine loop died")
         send(EngineDied(f"{type(exc).__name__}: {exc}"))
     engine.close()
-    from kvserve.engine.compile_process import exit_if_compiling
+    from kvserve.engine.runner.compile_process import exit_if_compiling
 
     exit_if_compiling(0)
 

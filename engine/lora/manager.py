@@ -13,12 +13,12 @@ import logging
 
 import torch
 
-from kvserve.engine.host_copy import to_device
+from kvserve.engine.platform.host_copy import to_device
 from kvserve.engine.lora.adapter import (LoRAAdapter, LoRAAdapterError, load_adapter,
                                          projection_shapes)
-from kvserve.engine.lora.config import LoRAConfig
+from kvserve.engine.config.lora_config import LoRAConfig
 from kvserve.engine.lora.slots import LoRASlots
-from kvserve.engine.lora.step import LoRAStep, slot_mask
+from kvserve.engine.models.lora_step import LoRAStep, slot_mask
 
 log = logging.getLogger("kvserve.lora")
 

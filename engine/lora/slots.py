@@ -11,7 +11,7 @@ from collections import OrderedDict
 import torch
 
 from kvserve.engine.lora.adapter import LoRAAdapter
-from kvserve.engine.lora.step import GROUP_INDEX, GROUP_OF, GROUPS, projection_b
+from kvserve.engine.models.lora_step import GROUP_INDEX, GROUP_OF, GROUPS, projection_b
 
 
 class NoFreeSlotError(RuntimeError):

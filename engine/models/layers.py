@@ -6,7 +6,7 @@ import math
 import torch
 from torch import nn
 
-from kvserve.engine.model_config import RopeConfig
+from kvserve.engine.config.model_config import RopeConfig
 from kvserve.engine.models.linear import Linear
 
 

@@ -1,12 +1,12 @@
 """The model's linear layer: torch's F.linear, or on CPU kvserve's packed GEMM
-(engine/cpu_kernels) once `pack` has replaced its float32 weight with packed panels."""
+(engine/kernels/cpu) once `pack` has replaced its float32 weight with packed panels."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.engine.cpu_kernels.packing import PackedWeight, pack_weight
+from kvserve.engine.kernels.cpu.packing import PackedWeight, pack_weight
 
 
 class Linear(nn.Linear):

@@ -9,16 +9,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.engine.attention import paged_attention
-from kvserve.engine.attention.cpu_paged import PagedDecode, decode_in_place
-from kvserve.engine.attention.fp8_cache import rotate
-from kvserve.engine.model_config import ModelConfig
-from kvserve.engine.lora.step import LoRAStep
+from kvserve.engine.kernels.attention import paged_attention
+from kvserve.engine.kernels.attention.cpu_paged import PagedDecode, decode_in_place
+from kvserve.engine.kernels.fp8_cache import rotate
+from kvserve.engine.config.model_config import ModelConfig
+from kvserve.engine.models.lora_step import LoRAStep
 from kvserve.engine.models.linear import Linear
 from kvserve.engine.models.layers import PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary
-from kvserve.engine.parallel import comm
-from kvserve.engine.parallel.layers import RowParallelLinear, VocabParallelEmbedding
-from kvserve.engine.parallel.shard import SINGLE, TPShard
+from kvserve.engine.models import tp_comm as comm
+from kvserve.engine.models.tp_layers import RowParallelLinear, VocabParallelEmbedding
+from kvserve.engine.models.tp_shard import SINGLE, TPShard
 
 
 class Attention(nn.Module):
@@ -133,7 +133,7 @@ class LlamaForCausalLM(nn.Module):
         LM head make a draft model with no weights of its own). paged: a decode-only
         step's attention inputs, for attention written as plain ops (compiled decode
         graphs on CPU); without it every layer calls the attention custom op.
-        lora: the step's adapters (engine/lora/step.py), None when it has none."""
+        lora: the step's adapters (engine/models/lora_step.py), None when it has none."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary.table(positions, x.dtype)
         # (Slicing a ModuleList builds a new one: only when asked.)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.engine.host_copy import to_device
+from kvserve.engine.platform.host_copy import to_device
 from kvserve.engine.sampling.processors import add_bias, apply_penalties, ban_tokens, token_counts
 from kvserve.scheduler.request import Request
 

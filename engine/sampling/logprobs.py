@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.engine.outputs import TokenLogprob
+from kvserve.engine.platform.outputs import TokenLogprob
 
 # Token ids and ranks travel as float32, exact below 2**24.
 MAX_EXACT_ID = 2**24

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.engine.host_copy import host_tensor_to, to_device
+from kvserve.engine.platform.host_copy import host_tensor_to, to_device
 
 NEG_INF = float("-inf")
 

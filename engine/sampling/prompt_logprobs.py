@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvserve.engine.outputs import TokenLogprob
+from kvserve.engine.platform.outputs import TokenLogprob
 from kvserve.scheduler.output import ScheduledRequest
 from kvserve.scheduler.request import Request
 

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvserve.engine.host_copy import to_device
+from kvserve.engine.platform.host_copy import to_device
 from kvserve.engine.sampling.draw import draw, pick
 from kvserve.engine.sampling.sample import _probabilities
 from kvserve.scheduler.sampling_params import SamplingParams

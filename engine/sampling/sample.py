@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.engine.host_copy import to_device
+from kvserve.engine.platform.host_copy import to_device
 from kvserve.engine.sampling.adjustments import LogitAdjustments
 from kvserve.engine.sampling.draw import draw
 from kvserve.engine.sampling.processors import apply_min_p, apply_top_k, apply_top_p

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.engine import faults
-from kvserve.engine.host_copy import to_device
+from kvserve.engine.platform import faults
+from kvserve.engine.platform.host_copy import to_device
 from kvserve.engine.sampling.adjustments import build_adjustments
 from kvserve.engine.sampling.logprobs import decode_block, logprob_block, raw_logprobs
 from kvserve.engine.sampling.prompt_logprobs import PromptLogprobs, PromptSpan

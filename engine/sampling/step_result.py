@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvserve.engine.outputs import TokenLogprob
+from kvserve.engine.platform.outputs import TokenLogprob
 from kvserve.engine.sampling.logprobs import HostTransfer
 from kvserve.engine.sampling.prompt_logprobs import PromptSpan
 from kvserve.engine.structured.matchers import DEAD_END

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.engine.attention import clear_attention_context, set_attention_context
-from kvserve.engine.attention.step_metadata import build_host_step
-from kvserve.engine.kv_caches import KVCacheFormat, attach_kv_caches
+from kvserve.engine.kernels.attention import clear_attention_context, set_attention_context
+from kvserve.engine.kernels.attention.step_metadata import build_host_step
+from kvserve.engine.models.kv_caches import KVCacheFormat, attach_kv_caches
 from kvserve.scheduler.output import ScheduledRequest
 
 

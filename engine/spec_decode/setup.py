@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import logging
 
-from kvserve.engine.config import EngineConfig
-from kvserve.engine.model_config import ModelConfig
-from kvserve.engine.cpu_kernels.setup import pack_model
-from kvserve.engine.kv_caches import KVCacheFormat
-from kvserve.engine.loader import ModelLoadError, load_model
+from kvserve.engine.config.engine_config import EngineConfig
+from kvserve.engine.config.model_config import ModelConfig
+from kvserve.engine.weights.cpu_packing import pack_model
+from kvserve.engine.models.kv_caches import KVCacheFormat
+from kvserve.engine.weights.loader import ModelLoadError, load_model
 from kvserve.engine.spec_decode.drafters import DraftModelDrafter, EarlyExitDrafter
 from kvserve.engine.spec_decode.speculator import Speculator
 
@@ -28,7 +28,7 @@ def make_speculator(config: EngineConfig) -> Speculator | None:
 
 def make_drafter(ctx, model, backend):
     """The drafter of --speculative-method, or None. ctx: the engine's EngineContext
-    (engine/build.py): its config, device, dtype, model facts and cache size."""
+    (engine/core/build.py): its config, device, dtype, model facts and cache size."""
     spec, config = ctx.config.speculative, ctx.config
     if spec is not None and spec.method == "early-exit":
         return EarlyExitDrafter(model, backend, config.block_size, ctx.device,

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvserve.engine.config import SpeculativeConfig
+from kvserve.engine.config.engine_config import SpeculativeConfig
 from kvserve.engine.spec_decode.ngram import NgramProposer
 from kvserve.scheduler.request import Request, RequestStatus
 

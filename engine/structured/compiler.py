@@ -41,7 +41,8 @@ from typing import NamedTuple
 
 import xgrammar as xgr
 
-from kvserve.engine.config import DEFAULT_GRAMMAR_CACHE_BYTES, DEFAULT_GRAMMAR_COMPILE_TIMEOUT
+from kvserve.engine.config.engine_config import (DEFAULT_GRAMMAR_CACHE_BYTES,
+                                                 DEFAULT_GRAMMAR_COMPILE_TIMEOUT)
 from kvserve.engine.structured.grammar_cache import GrammarCache
 from kvserve.engine.structured.grammars import Grammar, XgrammarGrammar, parse, uses_guidance
 from kvserve.scheduler.structured_output import StructuredOutput

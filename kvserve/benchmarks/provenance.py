@@ -33,5 +33,5 @@ def provenance(device: str | None = None, command: str | None = None) -> dict:
 
 def simd_flags(flags: set[str]) -> list[str]:
     """The CPU flags a CPU figure depends on (vector widths, FMA, half floats, AMX),
-    out of all of them (engine.loader.cpu_flags)."""
+    out of all of them (engine/platform/device.py: cpu_flags)."""
     return sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c")))

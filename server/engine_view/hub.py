@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 
 from kvserve.engine.client.engine_client import EngineClient, EngineDeadError
-from kvserve.engine.reports import EngineSnapshot
+from kvserve.engine.core.reports import EngineSnapshot
 from kvserve.server.auth import ANONYMOUS, Principal
 from kvserve.server.engine_view.history import EngineHistory
 from kvserve.server.engine_view.snapshot_json import snapshot_json

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from kvserve.engine.client.engine_client import FinishedSequence
-from kvserve.engine.reports import EngineSnapshot
+from kvserve.engine.core.reports import EngineSnapshot
 from kvserve.scheduler.snapshot import STATE_NAMES, RequestView
 
 MAX_CELLS = 32768

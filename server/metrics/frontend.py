@@ -23,8 +23,7 @@ from collections.abc import Iterable
 from prometheus_client import CollectorRegistry
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvserve.server.admission import GENERATION_PATHS
-from kvserve.server.metrics_buckets import ITL_SECONDS, REQUEST_SECONDS, TTFT_SECONDS
+from kvserve.server.metrics.buckets import ITL_SECONDS, REQUEST_SECONDS, TTFT_SECONDS
 from kvserve.server.metrics.requests import histogram
 
 
@@ -88,14 +87,17 @@ def current_clock() -> RequestClock | _NoClock:
 
 
 class ArrivalMiddleware:
-    """Pure ASGI (a BaseHTTPMiddleware would run the route in another context)."""
+    """Pure ASGI (a BaseHTTPMiddleware would run the route in another context).
+    paths: the generation routes, whose POSTs are timed."""
 
-    def __init__(self, app: ASGIApp, hist: FrontendHistograms):
+    def __init__(self, app: ASGIApp, hist: FrontendHistograms, paths: frozenset[str]):
         self.app = app
         self.hist = hist
+        self.paths = paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if not _is_generation(scope):
+        if not (scope["type"] == "http" and scope["method"] == "POST"
+                and scope["path"].rstrip("/") in self.paths):
             return await self.app(scope, receive, send)
         token = _clock.set(RequestClock(self.hist, time.monotonic()))
         try:
@@ -103,7 +105,3 @@ class ArrivalMiddleware:
         finally:
             _clock.reset(token)
 
-
-def _is_generation(scope: Scope) -> bool:
-    return (scope["type"] == "http" and scope["method"] == "POST"
-            and scope["path"].rstrip("/") in GENERATION_PATHS)

@@ -7,8 +7,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Histogram
 
 from kvserve.engine.client.messages import StepReport
-from kvserve.engine.outputs import RequestOutput
-from kvserve.server.metrics_buckets import (COMPILE_SECONDS, ITERATION_TOKENS, REQUEST_SECONDS,
+from kvserve.engine.platform.outputs import RequestOutput
+from kvserve.server.metrics.buckets import (COMPILE_SECONDS, ITERATION_TOKENS, REQUEST_SECONDS,
                                             one_two_five)
 from kvserve.server.metrics.engine import LABEL, PREFIX
 

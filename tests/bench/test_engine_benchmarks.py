@@ -13,8 +13,8 @@ import pytest
 from kvserve.benchmarks.in_process.utilisation import (attention_flops, bytes_per_decode_step,
                                                        matmul_params, mbu, mfu, peak_tflops,
                                                        prefill_flops, table_peak_tflops)
-from kvserve.engine.model_config import ModelConfig
-from kvserve.server import cli
+from kvserve.engine.config.model_config import ModelConfig
+from kvserve.server.entrypoints import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--model", "preset:llama-tiny", "--load-format", "random", "--device", "cpu"]

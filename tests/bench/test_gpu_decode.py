@@ -18,7 +18,7 @@ def run_bench(tmp_path: Path, *extra: str) -> dict:
     out = tmp_path / "result.json"
     # No weights, no tokenizer, no network: point the caches at folders that must
     # still hold nothing of the kind afterwards (kvserve's CPU kernels, built once
-    # a machine on AVX2 CPUs, may be all there is: engine/cpu_kernels/build.py).
+    # a machine on AVX2 CPUs, may be all there is: engine/kernels/cpu/build.py).
     env = {**os.environ, "KVSERVE_CACHE": str(tmp_path / "kvserve-cache"),
            "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, "bench/gpu_decode.py", *SMALL, *extra,

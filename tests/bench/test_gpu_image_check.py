@@ -34,7 +34,7 @@ def test_the_wheels_bring_every_runtime_dependency_the_image_lacks():
 
 def test_the_emulation_refuses_what_the_image_lacks(tmp_path):
     code = ("import importlib\n"
-            "for name in ('xgrammar', 'pydantic', 'torch', 'kvserve.engine.engine'):\n"
+            "for name in ('xgrammar', 'pydantic', 'torch', 'kvserve.engine.core.engine'):\n"
             "    try:\n"
             "        importlib.import_module(name); print(name, 'ok')\n"
             "    except ImportError as exc:\n"
@@ -45,13 +45,13 @@ def test_the_emulation_refuses_what_the_image_lacks(tmp_path):
     lines = set(proc.stdout.split("\n"))
     # torch is on the image; engine needs xgrammar, which is not.
     assert {"xgrammar refused", "pydantic refused", "torch ok",
-            "kvserve.engine.engine refused"} <= lines
+            "kvserve.engine.core.engine refused"} <= lines
 
 
 def test_the_wheels_list_taken_as_installed_lets_the_engine_import():
     """--allow-listed bench/gpu_wheels.txt: the image plus the carried wheels, with
     nothing downloaded (the dry run of bench/gpu_session.sh imports so)."""
-    code = ("import kvserve.engine.engine, kvserve.server.app, bench.gpu_decode\n"
+    code = ("import kvserve.engine.core.engine, kvserve.server.entrypoints.app, bench.gpu_decode\n"
             "try:\n"
             "    import schemathesis\n"
             "except ImportError as exc:\n"

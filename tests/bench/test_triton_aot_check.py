@@ -81,9 +81,9 @@ def test_the_launches_recorded_are_the_gpus(report):
 
 def test_a_jit_function_no_kernel_reaches_is_reported():
     """uncovered: launched kernels and what they call count; the rest is reported."""
-    launched = [SimpleNamespace(module="kvserve.engine.attention.triton.decode",
+    launched = [SimpleNamespace(module="kvserve.engine.kernels.attention.triton.decode",
                                 name="_decode_split_kernel")]
     missing = uncovered(launched)
-    assert "kvserve.engine.attention.triton.paged_tile.attend_paged" not in missing
-    assert "kvserve.engine.lora.triton_kernels._shrink" in missing
-    assert "kvserve.engine.attention.triton.store._round_to_e4m3" in missing
+    assert "kvserve.engine.kernels.attention.triton.paged_tile.attend_paged" not in missing
+    assert "kvserve.engine.kernels.lora.triton_kernels._shrink" in missing
+    assert "kvserve.engine.kernels.attention.triton.store._round_to_e4m3" in missing

@@ -85,7 +85,7 @@ def test_prometheus_scrapes_the_kvserve_service():
 
 
 def test_the_replicas_profile_puts_two_replicas_behind_the_router():
-    from kvserve.engine.kv_events.config import KVEventsConfig
+    from kvserve.engine.config.kv_events_config import KVEventsConfig
 
     services = compose()["services"]
     profiled = {n for n, s in services.items() if "replicas" in s.get("profiles", [])}

@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from kvserve.server.cli import build_parser
+from kvserve.server.entrypoints.cli import build_parser
 from tests.deploy.files import compose_as_run, dockerfile_stages, exec_form
 
 NOT_FLAGS = {"KVSERVE_CACHE"}  # modelstore/default_model.py's cache root, not a flag

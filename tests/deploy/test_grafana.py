@@ -10,7 +10,7 @@ import httpx
 import yaml
 
 from kvserve.engine.client.async_engine import AsyncEngine
-from kvserve.server.app import build_app
+from kvserve.server.entrypoints.app import build_app
 from tests.deploy.files import DEPLOY, compose, dashboard, dashboard_targets, provisioning
 from tests.support.server import running_server
 

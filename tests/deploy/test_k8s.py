@@ -110,8 +110,8 @@ def test_the_drain_fits_the_grace_period():
 
 
 def test_env_names_are_server_flags():
-    from kvserve.engine.settings import env_name
-    from kvserve.server.cli import build_parser
+    from kvserve.engine.config.settings import env_name
+    from kvserve.server.entrypoints.cli import build_parser
 
     flags: set[str] = set()
 
@@ -209,7 +209,7 @@ def _ports() -> dict[str, int]:
 
 
 def test_the_kv_events_port_is_on_no_service():
-    from kvserve.engine.kv_events.config import KVEventsConfig
+    from kvserve.engine.config.kv_events_config import KVEventsConfig
 
     endpoint = KVEventsConfig.parse(_env()["KVSERVE_KV_EVENTS_CONFIG"]).endpoint
     assert endpoint.endswith(f":{_ports()['kv-events']}")

@@ -20,8 +20,8 @@ import pytest
 import yaml
 
 from kvserve.engine.client.async_engine import AsyncEngine
-from kvserve.engine.config import SpeculativeConfig
-from kvserve.server.app import build_app
+from kvserve.engine.config.engine_config import SpeculativeConfig
+from kvserve.server.entrypoints.app import build_app
 from tests.deploy.files import DEPLOY, dashboard, dashboard_targets
 from tests.support.server import free_port, running_server
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.engine.config import EngineConfig
-from kvserve.engine.engine import Engine
-from kvserve.engine.quantization.awq import search_scales
-from kvserve.engine.quantization.int4 import Int4Linear, fake_quantize_int4
-from kvserve.engine.quantization.int8 import Int8Linear, fake_quantize_int8
+from kvserve.engine.config.engine_config import EngineConfig
+from kvserve.engine.core.engine import Engine
+from kvserve.engine.weights.quantization.awq import search_scales
+from kvserve.engine.models.quantized.int4 import Int4Linear, fake_quantize_int4
+from kvserve.engine.models.quantized.int8 import Int8Linear, fake_quantize_int8
 from kvserve.modelstore.errors import ModelLoadError
 
 
@@ -116,7 +116,7 @@ def test_int4_in_compiled_mixed_steps_never_recompiles():
     built at start-up."""
     import random
 
-    from kvserve.engine.compile_process import graphs_compiled
+    from kvserve.engine.runner.compile_process import graphs_compiled
     from kvserve.scheduler.sampling_params import SamplingParams
 
     engine = Engine(EngineConfig(model="preset:llama-tiny", load_format="random",

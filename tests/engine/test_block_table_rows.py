@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from kvserve.engine.block_table_rows import BlockTableRows
+from kvserve.engine.runner.block_table_rows import BlockTableRows
 
 
 def item(rid: str, table: list[int], new: int = 1, spec: tuple = ()) -> SimpleNamespace:

@@ -1,4 +1,4 @@
-"""The Inductor-compiled forward pass (engine/compiled_model.py) and the compiled
+"""The Inductor-compiled forward pass (engine/runner/compiled_model.py) and the compiled
 paged decode attention: greedy output token-identical to the eager float32 path and
 to transformers, in every shape of step; no recompilation under a random workload.
 
@@ -16,8 +16,8 @@ import random
 import pytest
 import torch
 
-from kvserve.engine.compile_process import graphs_compiled
-from kvserve.engine.config import SpeculativeConfig
+from kvserve.engine.runner.compile_process import graphs_compiled
+from kvserve.engine.config.engine_config import SpeculativeConfig
 from kvserve.scheduler.sampling_params import SamplingParams
 from tests.support.reference import (assert_same_tokens, load_reference, reference_greedy,
                                      varied_prompts)
@@ -37,8 +37,8 @@ def greedy(n: int) -> SamplingParams:
 @pytest.fixture(scope="module")
 def compiled_factory(tiny_model_dir):
     """make(**EngineConfig overrides) -> an engine whose graphs are compiled."""
-    from kvserve.engine.config import EngineConfig
-    from kvserve.engine.engine import Engine
+    from kvserve.engine.config.engine_config import EngineConfig
+    from kvserve.engine.core.engine import Engine
 
     def make(**overrides):
         cfg = dict(model=str(tiny_model_dir("llama")), num_kv_blocks=512,
@@ -113,7 +113,7 @@ def test_speculative_verification_gives_the_same_tokens(compiled_factory,
 
 
 def test_each_engine_runs_graphs_of_its_own(compiled_factory, tiny_engine_factory):
-    """Dynamo's guards on the model are dropped (engine/compiled_model.py), so a
+    """Dynamo's guards on the model are dropped (engine/runner/compiled_model.py), so a
     second engine in the process must never reach the first one's graphs (and their
     frozen weights): two engines of other weights each give their own eager tokens."""
     prompts = varied_prompts(400, count=4, seed=9, lengths=(5, 30))
@@ -130,7 +130,7 @@ def test_weights_are_frozen_only_for_torch_gemms(compiled_factory, ref):
     graphs from Inductor's cache instead of tracing and lowering them again."""
     from torch._dynamo.utils import counters
 
-    from kvserve.engine.cpu_kernels.setup import packing_wanted
+    from kvserve.engine.weights.cpu_packing import packing_wanted
 
     prompts = varied_prompts(400, count=3, seed=4, lengths=(5, 30))
     torch_gemms = compiled_factory(cpu_kernels="torch")
@@ -195,7 +195,7 @@ def test_attention_op_writes_the_kv_cache_in_place(compiled_factory):
 
 def test_batch_one_decode_steps_call_their_graph_past_dynamo(compiled, tiny_engine_factory,
                                                              ref):
-    """engine/direct_graph.py: once built, the batch-1 graph is called with the
+    """engine/runner/direct_graph.py: once built, the batch-1 graph is called with the
     model's tensors it took then and each step's inputs, not through Dynamo's frame
     (~0.7 ms a default-model step); the tokens stay the eager path's."""
     from unittest import mock
@@ -218,7 +218,7 @@ def test_every_graph_drops_dynamo_s_guards_on_the_model(tiny_engine_factory):
     guards a layer at every call)."""
     from unittest import mock
 
-    from kvserve.engine.compiled_model import CompiledModel, _unguarded_model
+    from kvserve.engine.runner.compiled_model import CompiledModel, _unguarded_model
 
     model = tiny_engine_factory(compile="off").runner.model
     real, filters = torch.compile, []
@@ -239,7 +239,7 @@ def test_cuda_graphs_take_neither_cpu_gemm_options_nor_freezing(tiny_engine_fact
     template has no CUDA kernel: it would fail once, then be built again) and the
     weights are not frozen (frozen graphs are never cached). Nothing is compiled:
     torch.compile builds at the first call."""
-    from kvserve.engine.compiled_model import CompiledModel
+    from kvserve.engine.runner.compiled_model import CompiledModel
 
     model = tiny_engine_factory(compile="off", cpu_kernels="torch").runner.model
     with torch._inductor.config.patch(freezing=torch._inductor.config.freezing):
@@ -255,7 +255,7 @@ def test_graphs_fall_back_to_python_wrappers(tiny_engine_factory):
     """If Inductor cannot build a graph with a C++ wrapper, the graphs are built
     again with Python ones: compiled steps all the same, not eager ones. (Nothing is
     compiled here: run_step never calls the graph it is given.)"""
-    from kvserve.engine.compiled_model import CompiledModel
+    from kvserve.engine.runner.compiled_model import CompiledModel
 
     compiled = CompiledModel(tiny_engine_factory(compile="off").runner.model,
                              cpp_wrapper=True)
@@ -296,9 +296,9 @@ def test_random_arrivals_trigger_no_recompilation(compiled):
 def test_paged_decode_matches_the_gathering_reference(dtype):
     """The compiled kernel against the torch backend's gather + SDPA, for batch 1
     and 7, contexts of one block to several, shuffled block tables, GQA."""
-    from kvserve.engine.attention.cpu_paged import paged_decode
-    from kvserve.engine.attention.step_metadata import context_slots
-    from kvserve.engine.attention.torch_backend import _decode
+    from kvserve.engine.kernels.attention.cpu_paged import paged_decode
+    from kvserve.engine.kernels.attention.step_metadata import context_slots
+    from kvserve.engine.kernels.attention.torch_backend import _decode
 
     gen = torch.Generator().manual_seed(0)
     blocks, bs, hkv, hq, d = 64, 4, 2, 6, 16
@@ -323,8 +323,8 @@ def test_background_compile_serves_eagerly_meanwhile(tiny_model_dir, ref):
     """compile="background" (auto on CPU): the engine steps at once, eagerly, while
     the graphs are warmed up on their own thread over the spare block; then its steps
     go through them, with the same tokens, and no block of a live request was touched."""
-    from kvserve.engine.config import EngineConfig
-    from kvserve.engine.engine import Engine
+    from kvserve.engine.config.engine_config import EngineConfig
+    from kvserve.engine.core.engine import Engine
 
     engine = Engine(EngineConfig(model=str(tiny_model_dir("llama")), num_kv_blocks=512,
                                  max_num_batched_tokens=37, compile="background"))

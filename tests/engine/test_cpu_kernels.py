@@ -1,4 +1,4 @@
-"""kvserve's CPU GEMM (engine/cpu_kernels): the packed layout, the kernel against a
+"""kvserve's CPU GEMM (engine/kernels/cpu): the packed layout, the kernel against a
 float64 product on every kind of shape, the op inside compiled graphs, which models
 and CPUs get it (--cpu-kernels), and greedy output through it against transformers."""
 from __future__ import annotations
@@ -10,16 +10,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.engine.cpu_kernels import build
-from kvserve.engine.cpu_kernels.packing import INT4_DOT_ROWS as DOT_ROWS
-from kvserve.engine.cpu_kernels.packing import (Packed, PackedWeight, exact_in_bf16,
+from kvserve.engine.kernels.cpu import build
+from kvserve.engine.kernels.cpu.packing import INT4_DOT_ROWS as DOT_ROWS
+from kvserve.engine.kernels.cpu.packing import (Packed, PackedWeight, exact_in_bf16,
                                                 exact_int8_groups, pack_int4, pack_int8,
                                                 pack_weight, packed_linear, packed_rows,
                                                 reference_product, round_int8_groups,
                                                 unpack_weight)
-from kvserve.engine.cpu_kernels.setup import (attention_wanted, load_once, pack_model,
-                                              packing_wanted)
-from kvserve.engine.loader import cpu_flags, load_model
+from kvserve.engine.weights.cpu_packing import (attention_wanted, load_once, pack_model,
+                                                packing_wanted)
+from kvserve.engine.weights.loader import load_model
+from kvserve.engine.platform.device import cpu_flags
 from kvserve.engine.models.linear import Linear
 from kvserve.modelstore.errors import ModelLoadError
 from kvserve.scheduler.sampling_params import SamplingParams
@@ -359,7 +360,7 @@ def paged_case(batch, length, q_heads, kv_heads, dim, block_size, seed=0):
 ])
 def test_paged_decode_matches_the_reference(kernels, batch, length, q_heads, kv_heads, dim,
                                             block_size):
-    from kvserve.engine.attention.cpu_paged import paged_decode_reference
+    from kvserve.engine.kernels.attention.cpu_paged import paged_decode_reference
 
     q, k_cache, v_cache, tables, lens = paged_case(batch, length, q_heads, kv_heads, dim,
                                                    block_size)
@@ -383,7 +384,7 @@ def test_paged_decode_matches_the_reference(kernels, batch, length, q_heads, kv_
 def test_paged_decode_split_along_the_context_matches_the_reference(kernels, threads, lens):
     """Few requests on several threads: each request's context is split into runs of
     whole blocks (a request's runs past its end empty) and the parts merged."""
-    from kvserve.engine.attention.cpu_paged import paged_decode_reference
+    from kvserve.engine.kernels.attention.cpu_paged import paged_decode_reference
 
     q, k_cache, v_cache, tables, _ = paged_case(len(lens), max(lens), 9, 3, 64, 16)
     lens = torch.tensor(lens, dtype=torch.int32)
@@ -432,9 +433,9 @@ def test_paged_decode_refuses_what_it_cannot_read(kernels):
 
 @needs_avx2
 def test_attention_takes_the_kernel_for_float32_and_bf16_caches(kernels, monkeypatch):
-    """engine/attention/cpu_paged.py's attend: the op for float32 and bf16 caches, the
+    """engine/kernels/attention/cpu_paged.py's attend: the op for float32 and bf16 caches, the
     reference's ops for the others (fp8, float16 here), the same result either way."""
-    from kvserve.engine.attention import cpu_paged
+    from kvserve.engine.kernels.attention import cpu_paged
 
     q, k_cache, v_cache, tables, lens = paged_case(3, 50, 9, 3, 64, 16)
     calls = []
@@ -472,8 +473,8 @@ def prefill_case(q_len, ctx_len, q_heads, kv_heads, dim, block_size, seed=0):
 def prefill_reference(q, k_cache, v_cache, table, ctx_len, scale):
     """The torch backend's way, in float32: the context gathered out of the cache,
     then SDPA, causal from the chunk's offset."""
-    from kvserve.engine.attention.step_metadata import context_slots
-    from kvserve.engine.attention.torch_backend import _prefill
+    from kvserve.engine.kernels.attention.step_metadata import context_slots
+    from kvserve.engine.kernels.attention.torch_backend import _prefill
 
     kv_heads, dim = k_cache.shape[2:]
     slots = context_slots(table, torch.arange(ctx_len), k_cache.shape[1])
@@ -573,7 +574,7 @@ def test_paged_prefill_refuses_what_it_cannot_read(kernels):
 # -- in compiled graphs ---------------------------------------------------------------
 @needs_avx2
 def test_compiled_graphs_call_the_op_for_any_row_count_without_recompiling(kernels):
-    from kvserve.engine.compile_process import graphs_compiled
+    from kvserve.engine.runner.compile_process import graphs_compiled
 
     layer = Linear(64, 80, bias=True)
     with torch.no_grad():
@@ -641,7 +642,7 @@ def test_an_unknown_mode_is_refused():
 def test_avx512_loads_the_kernels_for_attention_and_packs_nothing(monkeypatch, caplog):
     """Where oneDNN keeps the GEMMs (AVX-512, bf16), auto still loads the kernels, for
     the attention; --cpu-kernels torch loads nothing."""
-    from kvserve.engine.cpu_kernels import setup
+    from kvserve.engine.kernels.cpu import setup
 
     loads = []
     monkeypatch.setattr(setup, "load_once", lambda: loads.append(1))
@@ -655,7 +656,7 @@ def test_avx512_loads_the_kernels_for_attention_and_packs_nothing(monkeypatch, c
 
 
 def test_a_failed_build_leaves_torch_under_auto_and_stops_kvserve(monkeypatch, caplog):
-    from kvserve.engine.cpu_kernels import setup
+    from kvserve.engine.kernels.cpu import setup
 
     def fail():
         raise build.BuildError("no C++ compiler found (g++ or $CXX)")
@@ -683,7 +684,7 @@ def test_package_data_ships_the_kernel_source():
 
     root = Path(__file__).resolve().parents[2]
     data = tomllib.loads((root / "pyproject.toml").read_text())
-    globs = data["tool"]["setuptools"]["package-data"]["kvserve.engine.cpu_kernels"]
+    globs = data["tool"]["setuptools"]["package-data"]["kvserve.engine.kernels.cpu"]
     folder = build.SOURCES[0].parent
     assert set(build.SOURCES) | set(build.HEADERS) <= {p for g in globs for p in folder.glob(g)}
     assert {h.name for h in build.HEADERS} == {"attention_shared.h"}
@@ -714,7 +715,7 @@ def tied_bf16_dir(tmp_path_factory):
 @needs_avx2
 def test_pack_model_packs_every_float32_linear_and_keeps_the_embedding(kernels,
                                                                         tied_bf16_dir):
-    from kvserve.engine.model_config import ModelConfig
+    from kvserve.engine.config.model_config import ModelConfig
 
     cfg = ModelConfig.from_pretrained(str(tied_bf16_dir))
     plain = load_model(tied_bf16_dir, cfg, F32, CPU, 256)
@@ -741,8 +742,8 @@ def test_quantized_layers_packed_compute_what_they_did(kernels, kind, rows):
     """--quantization int8 / int4 and a GGUF's Q8_0 blocks: the layer packed for the
     kernel reads its own integers and scales (no float copy) and gives the products
     it gave before, bias included."""
-    from kvserve.engine.quantization.int4 import Int4Linear
-    from kvserve.engine.quantization.int8 import GroupInt8Linear, Int8Linear
+    from kvserve.engine.models.quantized.int4 import Int4Linear
+    from kvserve.engine.models.quantized.int8 import GroupInt8Linear, Int8Linear
 
     gen = torch.Generator().manual_seed(rows)
     linear = torch.nn.Linear(96, 64, bias=True)
@@ -782,8 +783,8 @@ def test_quantized_layers_packed_compute_what_they_did(kernels, kind, rows):
 def test_pack_model_packs_quantized_layers_too(kernels, tied_bf16_dir):
     """(int4 layers need rows in blocks of 64, more than the tiny model has: the GGUF
     tests serve them through the kernel, tests/engine/test_gguf_loading.py.)"""
-    from kvserve.engine.model_config import ModelConfig
-    from kvserve.engine.quantization import quantize_model
+    from kvserve.engine.config.model_config import ModelConfig
+    from kvserve.engine.weights.quantization import quantize_model
 
     cfg = ModelConfig.from_pretrained(str(tied_bf16_dir))
     model = load_model(tied_bf16_dir, cfg, F32, CPU, 256)
@@ -806,8 +807,8 @@ def test_a_quantized_models_lm_head_and_tied_table_are_packed_as_q8_0(kernels, t
     --quantization int8 / int4 quantized: the bf16 LM head is rounded to Q8_0 (half
     its bytes read each step, as llama.cpp's Q8_0 files hold it) and the tied
     embedding looks its rows up in those panels, so both read the same values."""
-    from kvserve.engine.model_config import ModelConfig
-    from kvserve.engine.quantization import quantize_model
+    from kvserve.engine.config.model_config import ModelConfig
+    from kvserve.engine.weights.quantization import quantize_model
 
     cfg = ModelConfig.from_pretrained(str(tied_bf16_dir))
     model = load_model(tied_bf16_dir, cfg, F32, CPU, 256)
@@ -834,8 +835,8 @@ def test_a_quantized_models_lm_head_and_tied_table_are_packed_as_q8_0(kernels, t
                                                ("int8-awq", torch.int8)])
 def test_the_engine_rounds_the_head_to_q8_0_only_for_a_quantized_decoder(
         tied_bf16_dir, quantization, head):
-    from kvserve.engine.config import EngineConfig
-    from kvserve.engine.engine import Engine
+    from kvserve.engine.config.engine_config import EngineConfig
+    from kvserve.engine.core.engine import Engine
 
     engine = Engine(EngineConfig(model=str(tied_bf16_dir), dtype="float32", compile="off",
                                  cpu_kernels="kvserve", quantization=quantization,
@@ -858,8 +859,8 @@ def test_rows_looked_up_in_packed_panels_are_the_weights_rows(bf16_exact):
     ("qwen2", torch.float32, "off"),  # float32 panels, q/k/v biases, eager
 ])
 def test_greedy_output_matches_torch_and_transformers(tmp_path, arch, dtype, compile_mode):
-    from kvserve.engine.config import EngineConfig
-    from kvserve.engine.engine import Engine
+    from kvserve.engine.config.engine_config import EngineConfig
+    from kvserve.engine.core.engine import Engine
 
     model_dir = make_tiny_model(tmp_path / arch, arch=arch, dtype=dtype)
 

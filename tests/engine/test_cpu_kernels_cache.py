@@ -1,4 +1,4 @@
-"""The CPU kernel library's cache (engine/cpu_kernels/build.py): a library is loaded
+"""The CPU kernel library's cache (engine/kernels/cpu/build.py): a library is loaded
 from $KVSERVE_CACHE/cpu_kernels only if that directory is this user's and writable
 by no one else (and so is every one above it, or it is root's, or sticky), the file
 is this user's and writable by no one else, and its SHA-256 is the one recorded
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvserve.engine.cpu_kernels import build
+from kvserve.engine.kernels.cpu import build
 
 OTHER_UID = 65534  # nobody
 
@@ -44,7 +44,7 @@ def copy_library(library: Path, to: Path) -> None:
 @pytest.fixture(scope="module")
 def library() -> Path:
     """The session's library in the real cache (built there if need be)."""
-    from kvserve.engine.cpu_kernels.setup import load_once
+    from kvserve.engine.weights.cpu_packing import load_once
     from kvserve.modelstore.default_model import cache_root
 
     try:

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from kvserve.engine.cuda_graphs import DecodeGraphPlan, batch_buckets
+from kvserve.engine.runner.cuda_graphs import DecodeGraphPlan, batch_buckets
 from kvserve.scheduler.sampling_params import SamplingParams
 from tests.engine.attention.paged_batch import DEVICE, needs_kernel_device
 from tests.support.reference import varied_prompts
@@ -68,7 +68,7 @@ def test_graph_steps_upload_host_values_through_pinned_memory(tiny_engine_factor
     """Each graph step's host metadata goes to the device through `upload` (pinned,
     one non-blocking transfer per dtype on CUDA), never by a copy from pageable
     memory into a static buffer, which would wait for the step before to finish."""
-    import kvserve.engine.cuda_graphs as cuda_graphs
+    import kvserve.engine.runner.cuda_graphs as cuda_graphs
 
     engine = tiny_engine_factory("llama", max_num_seqs=4, device="cpu")
     engine.runner.use_decode_graphs(DecodeGraphPlan(4, engine.max_model_len, capture=False))

@@ -1,4 +1,4 @@
-"""engine/direct_graph.py: a compiled graph called past Dynamo's frame gives what
+"""engine/runner/direct_graph.py: a compiled graph called past Dynamo's frame gives what
 the compiled function gives, and refuses (None) any call whose step inputs are not
 as the graph was compiled for, as Dynamo's guards would."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from kvserve.engine.direct_graph import DirectCall, GraphRecorder, model_tensors
+from kvserve.engine.runner.direct_graph import DirectCall, GraphRecorder, model_tensors
 
 
 class Toy(nn.Module):

@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvserve.engine import faults
-from kvserve.engine.config import EngineConfig
-from kvserve.engine.engine import Engine
+from kvserve.engine.platform import faults
+from kvserve.engine.config.engine_config import EngineConfig
+from kvserve.engine.core.engine import Engine
 from kvserve.engine.sampling.sampler import _non_finite, _peaks
 from kvserve.scheduler.sampling_params import SamplingParams
 
@@ -133,7 +133,7 @@ def test_a_fault_in_every_request_of_a_step_is_the_engines(tiny_engine_factory):
 def test_a_disarmed_fault_point_is_the_plain_method():
     """The points cost nothing outside tests: no check runs, the method is the
     method; only while a fault is armed at a point does a wrapper stand there."""
-    from kvserve.engine.model_runner import ModelRunner
+    from kvserve.engine.runner.model_runner import ModelRunner
     from kvserve.engine.sampling import Sampler
 
     def points():

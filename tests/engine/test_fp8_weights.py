@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from kvserve.engine.attention.fp8_cache import FP8_MAX
-from kvserve.engine.quantization.fp8 import (Fp8Linear, check_fp8_device, check_fp8_shapes,
-                                             quantize_fp8, quantize_rows)
+from kvserve.engine.kernels.fp8_cache import FP8_MAX
+from kvserve.engine.models.quantized.fp8 import (Fp8Linear, check_fp8_device, check_fp8_shapes,
+                                                 quantize_fp8, quantize_rows)
 from kvserve.modelstore.errors import ModelLoadError
 
 

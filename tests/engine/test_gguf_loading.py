@@ -11,12 +11,12 @@ import gguf
 import pytest
 import torch
 
-from kvserve.engine.config import EngineConfig
-from kvserve.engine.model_config import ModelConfig
-from kvserve.engine.engine import Engine
-from kvserve.engine.loader import load_model
-from kvserve.engine.quantization.int4 import Int4Linear
-from kvserve.engine.quantization.int8 import GroupInt8Linear
+from kvserve.engine.config.engine_config import EngineConfig
+from kvserve.engine.config.model_config import ModelConfig
+from kvserve.engine.core.engine import Engine
+from kvserve.engine.weights.loader import load_model
+from kvserve.engine.models.quantized.int4 import Int4Linear
+from kvserve.engine.models.quantized.int8 import GroupInt8Linear
 from kvserve.modelstore.errors import ModelLoadError
 from kvserve.scheduler.sampling_params import SamplingParams
 from tests.support.tiny_gguf import INT4_SHAPES, write_gguf_dir
@@ -132,7 +132,7 @@ def test_a_gguf_file_alone_is_a_model(gguf_dir, tmp_path):
 
 
 def test_load_format_auto_prefers_safetensors_and_finds_a_lone_gguf(float_dir, gguf_dir):
-    from kvserve.engine.loader import resolve_load_format
+    from kvserve.engine.weights.loader import resolve_load_format
 
     assert resolve_load_format(float_dir, "auto") == "safetensors"
     assert resolve_load_format(gguf_dir(T.Q4_1), "auto") == "gguf"
@@ -161,7 +161,7 @@ def test_the_shipped_q4_1_file_is_the_float_model_it_was_converted_into(default_
     """The default model's safetensors are transformers' expansion of the same file:
     expanded by us they are equal bit for bit, and its int4 layers hold exactly
     those weights in a third of the bytes."""
-    from kvserve.engine.quantization import model_bytes
+    from kvserve.engine.weights.quantization import model_bytes
 
     cfg = ModelConfig.from_pretrained(default_model_dir)
     float_model = load_model(default_model_dir, cfg, torch.float32, CPU, 256)

@@ -11,8 +11,8 @@ import re
 import jsonschema
 import pytest
 
-from kvserve.engine.config import EngineConfig
-from kvserve.engine.engine import Engine
+from kvserve.engine.config.engine_config import EngineConfig
+from kvserve.engine.core.engine import Engine
 from kvserve.engine.structured.grammars import check
 from kvserve.scheduler.sampling_params import SamplingParams
 from kvserve.scheduler.structured_output import StructuredOutput

@@ -1,9 +1,9 @@
 """The start-up heap is frozen out of the collector's sight; what comes later is
-collected as before (engine/heap.py)."""
+collected as before (engine/platform/heap.py)."""
 import gc
 import weakref
 
-from kvserve.engine.heap import freeze_startup_heap
+from kvserve.engine.platform.heap import freeze_startup_heap
 
 
 class _Node:

@@ -15,10 +15,10 @@ import msgpack
 import pytest
 import zmq
 
-from kvserve.engine.config import EngineConfig
-from kvserve.engine.engine import Engine
-from kvserve.engine.kv_events.config import KVEventsConfig, binds_every_interface
-from kvserve.engine.kv_events.publisher import encode_event, external_hash, make_publisher
+from kvserve.engine.config.engine_config import EngineConfig
+from kvserve.engine.core.engine import Engine
+from kvserve.engine.config.kv_events_config import KVEventsConfig, binds_every_interface
+from kvserve.engine.core.kv_events import encode_event, external_hash, make_publisher
 from kvserve.scheduler.kv_events import BlockStored
 from kvserve.scheduler.sampling_params import SamplingParams
 from tests.support.server import free_port
@@ -125,7 +125,7 @@ def replayed(endpoint: str, start: int, token_ids: bool = True) -> set[int]:
 
 
 def test_the_flag_says_what_is_wrong(capsys):
-    from kvserve.server.cli import build_parser
+    from kvserve.server.entrypoints.cli import build_parser
 
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--kv-events-config", '{"endpiont": "x"}'])

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.engine.attention.fp8_cache import FP8, FP8_MAX
-from kvserve.engine.quantization.calibration import calibration_tokens
-from kvserve.engine.attention.fp8_cache import key_rotation, rotate
-from kvserve.engine.quantization.kv_fp8 import HEADROOM
+from kvserve.engine.kernels.fp8_cache import FP8, FP8_MAX
+from kvserve.engine.weights.quantization.calibration import calibration_tokens
+from kvserve.engine.kernels.fp8_cache import key_rotation, rotate
+from kvserve.engine.weights.quantization.kv_fp8 import HEADROOM
 from kvserve.modelstore.errors import ModelLoadError
 from kvserve.scheduler.sampling_params import SamplingParams
 from tests.engine.attention.test_engine_triton import assert_same_run, prompts
@@ -82,7 +82,7 @@ def test_compiled_decode_graphs_read_the_fp8_cache_as_eager_steps_do(tiny_engine
 
 
 def test_speculative_early_exit_drafts_through_the_fp8_cache(tiny_engine_factory):
-    from kvserve.engine.config import SpeculativeConfig
+    from kvserve.engine.config.engine_config import SpeculativeConfig
 
     spec = SpeculativeConfig(method="early-exit", num_tokens=3, draft_layers=1)
     want = tiny_engine_factory(dtype="float32", kv_cache_dtype="fp8").generate(

@@ -7,11 +7,11 @@ import shutil
 import pytest
 import torch
 
-from kvserve.engine import loader
-from kvserve.engine.config import EngineConfig
-from kvserve.engine.model_config import ModelConfig, ModelConfigError
-from kvserve.engine.engine import Engine
-from kvserve.engine.loader import ModelLoadError
+from kvserve.engine.platform import device as platform_device
+from kvserve.engine.config.engine_config import EngineConfig
+from kvserve.engine.config.model_config import ModelConfig, ModelConfigError
+from kvserve.engine.core.engine import Engine
+from kvserve.engine.weights.loader import ModelLoadError
 
 
 def copy_model(src, dst):
@@ -54,34 +54,35 @@ def test_checkpoint_missing_a_tensor(tiny_model_dir, tmp_path):
 
 
 def test_model_that_does_not_fit_in_memory(tiny_model_dir, monkeypatch):
-    monkeypatch.setattr(loader, "available_memory", lambda device: 1024)
+    monkeypatch.setattr(platform_device, "available_memory", lambda device: 1024)
     with pytest.raises(ModelLoadError, match="needs .* GiB but only"):
         Engine(EngineConfig(model=str(tiny_model_dir("llama")), num_kv_blocks=8))
 
 
 def test_kv_cache_that_does_not_fit(tiny_model_dir, monkeypatch):
-    monkeypatch.setattr(loader, "available_memory", lambda device: 200 * 2**20)
+    monkeypatch.setattr(platform_device, "available_memory", lambda device: 200 * 2**20)
     with pytest.raises(ModelLoadError, match="KV cache needs"):
         Engine(EngineConfig(model=str(tiny_model_dir("llama")), kv_cache_memory=2**40))
 
 
 def test_unknown_dtype_is_an_error():
     with pytest.raises(ModelLoadError, match="unknown dtype"):
-        loader.resolve_dtype("float8", torch.device("cpu"))
+        platform_device.resolve_dtype("float8", torch.device("cpu"))
 
 
 def test_auto_dtype_is_bf16_only_where_the_cpu_computes_it_natively(tmp_path):
     cpu = torch.device("cpu")
-    assert loader.resolve_dtype("auto", cpu, flags={"avx2", "fma"}) == torch.float32
-    assert loader.resolve_dtype("auto", cpu, flags={"avx2", "avx512_bf16"}) == torch.bfloat16
-    assert loader.resolve_dtype("auto", cpu, flags={"amx_bf16"}) == torch.bfloat16
-    assert loader.resolve_dtype("auto", cpu, flags={"asimd", "bf16"}) == torch.bfloat16
-    assert loader.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert platform_device.resolve_dtype("auto", cpu, flags={"avx2", "fma"}) == torch.float32
+    bf16 = {"avx2", "avx512_bf16"}
+    assert platform_device.resolve_dtype("auto", cpu, flags=bf16) == torch.bfloat16
+    assert platform_device.resolve_dtype("auto", cpu, flags={"amx_bf16"}) == torch.bfloat16
+    assert platform_device.resolve_dtype("auto", cpu, flags={"asimd", "bf16"}) == torch.bfloat16
+    assert platform_device.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512_bf16\n\n"
                        "processor\t: 1\nflags\t\t: fpu avx2 avx512_bf16\n")
-    assert loader.cpu_flags(str(cpuinfo)) == {"fpu", "avx2", "avx512_bf16"}
-    assert loader.cpu_flags(str(tmp_path / "missing")) == set()
+    assert platform_device.cpu_flags(str(cpuinfo)) == {"fpu", "avx2", "avx512_bf16"}
+    assert platform_device.cpu_flags(str(tmp_path / "missing")) == set()
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -104,8 +105,8 @@ def test_half_precision_runs_and_mostly_agrees(tiny_engine_factory, dtype):
 def test_tied_embeddings_share_storage(tmp_path, cpu_kernels):
     """One copy of a tied table: shared by the head and the embedding, or (kvserve's
     CPU kernels) the head's packed panels, which the embedding reads too."""
-    from kvserve.engine.cpu_kernels.setup import NEEDED_FLAGS
-    from kvserve.engine.loader import cpu_flags
+    from kvserve.engine.weights.cpu_packing import NEEDED_FLAGS
+    from kvserve.engine.platform.device import cpu_flags
     from tests.support.tiny_models import make_tiny_model
 
     if cpu_kernels == "kvserve" and not set(NEEDED_FLAGS) <= cpu_flags():

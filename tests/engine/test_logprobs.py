@@ -8,7 +8,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from kvserve.engine.outputs import TokenLogprob
+from kvserve.engine.platform.outputs import TokenLogprob
 from kvserve.scheduler.sampling_params import SamplingParams
 from tests.support.reference import load_reference, varied_prompts
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.engine.memory_budget import kv_budget_bytes
+from kvserve.engine.runner.memory_budget import kv_budget_bytes
 
 GiB = 1 << 30
 
@@ -25,9 +25,9 @@ def test_profile_step_runs(tiny_engine_factory):
 
 
 def test_cpu_default_is_one_gib(tiny_model_dir):
-    from kvserve.engine.config import EngineConfig
-    from kvserve.engine.engine import Engine
-    from kvserve.engine.memory_budget import DEFAULT_CPU_KV_BYTES
+    from kvserve.engine.config.engine_config import EngineConfig
+    from kvserve.engine.core.engine import Engine
+    from kvserve.engine.runner.memory_budget import DEFAULT_CPU_KV_BYTES
 
     engine = Engine(EngineConfig(model=str(tiny_model_dir("llama")), device="cpu"))
     per_block = engine.kv_format.bytes_per_block(engine.model_config, 16)
@@ -36,8 +36,8 @@ def test_cpu_default_is_one_gib(tiny_model_dir):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="measures GPU memory")
 def test_cuda_cache_fills_the_utilization(tiny_model_dir):
-    from kvserve.engine.config import EngineConfig
-    from kvserve.engine.engine import Engine
+    from kvserve.engine.config.engine_config import EngineConfig
+    from kvserve.engine.core.engine import Engine
 
     engine = Engine(EngineConfig(model=str(tiny_model_dir("llama")), device="cuda",
                                  gpu_memory_utilization=0.05, enforce_eager=True))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.engine.config import EngineConfig
-from kvserve.engine.engine import Engine
+from kvserve.engine.config.engine_config import EngineConfig
+from kvserve.engine.core.engine import Engine
 from kvserve.scheduler.sampling_params import SamplingParams
 from tests.support.reference import (load_reference, reference_greedy, reference_logits,
                                      varied_prompts)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.engine.pooling import Pooler, PoolRows
+from kvserve.engine.runner.pooling import Pooler, PoolRows
 from kvserve.scheduler.sampling_params import SamplingParams
 
 

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from bench.quality import perplexity, text_tokens
-from kvserve.engine.config import EngineConfig
-from kvserve.engine.engine import Engine
-from kvserve.engine.quantization.int4 import (INT4PACK_MAX_ROWS, KNOWN_LAYOUTS, Int4Linear,
-                                              kernel_layout, pack_int4, quantize_int4,
-                                              unpack_int4_t)
-from kvserve.engine.quantization.int8 import Int8Linear, quantize_int8
+from kvserve.engine.config.engine_config import EngineConfig
+from kvserve.engine.core.engine import Engine
+from kvserve.engine.models.quantized.int4 import (INT4PACK_MAX_ROWS, KNOWN_LAYOUTS, Int4Linear,
+                                                  kernel_layout, pack_int4, quantize_int4,
+                                                  unpack_int4_t)
+from kvserve.engine.models.quantized.int8 import Int8Linear, quantize_int8
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -154,7 +154,7 @@ def test_the_weights_bytes_are_what_kvserve_estimate_computes(default_model_dir,
     torch's GEMMs: kvserve's CPU kernels would also find the default model's float
     tables exactly int8 (a Q8_0 table expanded) and hold them in fewer bytes than
     any estimate from the shapes can know."""
-    from kvserve.engine.quantization import model_bytes
+    from kvserve.engine.weights.quantization import model_bytes
     from kvserve.modelstore.weight_bytes import weight_bytes
 
     engine = Engine(EngineConfig(model=str(default_model_dir), dtype="float32",

@@ -8,8 +8,8 @@ import re
 import jsonschema
 import pytest
 
-from kvserve.engine.config import EngineConfig
-from kvserve.engine.engine import Engine
+from kvserve.engine.config.engine_config import EngineConfig
+from kvserve.engine.core.engine import Engine
 from kvserve.engine.structured.matchers import DEAD_END
 from kvserve.scheduler.sampling_params import SamplingParams
 from kvserve.scheduler.structured_output import StructuredOutput
@@ -158,7 +158,7 @@ def test_speculative_drafts_are_checked_against_the_grammar(default_model_dir, m
     know no grammar) are cut before the first token the grammar refuses and verified
     on masked rows; the matcher rolls back. Greedy output is the same as without
     speculation, sampled output is valid, and drafts were accepted."""
-    from kvserve.engine.config import SpeculativeConfig
+    from kvserve.engine.config.engine_config import SpeculativeConfig
     from kvserve.engine.structured.matchers import Matchers
 
     walks = []  # (drafts, kept) of each constrained verification

@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvserve.engine import loader
-from kvserve.engine.config import EngineConfig
-from kvserve.engine.model_config import ModelConfig, ModelConfigError
-from kvserve.engine.engine import Engine
+from kvserve.engine.platform import device as platform_device
+from kvserve.engine.weights import loader
+from kvserve.engine.config.engine_config import EngineConfig
+from kvserve.engine.config.model_config import ModelConfig, ModelConfigError
+from kvserve.engine.core.engine import Engine
 from kvserve.modelstore.presets import preset_names, resolve_model_path
 from kvserve.modelstore.weight_bytes import weight_bytes
 from kvserve.scheduler.sampling_params import SamplingParams
@@ -46,8 +47,8 @@ def test_real_shapes_match_the_released_configs(name, hidden, layers, inter, tie
 def test_random_load_on_meta_counts_the_real_parameters(name, monkeypatch):
     # Nothing is allocated on the meta device, so no memory check may refuse an 8B
     # model there, however little memory the machine running the test has.
-    real = loader.available_memory
-    monkeypatch.setattr(loader, "available_memory",
+    real = platform_device.available_memory
+    monkeypatch.setattr(platform_device, "available_memory",
                         lambda device: real(device) if device.type == "meta" else 1 << 20)
     cfg = ModelConfig.from_pretrained(f"preset:{name}")
     model = loader.load_model(f"preset:{name}", cfg, torch.bfloat16, torch.device("meta"),
@@ -125,12 +126,12 @@ class TestCli:
             monkeypatch.delenv(f"KVSERVE_{flag}", raising=False)
 
     def parse(self, *flags):
-        from kvserve.server.cli import build_parser
+        from kvserve.server.entrypoints.cli import build_parser
 
         return build_parser().parse_args(["serve", *flags])
 
     def test_preset_with_random_weights(self):
-        from kvserve.server.cli import engine_config_from_args, resolve_model
+        from kvserve.server.entrypoints.cli import engine_config_from_args, resolve_model
 
         args = self.parse("--model", "preset:llama-3.2-1b", "--load-format", "random")
         path, names = resolve_model(args)
@@ -142,7 +143,7 @@ class TestCli:
         (("--model", "preset:gpt-9", "--load-format", "random"), "unknown preset"),
     ])
     def test_clear_errors(self, flags, message):
-        from kvserve.server.cli import resolve_model
+        from kvserve.server.entrypoints.cli import resolve_model
 
         with pytest.raises(SystemExit) as exc:
             resolve_model(self.parse(*flags))

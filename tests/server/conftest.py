@@ -4,9 +4,9 @@ import openai
 import pytest
 
 from kvserve.engine.client.async_engine import AsyncEngine
-from kvserve.engine.config import EngineConfig
-from kvserve.engine.engine import Engine
-from kvserve.server.app import build_app
+from kvserve.engine.config.engine_config import EngineConfig
+from kvserve.engine.core.engine import Engine
+from kvserve.server.entrypoints.app import build_app
 from kvserve.server.config import ServerConfig
 from tests.support.server import running_server
 

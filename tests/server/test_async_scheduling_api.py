@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from kvserve.server.cli import build_parser, engine_config_from_args, main
+from kvserve.server.entrypoints.cli import build_parser, engine_config_from_args, main
 from tests.support.server import engine_http_client
 
 BODIES = [

@@ -11,9 +11,9 @@ import openai
 import pytest
 
 from kvserve.engine.client.async_engine import AsyncEngine
-from kvserve.engine.engine import Engine
+from kvserve.engine.core.engine import Engine
 from kvserve.scheduler.sampling_params import SamplingParams
-from kvserve.server.app import VERSION, build_app
+from kvserve.server.entrypoints.app import VERSION, build_app
 from tests.support.http import (CompletionsClient, assert_error, parse_sse,
                                 post_completions_concurrently, wait_idle)
 from tests.support.server import running_server

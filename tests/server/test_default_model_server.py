@@ -47,7 +47,7 @@ def server(default_model_dir, tmp_path_factory):
     env.update(KVSERVE_DTYPE="float32", KVSERVE_COMPILE="off")
     log_path = tmp_path_factory.mktemp("kvserve-cli") / "server.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "kvserve.server.cli", "serve"],
+        proc = subprocess.Popen([sys.executable, "-m", "kvserve.server.entrypoints.cli", "serve"],
                                 cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     srv = ServerProcess(proc, f"http://127.0.0.1:{port}", port, log_path)
     try:

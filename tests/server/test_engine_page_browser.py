@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from kvserve.engine.client.async_engine import AsyncEngine
-from kvserve.server.app import build_app
+from kvserve.server.entrypoints.app import build_app
 from kvserve.server.config import ServerConfig
 from tests.server.conftest import SMOL
 from tests.support.browser import chromium, expect, screenshot

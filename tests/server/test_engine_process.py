@@ -9,11 +9,11 @@ import time
 import httpx
 import pytest
 
-from kvserve.engine.config import EngineConfig
+from kvserve.engine.config.engine_config import EngineConfig
 from kvserve.modelstore.tokenizer import load_tokenizer
 from kvserve.engine.client.process_engine import EngineStartError, ProcessEngine
 from kvserve.scheduler.sampling_params import SamplingParams
-from kvserve.server.app import build_app
+from kvserve.server.entrypoints.app import build_app
 from tests.support.http import assert_error, parse_sse
 from tests.support.server import running_server
 

@@ -14,7 +14,7 @@ from httpx_sse import connect_sse
 
 from kvserve.engine.client.async_engine import AsyncEngine
 from kvserve.engine.client.messages import TakeSnapshot
-from kvserve.server.app import build_app
+from kvserve.server.entrypoints.app import build_app
 from kvserve.server.config import ServerConfig
 from tests.support.http import assert_error
 from tests.support.server import running_server
@@ -177,7 +177,7 @@ def test_history_points_reach_a_watcher(tiny_engine_factory):
 
 
 def test_speculative_decoding_shows_its_drafts_to_the_page(tiny_engine_factory):
-    from kvserve.engine.config import SpeculativeConfig
+    from kvserve.engine.config.engine_config import SpeculativeConfig
 
     spec = SpeculativeConfig("ngram", num_tokens=4, ngram_min=1)
     engine = AsyncEngine(tiny_engine_factory(dtype="float32", speculative=spec))

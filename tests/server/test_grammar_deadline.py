@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from kvserve.engine.client.async_engine import AsyncEngine
-from kvserve.server.app import build_app
+from kvserve.server.entrypoints.app import build_app
 from tests.support.held_compile import held_compile  # noqa: F401 - a fixture
 from tests.support.http import assert_error, parse_sse, wait_idle
 from tests.support.server import running_server

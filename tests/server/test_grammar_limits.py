@@ -13,7 +13,7 @@ import pytest
 
 from kvserve.engine.client.async_engine import AsyncEngine
 from kvserve.engine.structured import grammars
-from kvserve.server.app import build_app
+from kvserve.server.entrypoints.app import build_app
 from kvserve.server.config import ServerConfig
 from kvserve.server.grammar_limits import GrammarLimits
 from tests.support.http import assert_error, wait_idle

@@ -14,9 +14,9 @@ import pytest
 
 from bench.structured_schemas import SCHEMAS
 from kvserve.engine.client.async_engine import AsyncEngine
-from kvserve.engine.config import EngineConfig
-from kvserve.engine.engine import Engine
-from kvserve.server.app import build_app
+from kvserve.engine.config.engine_config import EngineConfig
+from kvserve.engine.core.engine import Engine
+from kvserve.server.entrypoints.app import build_app
 from tests.server.conftest import SMOL
 from tests.support.http import assert_error
 from tests.support.server import running_server

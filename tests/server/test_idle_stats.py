@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from kvserve.engine.client.async_engine import AsyncEngine
-from kvserve.engine.config import EngineConfig
+from kvserve.engine.config.engine_config import EngineConfig
 from kvserve.engine.client.process_engine import ProcessEngine
 from tests.server.test_ops_shutdown import serving
 

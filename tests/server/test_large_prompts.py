@@ -12,7 +12,7 @@ import time
 
 import httpx
 from kvserve.engine.client.async_engine import AsyncEngine
-from kvserve.server.app import build_app
+from kvserve.server.entrypoints.app import build_app
 from tests.server.test_ops_shutdown import serving
 from tests.support.server import running_server
 

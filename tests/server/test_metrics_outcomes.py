@@ -7,7 +7,7 @@ import time
 import httpx
 
 from kvserve.engine.client.async_engine import AsyncEngine
-from kvserve.server.app import build_app
+from kvserve.server.entrypoints.app import build_app
 from tests.support.http import post_completions_concurrently
 from tests.support.metrics_script import Scrapes
 from tests.support.server import running_server

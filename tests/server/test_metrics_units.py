@@ -9,8 +9,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kvserve.engine.client.messages import StepReport
-from kvserve.engine.outputs import RequestOutput
-from kvserve.server import metrics_buckets as b
+from kvserve.engine.platform.outputs import RequestOutput
+from kvserve.server.metrics import buckets as b
 from kvserve.server.metrics.frontend import FrontendHistograms, RequestClock, current_clock
 from kvserve.server.metrics.log import StatsLogger
 

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from kvserve.engine.client.async_engine import AsyncEngine
-from kvserve.server.app import build_app
+from kvserve.server.entrypoints.app import build_app
 from tests.support.metrics_script import Scrapes, assert_in_buckets, complete
 from tests.support.server import running_server
 

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from kvserve.engine.client.async_engine import AsyncEngine
-from kvserve.server.app import build_app
+from kvserve.server.entrypoints.app import build_app
 from kvserve.server.config import ServerConfig
 from tests.support.http import assert_error
 from tests.support.server import running_server

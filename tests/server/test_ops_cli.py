@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from kvserve.server import cli
-from kvserve.server.cli import build_parser
+from kvserve.server.entrypoints import cli
+from kvserve.server.entrypoints.cli import build_parser
 from kvserve.server.config import ServerConfig
 
 
@@ -68,8 +68,8 @@ def test_serve_wires_the_flags_through(monkeypatch, tmp_path):
     """serve() hands the keys and the queue limit to build_app, and the drain timeout
     to the graceful server (the shutdown tests run the real thing)."""
     import kvserve.engine.client.async_engine
-    import kvserve.engine.engine
-    import kvserve.server.app
+    import kvserve.engine.core.engine
+    import kvserve.server.entrypoints.app
     import kvserve.server.shutdown
 
     seen = {}
@@ -93,9 +93,9 @@ def test_serve_wires_the_flags_through(monkeypatch, tmp_path):
         def run(self):
             seen["ran"] = True
 
-    monkeypatch.setattr(kvserve.engine.engine, "Engine", lambda config: object())
+    monkeypatch.setattr(kvserve.engine.core.engine, "Engine", lambda config: object())
     monkeypatch.setattr(kvserve.engine.client.async_engine, "AsyncEngine", lambda e: e)
-    monkeypatch.setattr(kvserve.server.app, "build_app", fake_build_app)
+    monkeypatch.setattr(kvserve.server.entrypoints.app, "build_app", fake_build_app)
     monkeypatch.setattr(kvserve.server.shutdown, "GracefulServer", FakeServer)
     cli.serve(_args("--model", str(tmp_path), "--engine-mode", "thread", "--api-key", "k1,k2",
                     "--max-waiting-requests", "5", "--shutdown-timeout", "3",

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from kvserve.engine.client.async_engine import AsyncEngine
-from kvserve.server.app import build_app
+from kvserve.server.entrypoints.app import build_app
 from tests.support.prom_text import parse_samples
 from tests.support.server import running_server
 

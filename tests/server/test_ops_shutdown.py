@@ -29,8 +29,8 @@ def serving(model_dir: Path, log_path: Path, *flags: str):
     port = free_port()
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("KVSERVE_") or k == "KVSERVE_CACHE"}
-    cmd = [sys.executable, "-m", "kvserve.server.cli", "serve", "--model", str(model_dir),
-           "--port", str(port), "--device", "cpu", "--num-kv-blocks", "1024",
+    cmd = [sys.executable, "-m", "kvserve.server.entrypoints.cli", "serve",
+           "--model", str(model_dir), "--port", str(port), "--device", "cpu", "--num-kv-blocks", "1024",
            "--max-num-batched-tokens", "256", "--log-level", "info",
            # eager, as the suite's engines: a tiny model's background compile is a
            # minute of both cores, which would skew every timing these servers measure

@@ -11,13 +11,13 @@ import time
 import httpx
 import pytest
 
-from kvserve.engine import faults
+from kvserve.engine.platform import faults
 from kvserve.engine.client.async_engine import AsyncEngine
-from kvserve.engine.config import EngineConfig
+from kvserve.engine.config.engine_config import EngineConfig
 from kvserve.modelstore.tokenizer import load_tokenizer
 from kvserve.engine.client.process_engine import ProcessEngine
 from kvserve.scheduler.sampling_params import SamplingParams
-from kvserve.server.app import build_app
+from kvserve.server.entrypoints.app import build_app
 from tests.engine.test_fault_isolation import poisoned_copy
 from tests.support.http import assert_error, parse_sse, wait_idle
 from tests.support.server import running_server

@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from kvserve.engine.config import SpeculativeConfig
-from kvserve.server.cli import build_parser, engine_config_from_args, main
+from kvserve.engine.config.engine_config import SpeculativeConfig
+from kvserve.server.entrypoints.cli import build_parser, engine_config_from_args, main
 from tests.support.server import engine_http_client
 
 PROMPT = "0 1 2 3 4 5 6 7 8 9 10 11 12 13 0 1 2 3 4 5 6 7 8 9 10 11 12 13 0 1 2 3"

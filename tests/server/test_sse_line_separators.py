@@ -12,10 +12,10 @@ import httpx
 import pytest
 
 from kvserve.engine.client.async_engine import AsyncEngine
-from kvserve.engine.config import EngineConfig
-from kvserve.engine.engine import Engine
+from kvserve.engine.config.engine_config import EngineConfig
+from kvserve.engine.core.engine import Engine
 from kvserve.benchmarks.client.client import Target, send
-from kvserve.server.app import build_app
+from kvserve.server.entrypoints.app import build_app
 from tests.support.http import parse_sse
 from tests.support.server import running_server
 from tests.support.tiny_models import make_tiny_model

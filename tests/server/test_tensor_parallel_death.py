@@ -14,7 +14,7 @@ from tests.server.test_ops_shutdown import serving
 
 def _worker_rank(server_pid: int) -> psutil.Process:
     ranks = [p for p in psutil.Process(server_pid).children(recursive=True)
-             if "kvserve.engine.parallel.worker" in " ".join(p.cmdline())]
+             if "kvserve.engine.ranks.worker" in " ".join(p.cmdline())]
     assert len(ranks) == 1, ranks
     return ranks[0]
 

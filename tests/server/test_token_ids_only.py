@@ -7,10 +7,10 @@ import httpx
 import pytest
 
 from kvserve.engine.client.async_engine import AsyncEngine
-from kvserve.engine.config import EngineConfig
-from kvserve.engine.engine import Engine
+from kvserve.engine.config.engine_config import EngineConfig
+from kvserve.engine.core.engine import Engine
 from kvserve.scheduler.sampling_params import SamplingParams
-from kvserve.server.app import build_app
+from kvserve.server.entrypoints.app import build_app
 from tests.support.http import assert_error, parse_sse, wait_idle
 from tests.support.server import running_server
 

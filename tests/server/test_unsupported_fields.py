@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from kvserve.engine.client.async_engine import AsyncEngine
-from kvserve.server.app import build_app
+from kvserve.server.entrypoints.app import build_app
 from kvserve.server.unsupported_fields import CHAT_FIELDS, COMPLETION_FIELDS
 from tests.support.http import assert_error, parse_sse
 from tests.support.server import running_server

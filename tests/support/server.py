@@ -43,7 +43,7 @@ def engine_http_client(engine, model_name: str, timeout: float = 120.0):
     import httpx
 
     from kvserve.engine.client.async_engine import AsyncEngine
-    from kvserve.server.app import build_app
+    from kvserve.server.entrypoints.app import build_app
 
     app = build_app(AsyncEngine(engine), [model_name])
     with running_server(app) as url, httpx.Client(base_url=url, timeout=timeout) as http:

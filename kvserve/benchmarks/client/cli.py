@@ -1,4 +1,4 @@
-"""`kvserve bench serve|plot` and `kvserve estimate`. server/cli.py hands these
+"""`kvserve bench serve|plot` and `kvserve estimate`. server/entrypoints/cli.py hands these
 commands' arguments here unparsed, so `kvserve serve` never imports kvbench."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`kvserve bench offline|decode`: the engine in this process, no HTTP. server/cli.py
+"""`kvserve bench offline|decode`: the engine in this process, no HTTP. server/entrypoints/cli.py
 hands these commands' arguments here unparsed (`bench serve|plot` go to bench/client), and
 imports this module only when one of them runs, so `kvserve serve` never loads it.
 Torch and the engine are imported only once the arguments have parsed."""
@@ -11,8 +11,8 @@ import os
 import shlex
 import sys
 
-from kvserve.engine.config import EngineConfig  # light: imports no torch
-from kvserve.engine.settings import add_flags, from_args
+from kvserve.engine.config.engine_config import EngineConfig  # light: imports no torch
+from kvserve.engine.config.settings import add_flags, from_args
 
 TOOLS = {"offline": "engine throughput without HTTP: N requests at once to "
                     "Engine.generate",
@@ -189,9 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     resolve_model(args)
-    from kvserve.engine.attention import AttentionBackendError
-    from kvserve.engine.model_config import ModelConfigError
-    from kvserve.engine.loader import ModelLoadError
+    from kvserve.engine.kernels.attention import AttentionBackendError
+    from kvserve.engine.config.model_config import ModelConfigError
+    from kvserve.engine.weights.loader import ModelLoadError
 
     try:
         result = run_tool(args, "kvserve bench " + shlex.join(argv))

@@ -32,10 +32,11 @@ from kvserve.benchmarks.in_process.utilisation import (Clock, copy_bandwidth, mb
                                                        peak_tflops, prefill_flops,
                                                        weights_read_per_step)
 from kvserve.benchmarks.provenance import provenance
-from kvserve.engine.config import EngineConfig
-from kvserve.engine.model_config import ModelConfig
-from kvserve.engine.engine import Engine
-from kvserve.engine.loader import resolve_device, resolve_dtype, resolve_load_format
+from kvserve.engine.config.engine_config import EngineConfig
+from kvserve.engine.config.model_config import ModelConfig
+from kvserve.engine.core.engine import Engine
+from kvserve.engine.weights.loader import resolve_load_format
+from kvserve.engine.platform.device import resolve_device, resolve_dtype
 from kvserve.modelstore.weight_bytes import weight_bytes
 from kvserve.modelstore.presets import PREFIX, is_preset
 from kvserve.scheduler.sampling_params import SamplingParams

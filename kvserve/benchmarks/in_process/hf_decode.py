@@ -10,7 +10,7 @@ from kvserve.benchmarks.in_process.measure import (DECODE_PROMPT_LEN, decode_row
                                                    free_device_memory, make_prompt, peak_memory,
                                                    reset_peak_memory, split_row)
 from kvserve.benchmarks.in_process.utilisation import Clock
-from kvserve.engine.model_config import ModelConfig
+from kvserve.engine.config.model_config import ModelConfig
 from kvserve.modelstore.presets import resolve_model_path
 
 

@@ -8,7 +8,7 @@ import random
 import torch
 
 from kvserve.benchmarks.in_process.utilisation import bytes_per_decode_step
-from kvserve.engine.model_config import ModelConfig
+from kvserve.engine.config.model_config import ModelConfig
 
 DECODE_PROMPT_LEN = 128
 
@@ -59,6 +59,6 @@ def bench_compile(args) -> str:
     if args.compile == "background":
         return "wait"
     if args.compile == "auto":
-        from kvserve.engine.loader import resolve_device
+        from kvserve.engine.platform.device import resolve_device
         return "wait" if resolve_device(args.device).type == "cpu" else "off"
     return args.compile

@@ -12,9 +12,9 @@ import torch
 
 from kvserve.benchmarks.in_process.decode import free_device_memory, where_from
 from kvserve.benchmarks.in_process.utilisation import Clock
-from kvserve.engine.config import EngineConfig
-from kvserve.engine.engine import Engine
-from kvserve.engine.loader import resolve_load_format
+from kvserve.engine.config.engine_config import EngineConfig
+from kvserve.engine.core.engine import Engine
+from kvserve.engine.weights.loader import resolve_load_format
 from kvserve.scheduler.sampling_params import SamplingParams
 
 

@@ -36,9 +36,9 @@ from kvserve.benchmarks.in_process.measure import make_prompt
 from kvserve.benchmarks.in_process.utilisation import (bytes_per_decode_step, copy_bandwidth,
                                                        weights_read_per_step)
 from kvserve.benchmarks.provenance import provenance
-from kvserve.engine.config import EngineConfig
-from kvserve.engine.engine import Engine
-from kvserve.engine.loader import resolve_dtype
+from kvserve.engine.config.engine_config import EngineConfig
+from kvserve.engine.core.engine import Engine
+from kvserve.engine.platform.device import resolve_dtype
 from kvserve.scheduler.sampling_params import SamplingParams
 
 PROMPT = 128

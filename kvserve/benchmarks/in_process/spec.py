@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 
 from kvserve.benchmarks.provenance import provenance
-from kvserve.engine.config import EngineConfig, SpeculativeConfig
-from kvserve.engine.engine import Engine
+from kvserve.engine.config.engine_config import EngineConfig, SpeculativeConfig
+from kvserve.engine.core.engine import Engine
 from kvserve.scheduler.sampling_params import SamplingParams
 
 PASSAGE = ("The old lighthouse stood at the edge of the cliff for more than a hundred "

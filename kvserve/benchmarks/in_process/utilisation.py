@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from kvserve.engine.model_config import ModelConfig
-from kvserve.engine.kv_caches import KVCacheFormat
+from kvserve.engine.config.model_config import ModelConfig
+from kvserve.engine.models.kv_caches import KVCacheFormat
 from kvserve.modelstore.weight_bytes import weight_bytes
 
 # Dense bf16 TFLOP/s by a substring of torch.cuda.get_device_name, first match wins.
@@ -79,7 +79,7 @@ def weights_read_per_step(model) -> int:
     """The loaded model's weight bytes a decode step reads: all of them, but only a
     row of the embedding table unless the LM head multiplies by that very table
     (tied; or packed, the embedding reading the head's panels)."""
-    from kvserve.engine.quantization import model_bytes
+    from kvserve.engine.weights.quantization import model_bytes
 
     table = model.embed_tokens.weight
     if table is None or model.lm_head.weight is table:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.server import cli
+from kvserve.server.entrypoints import cli
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -19,7 +19,7 @@ def run_python(code: str) -> subprocess.CompletedProcess:
 
 
 def test_serve_parsing_does_not_import_the_bench_client():
-    r = run_python("import sys; from kvserve.server.cli import build_parser; "
+    r = run_python("import sys; from kvserve.server.entrypoints.cli import build_parser; "
                    "build_parser().parse_args(['serve']); "
                    "assert 'kvserve.benchmarks.client' not in sys.modules, "
                    "'kvserve.benchmarks.client imported'")

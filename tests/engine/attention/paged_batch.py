@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kvserve.engine.attention import AttentionMetadata
-from kvserve.engine.attention.step_metadata import build_host_step, context_slots
+from kvserve.engine.kernels.attention import AttentionMetadata
+from kvserve.engine.kernels.attention.step_metadata import build_host_step, context_slots
 
 # Interpreted on the CPU (tests/conftest.py sets TRITON_INTERPRET=1 unless told
 # otherwise); with TRITON_INTERPRET=0 on a GPU host the same tests run on the GPU.
@@ -78,7 +78,7 @@ def _randn(g: torch.Generator, shape, dtype) -> torch.Tensor:
 def reference(batch: PagedBatch) -> torch.Tensor:
     """The torch backend's output in fp32 from the same (upcast) inputs, store
     included; the batch itself is left as it was."""
-    from kvserve.engine.attention.torch_backend import TorchBackend
+    from kvserve.engine.kernels.attention.torch_backend import TorchBackend
 
     b, backend = batch, TorchBackend()
     caches = (b.k_cache.float().clone(), b.v_cache.float().clone())

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.engine.attention.triton import decode_attention, plan_splits
-from kvserve.engine.attention.triton import decode
-from kvserve.engine.attention.triton.decode import MAX_SPLITS
+from kvserve.engine.kernels.attention.triton import decode_attention, plan_splits
+from kvserve.engine.kernels.attention.triton import decode
+from kvserve.engine.kernels.attention.triton.decode import MAX_SPLITS
 from tests.engine.attention.paged_batch import (DEVICE, make_batch, needs_kernel_device,
                                                reference)
 from tests.engine.attention.tolerances import assert_close

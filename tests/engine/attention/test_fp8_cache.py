@@ -10,9 +10,9 @@ import dataclasses
 import pytest
 import torch
 
-from kvserve.engine.attention import AttentionBackendError, make_backend
-from kvserve.engine.attention.fp8_cache import FP8, FP8_MAX, to_fp8
-from kvserve.engine.attention.torch_backend import TorchBackend
+from kvserve.engine.kernels.attention import AttentionBackendError, make_backend
+from kvserve.engine.kernels.fp8_cache import FP8, FP8_MAX, to_fp8
+from kvserve.engine.kernels.attention.torch_backend import TorchBackend
 from tests.engine.attention.paged_batch import (DEVICE, PagedBatch, make_batch,
                                                needs_kernel_device)
 from tests.engine.attention.test_triton_backend import PAD, with_padding
@@ -88,7 +88,7 @@ def test_fp8_cache_is_close_to_the_unrounded_attention():
 @needs_kernel_device
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_backend_matches_the_torch_backend_on_an_fp8_cache(dtype):
-    from kvserve.engine.attention.triton_backend import TritonBackend
+    from kvserve.engine.kernels.attention.triton_backend import TritonBackend
 
     b = make_batch(Q_LENS[:8], SEQ_LENS[:8], 8, 2, 64, 16, dtype, seed=5)
     fp8, _ = fp8_and_twin(b)
@@ -110,7 +110,7 @@ def test_flash_attn_refuses_an_fp8_cache():
 
 @needs_kernel_device
 def test_triton_store_rounds_like_torch_at_ties_carries_and_subnormals():
-    from kvserve.engine.attention.triton import store_kv_cache
+    from kvserve.engine.kernels.attention.triton import store_kv_cache
 
     # Every e4m3 value, the midpoints between neighbours (ties go to even), values
     # just beside them, and beyond the range (saturated).

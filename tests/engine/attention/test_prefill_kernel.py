@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.engine.attention.triton import prefill_attention
+from kvserve.engine.kernels.attention.triton import prefill_attention
 from tests.engine.attention.paged_batch import make_batch, needs_kernel_device, reference
 from tests.engine.attention.tolerances import assert_close
 

@@ -9,8 +9,8 @@ import types
 import pytest
 import torch
 
-from kvserve.engine.attention import selector
-from kvserve.engine.attention.selector import AttentionBackendError, make_backend
+from kvserve.engine.kernels.attention import selector
+from kvserve.engine.kernels.attention.selector import AttentionBackendError, make_backend
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -69,7 +69,7 @@ def test_flash_attn_chosen_when_it_can_run(monkeypatch):
 
 
 def test_cli_flag_reaches_the_engine_config(monkeypatch):
-    from kvserve.server.cli import build_parser, engine_config_from_args
+    from kvserve.server.entrypoints.cli import build_parser, engine_config_from_args
 
     monkeypatch.delenv("KVSERVE_ATTENTION_BACKEND", raising=False)
     assert build_parser().parse_args(["serve"]).attention_backend == "auto"

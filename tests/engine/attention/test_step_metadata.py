@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.engine.attention.step_metadata import build_host_step, pack_aligned, upload
+from kvserve.engine.kernels.attention.step_metadata import build_host_step, pack_aligned, upload
 
 
 def naive(starts, lens, tables, block_size):

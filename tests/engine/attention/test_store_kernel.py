@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.engine.attention.triton import store_kv_cache
+from kvserve.engine.kernels.attention.triton import store_kv_cache
 from tests.engine.attention.paged_batch import DEVICE, needs_kernel_device
 
 pytestmark = needs_kernel_device

@@ -5,9 +5,9 @@ unowned cache slots are poisoned (NaN), in float32 and bf16."""
 import pytest
 import torch
 
-from kvserve.engine.attention.torch_backend import TorchBackend
-from kvserve.engine.cpu_kernels.setup import NEEDED_FLAGS, load_once
-from kvserve.engine.loader import cpu_flags
+from kvserve.engine.kernels.attention.torch_backend import TorchBackend
+from kvserve.engine.weights.cpu_packing import NEEDED_FLAGS, load_once
+from kvserve.engine.platform.device import cpu_flags
 from tests.engine.attention.paged_batch import make_batch
 
 pytestmark = pytest.mark.skipif(not set(NEEDED_FLAGS) <= cpu_flags(),

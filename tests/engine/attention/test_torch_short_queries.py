@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.engine.attention import torch_backend
-from kvserve.engine.attention.torch_backend import TorchBackend
+from kvserve.engine.kernels.attention import torch_backend
+from kvserve.engine.kernels.attention.torch_backend import TorchBackend
 from tests.engine.attention.paged_batch import make_batch
 
 

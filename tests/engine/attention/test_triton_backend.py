@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from kvserve.engine.attention.torch_backend import TorchBackend
-from kvserve.engine.attention.triton_backend import TritonBackend
+from kvserve.engine.kernels.attention.torch_backend import TorchBackend
+from kvserve.engine.kernels.attention.triton_backend import TritonBackend
 from tests.engine.attention.paged_batch import PagedBatch, make_batch, needs_kernel_device
 from tests.engine.attention.tolerances import assert_close
 

@@ -11,9 +11,9 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from kvserve.engine.model_config import ModelConfig
+from kvserve.engine.config.model_config import ModelConfig
 from kvserve.engine.lora.adapter import LoRAAdapterError, load_adapter, projection_shapes
-from kvserve.engine.lora.batched import add_lora
+from kvserve.engine.kernels.lora.batched import add_lora
 
 CASES = {
     "r8-attention": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),

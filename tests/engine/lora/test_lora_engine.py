@@ -10,7 +10,7 @@ import pytest
 import torch
 from peft import PeftModel
 
-from kvserve.engine.lora.config import LoRAConfig
+from kvserve.engine.config.lora_config import LoRAConfig
 from kvserve.scheduler.sampling_params import SamplingParams
 from tests.engine.lora.test_adapter import make_adapter
 from tests.support.reference import load_reference, reference_greedy, varied_prompts
@@ -139,7 +139,7 @@ def test_preemption_and_fewer_slots_than_adapters(tiny_engine_factory, served):
 def test_padded_decode_graph_path_adds_each_rows_adapter(tiny_engine_factory, served):
     """Decode-only steps through the static buffers CUDA graphs are captured on (run
     uncaptured here): rows of four adapters and of the base model, padded rows."""
-    from kvserve.engine.cuda_graphs import DecodeGraphPlan
+    from kvserve.engine.runner.cuda_graphs import DecodeGraphPlan
 
     _, paths, refs = served
     engine = lora_engine(tiny_engine_factory, paths)
@@ -189,7 +189,7 @@ def test_unloading_waits_for_the_requests_using_it(tiny_engine_factory, served):
 def test_dense_gathered_and_kernel_paths_agree(served):
     """The CPU's masked matmuls, its per-token gather (compiled decode steps) and the
     BGMV Triton kernels (the interpreter here) on the same slots and tokens."""
-    from kvserve.engine.model_config import ModelConfig
+    from kvserve.engine.config.model_config import ModelConfig
     from kvserve.engine.lora.manager import LoRAManager
 
     base, paths, _ = served
@@ -220,7 +220,7 @@ def test_compiled_graphs_take_adapters_without_recompiling(tiny_engine_factory, 
     twins before the first step): the same tokens as PEFT's merged models, decode
     batches of one and of many, mixed steps; no graph compiled after the build, and
     a load (new weights in a slot) reaches the compiled steps."""
-    from kvserve.engine.compile_process import graphs_compiled
+    from kvserve.engine.runner.compile_process import graphs_compiled
 
     from tests.engine.test_compiled_forward import assert_same_tokens
 
@@ -247,8 +247,8 @@ def test_the_default_model_with_two_adapters_matches_peft_merged(default_model_d
                                                                  tmp_path):
     """SmolLM2-135M with two adapters (rank 8 on q/v, rank 16 everywhere) and the
     base model in one batch, chunked: token-identical to PEFT's merged models."""
-    from kvserve.engine.config import EngineConfig
-    from kvserve.engine.engine import Engine
+    from kvserve.engine.config.engine_config import EngineConfig
+    from kvserve.engine.core.engine import Engine
 
     specs = {"qv8": ADAPTERS["qv8"], "all16": ADAPTERS["all16"]}
     refs = {None: load_reference(default_model_dir)}

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.engine.lora.batched import add_lora
-from kvserve.engine.lora.triton_kernels import add_lora_triton
+from kvserve.engine.kernels.lora.batched import add_lora
+from kvserve.engine.kernels.lora.triton_kernels import add_lora_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.engine.model_config import ModelConfig
-from kvserve.engine.loader import load_model
-from kvserve.engine.parallel.shard import TPShard
+from kvserve.engine.config.model_config import ModelConfig
+from kvserve.engine.weights.loader import load_model
+from kvserve.engine.models.tp_shard import TPShard
 
 
 def _load(model_dir, shard: TPShard):

@@ -1,4 +1,4 @@
-"""The step channel's shared-memory segments (engine/parallel/step_channel.py) are
+"""The step channel's shared-memory segments (engine/ranks/step_channel.py) are
 rank 0's alone: in /dev/shm, which every local user may write to, each is created
 under a random name, exclusively (never a file or symlink planted at that name),
 mode 0600 whatever the umask, and unlinked once replaced or closed; another rank
@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from kvserve.engine.attention.step_metadata import build_host_step
-from kvserve.engine.parallel import step_channel
-from kvserve.engine.parallel.step_channel import StepChannel
+from kvserve.engine.kernels.attention.step_metadata import build_host_step
+from kvserve.engine.ranks import step_channel
+from kvserve.engine.ranks.step_channel import StepChannel
 
 CPU = torch.device("cpu")
 

@@ -11,9 +11,9 @@ import contextlib
 
 import pytest
 
-from kvserve.engine.config import EngineConfig
-from kvserve.engine.engine import Engine
-from kvserve.engine.parallel import step_channel
+from kvserve.engine.config.engine_config import EngineConfig
+from kvserve.engine.core.engine import Engine
+from kvserve.engine.ranks import step_channel
 from kvserve.scheduler.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
@@ -39,7 +39,7 @@ def engine(model_dir, tp: int, **overrides):
 
 
 def test_ranks_stay_on_the_cpu_beside_a_gpu(tiny_model_dir, monkeypatch):
-    from kvserve.engine.loader import resolve_device
+    from kvserve.engine.platform.device import resolve_device
 
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     assert resolve_device(EngineConfig(model="m").device).type == "cuda"  # (the fake)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.engine.config import EngineConfig, SpeculativeConfig
-from kvserve.engine.engine import Engine
+from kvserve.engine.config.engine_config import EngineConfig, SpeculativeConfig
+from kvserve.engine.core.engine import Engine
 from kvserve.scheduler.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from kvserve.engine.config import SpeculativeConfig
+from kvserve.engine.config.engine_config import SpeculativeConfig
 from kvserve.scheduler.sampling_params import SamplingParams
 from tests.support.tiny_models import make_tiny_model
 

@@ -1,0 +1,197 @@
+"""Builds an engine's parts from its config. What they all depend on is worked out
+once, in order (device and dtype, the model and its KV cache format, the cache's
+size and the context length it leaves), into a frozen EngineContext; each part is
+then made from that context with keyword arguments, none from a half-built engine
+and none changed after it is made."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.engine.kernels.attention import make_backend
+from kvserve.engine.runner.compile_process import use_cache_dir
+from kvserve.engine.config.engine_config import EngineConfig
+from kvserve.engine.config.model_config import ModelConfig
+from kvserve.engine.kernels.cpu.build import c_compiler
+from kvserve.engine.runner.cuda_graphs import DecodeGraphPlan
+from kvserve.engine.models.kv_caches import KVCacheFormat
+from kvserve.engine.core.kv_events import make_publisher
+from kvserve.engine.platform.device import resolve_device, resolve_dtype
+from kvserve.engine.lora.manager import LoRAManager
+from kvserve.engine.runner.memory_budget import log_kv_cache, num_kv_blocks
+from kvserve.engine.runner.model_runner import ModelRunner
+from kvserve.engine.weights.model_setup import load_served_model
+from kvserve.engine.models import tp_comm as comm
+from kvserve.engine.ranks.group import TensorParallelGroup, start_group
+from kvserve.engine.spec_decode.setup import make_drafter, make_speculator
+from kvserve.engine.spec_decode.speculator import Speculator
+from kvserve.engine.structured.compiler import GrammarCompiler
+from kvserve.engine.structured.gate import GrammarGate
+from kvserve.engine.structured.matchers import Matchers
+from kvserve.modelstore.default_model import cache_root
+from kvserve.modelstore.tokenizer import has_tokenizer, load_tokenizer
+from kvserve.scheduler.config import KVCacheConfig, SchedulerConfig
+from kvserve.scheduler.scheduler import Scheduler
+
+log = logging.getLogger("kvserve.engine")
+
+
+@dataclass(frozen=True)
+class EngineContext:
+    """The facts every part is built from, each decided once."""
+    config: EngineConfig
+    model_config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    tokenizer: object | None  # None: a preset or config-only directory (token ids only)
+    eos_token_ids: tuple[int, ...]
+    kv_format: KVCacheFormat
+    num_blocks: int
+    max_model_len: int  # capped by the model, --max-model-len and the cache's size
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    context: EngineContext
+    runner: ModelRunner
+    scheduler: Scheduler
+    tp: TensorParallelGroup | None  # the other tensor-parallel ranks; None at one rank
+    lora: LoRAManager | None  # None: LoRA off
+    grammars: GrammarGate | None  # None: no tokenizer to build grammars over
+    kv_events: object | None  # the KV cache events' publisher (--kv-events-config)
+    speculator: Speculator | None
+
+
+def build_engine(config: EngineConfig, tokenizer=None) -> EngineParts:
+    model_config = ModelConfig.from_pretrained(config.model)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    max_model_len = min(config.max_model_len or model_config.max_model_len,
+                        model_config.max_model_len)
+    tokenizer = _tokenizer(config, tokenizer)
+    torch.manual_seed(config.seed)
+    # Tensor parallelism: the other ranks start loading their parts beside ours.
+    tp = start_group(config, model_config, device, dtype, max_model_len)
+    model, kv_format = load_served_model(config, model_config, tokenizer, device, dtype,
+                                         max_model_len, comm.shard())
+    # Before the KV cache is sized: the adapter slots' memory is not the cache's.
+    lora = (LoRAManager(config.lora, model_config, device, dtype)
+            if config.lora is not None else None)
+    kv_view = comm.shard().kv_view(model_config)  # the KV heads this process's cache holds
+    num_blocks = num_kv_blocks(config, kv_view, model, device, dtype, kv_format)
+    if tp is not None:
+        tp.share_num_blocks(num_blocks)
+    ctx = EngineContext(
+        config=config, model_config=model_config, device=device, dtype=dtype,
+        tokenizer=tokenizer, eos_token_ids=_eos_ids(model_config, tokenizer),
+        kv_format=kv_format, num_blocks=num_blocks,
+        # A request longer than the whole cache could never run.
+        max_model_len=min(max_model_len, num_blocks * config.block_size))
+    matchers = Matchers(model_config.vocab_size) if tokenizer is not None else None
+    runner = _runner(ctx, model, lora, tp, matchers)
+    _start_compiling(ctx, runner, tp)
+    kv_events = make_publisher(config.kv_events_config)
+    if config.async_scheduling and device.type != "cuda":
+        log.warning("async scheduling on %s overlaps nothing (the forward pass runs "
+                    "on the host) and reports each step one step later", device.type)
+    log_kv_cache(num_blocks, config.block_size, kv_format, kv_view, ctx.max_model_len)
+    return EngineParts(context=ctx, runner=runner, tp=tp, lora=lora,
+                       grammars=_grammar_gate(ctx, matchers),
+                       scheduler=_scheduler(ctx, kv_events is not None),
+                       kv_events=kv_events, speculator=make_speculator(config))
+
+
+def _tokenizer(config: EngineConfig, given):
+    """A preset or a config-only directory has no tokenizer: the engine then takes and
+    returns token ids only, and stops on the config's eos ids."""
+    if given is None and has_tokenizer(config.model):
+        given = load_tokenizer(config.model)
+    if given is None:
+        log.info("%s has no tokenizer: token ids only", config.model)
+    return given
+
+
+def _eos_ids(model_config: ModelConfig, tokenizer) -> tuple[int, ...]:
+    ids = set(model_config.eos_token_ids)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))
+
+
+def _runner(ctx: EngineContext, model, lora, tp, matchers) -> ModelRunner:
+    config = ctx.config
+    backend = make_backend(config.attention_backend, ctx.device, config.block_size,
+                           ctx.dtype, ctx.kv_format.dtype)
+    t0 = time.perf_counter()
+    runner = ModelRunner(
+        model, num_blocks=ctx.num_blocks, block_size=config.block_size, device=ctx.device,
+        kv_format=ctx.kv_format, attn_backend=backend,
+        drafter=make_drafter(ctx, model, backend),
+        decode_graphs=_decode_graph_plan(ctx, backend, tp), lora=lora,
+        step_channel=tp.channel if tp is not None else None, matchers=matchers)
+    if runner.decode_graphs is not None:
+        log.info("captured CUDA graphs for decode batch sizes %s in %.1f s",
+                 runner.decode_graphs.buckets, time.perf_counter() - t0)
+    return runner
+
+
+def _decode_graph_plan(ctx: EngineContext, backend, tp) -> DecodeGraphPlan | None:
+    """CUDA graphs for decode-only steps, on CUDA unless --enforce-eager."""
+    if ctx.device.type != "cuda" or ctx.config.enforce_eager or tp is not None:
+        return None  # (tensor parallel steps stay eager until measured on GPUs)
+    if not backend.graph_safe:
+        log.info("CUDA graphs off: the %s attention backend cannot be captured",
+                 backend.name)
+        return None
+    return DecodeGraphPlan(ctx.config.max_num_seqs, ctx.max_model_len)
+
+
+def _start_compiling(ctx: EngineContext, runner: ModelRunner, tp) -> None:
+    """The Inductor-compiled forward pass, as `compile` and --enforce-eager say."""
+    config = ctx.config
+    mode = "off" if config.enforce_eager or tp is not None else config.compile
+    if mode == "auto":
+        mode = "off" if ctx.device.type == "cuda" else "background"
+    if mode == "off":
+        return
+    if ctx.device.type == "cpu" and runner.attn_backend.name != "torch":
+        # Triton's interpreter (a test vehicle on CPU) reads raw pointers that
+        # Inductor's graphs do not promise it, and it is slower than any graph.
+        log.info("forward pass not compiled: the %s attention backend runs in "
+                 "Triton's interpreter on CPU", runner.attn_backend.name)
+        return
+    if c_compiler() is None:
+        log.warning("no C++ compiler found (g++ or $CXX): the forward pass stays "
+                    "eager, several times slower on CPU; install one (apt-get "
+                    "install g++) or pass --enforce-eager to silence this")
+        return
+    use_cache_dir(str(cache_root()))
+    runner.compile_forward(background=mode == "background")
+
+
+def _grammar_gate(ctx: EngineContext, matchers: Matchers | None) -> GrammarGate | None:
+    """Structured outputs, where there is a tokenizer to build grammars over (the
+    runner's sampler masks with the same matchers)."""
+    if matchers is None:
+        return None
+    config = ctx.config
+    return GrammarGate(GrammarCompiler(
+        ctx.tokenizer, ctx.model_config.vocab_size, list(ctx.eos_token_ids),
+        config.structured_outputs_backend, config.grammar_compile_timeout,
+        config.grammar_cache_bytes), matchers)
+
+
+def _scheduler(ctx: EngineContext, kv_events: bool) -> Scheduler:
+    config = ctx.config
+    return Scheduler.with_kv_cache(
+        SchedulerConfig(max_num_seqs=config.max_num_seqs,
+                        max_num_batched_tokens=config.max_num_batched_tokens,
+                        max_model_len=ctx.max_model_len, policy=config.scheduling_policy,
+                        long_prefill_token_threshold=config.long_prefill_token_threshold,
+                        max_loras=config.lora.max_loras if config.lora is not None else 0),
+        KVCacheConfig(num_blocks=ctx.num_blocks, block_size=config.block_size,
+                      enable_prefix_caching=config.enable_prefix_caching,
+                      model_key=str(config.model), kv_events=kv_events))

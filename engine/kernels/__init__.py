@@ -1,0 +1,2 @@
+"""kvserve's own kernels: the CPU library (cpu/), the attention backends
+(attention/), LoRA's Triton kernels and their reference (lora/)."""

@@ -1,0 +1,208 @@
+"""Reference attention over a paged KV cache with torch ops only: runs anywhere and
+is the oracle for faster backends.
+
+The cache of one layer is a pair of tensors [num_blocks, block_size, kv_heads,
+head_dim]; flattened over the first two dims a token's K/V lives at its "slot"
+(block_id * block_size + offset). `prepare` turns the common metadata into gather
+indices and masks once per step; every layer then gathers its context with them."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.engine.kernels.attention.backend import AttentionBackend
+from kvserve.engine.kernels.attention.context import AttentionMetadata
+from kvserve.engine.kernels.attention.cpu_paged import (PagedDecode, kernel_reads, paged_decode,
+                                                        store_kv, widened)
+from kvserve.engine.kernels.fp8_cache import read_rows
+from kvserve.engine.kernels.attention.step_metadata import context_slots
+
+
+@dataclass
+class PrefillSpan:
+    """A request computing more than one token this step (a prompt or a chunk of it)."""
+
+    query_start: int  # first row of this request in the flat batch
+    query_len: int
+    context_slots: torch.Tensor  # [context_len] cache slots of the whole context, in order
+    mask: torch.Tensor | None  # [query_len, context_len] bool, None when plain causal
+    # In place (kvserve::paged_prefill reads the cache where it lies): the request's
+    # block table row [max_blocks] int32 and its context's length; else None.
+    block_table: torch.Tensor | None = None
+    context_len: int = 0
+
+
+@dataclass
+class TorchAttentionMetadata:
+    store_rows: torch.Tensor  # rows of the batch whose K/V are stored (slot != -1)
+    store_slots: torch.Tensor  # their slots
+    prefills: list[PrefillSpan]
+    # The decodes (rows 0..B-1) in one padded call: [B, max_context] slots padded
+    # with 0, and [B, 1, 1, max_context] True where a real key is.
+    decode_slots: torch.Tensor | None
+    decode_mask: torch.Tensor | None
+    # Short queries (speculative verifications, tiny prompts) in one padded call too:
+    # [S, Q] batch rows (a short request's padding repeats its last row), [S, L]
+    # context slots, [S, 1, Q, L] causal mask. None when there are none.
+    short: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # With paged decode, the decodes read the cache in place instead (decode_slots
+    # and decode_mask None); `paged.slots` are those of the decodes only.
+    paged: PagedDecode | None = None
+
+    def decode_only(self) -> PagedDecode | None:
+        """The step's attention inputs for a compiled decode graph, if every row
+        of the step is a paged decode."""
+        if self.paged is None or self.prefills or self.short is not None:
+            return None
+        return self.paged if len(self.paged.slots) == len(self.store_slots) else None
+
+
+# A request computing at most this many tokens joins the padded batched call instead
+# of an attention call of its own: one call per verification would cost more than
+# the whole step saves on CPU.
+SHORT_QUERY = 16
+
+
+class TorchBackend(AttentionBackend):
+    """in_place: K/V read where they lie in the cache instead of gathered out of it for
+    each context: decodes through cpu_paged.py (kvserve's kernel or Inductor's loops),
+    prompt chunks through kvserve::paged_prefill where the kernels are loaded and read
+    the cache's dtype (engine/kernels/cpu/paged_prefill.cpp, up to 2x faster than the
+    gather and SDPA); the rest stays the reference."""
+    name = "torch"
+    traces_paged_decode = True
+
+    def __init__(self, in_place: bool = False):
+        self.in_place = in_place
+
+    def in_place_reader(self) -> TorchBackend:
+        return self if self.in_place else TorchBackend(in_place=True)
+
+    def traced_decode(self, meta: TorchAttentionMetadata) -> PagedDecode | None:
+        return meta.decode_only()
+
+    def prepare(self, common: AttentionMetadata) -> TorchAttentionMetadata:
+        rows = torch.nonzero(common.slot_mapping >= 0).squeeze(1)
+        slots, mask, paged = None, None, None
+        nd = common.num_decodes
+        in_place = self.in_place
+        if nd and in_place:
+            paged = PagedDecode(widened(common.block_tables[:nd]), common.seq_lens[:nd],
+                                common.slot_mapping[:nd])
+        elif nd:
+            slots, mask = self._decodes(common)
+        lens = common.query_start_loc_cpu.diff().tolist()
+        short = [i for i in range(common.num_decodes, common.num_reqs)
+                 if lens[i] <= SHORT_QUERY]
+        long = [i for i in range(common.num_decodes, common.num_reqs) if lens[i] > SHORT_QUERY]
+        return TorchAttentionMetadata(rows, common.slot_mapping[rows],
+                                      self._prefills(common, long, in_place), slots, mask,
+                                      self._shorts(common, short) if short else None,
+                                      paged)
+
+    @staticmethod
+    def _decodes(c: AttentionMetadata):
+        nd = c.num_decodes
+        max_ctx = int(c.seq_lens_cpu[:nd].max())
+        key_pos = torch.arange(max_ctx, device=c.seq_lens.device).expand(nd, max_ctx)
+        seq_lens = c.seq_lens[:nd].unsqueeze(1).long()
+        # Padding repeats the last real key (masked out): it never reads a slot the
+        # request does not own.
+        slots = context_slots(c.block_tables[:nd], key_pos.minimum(seq_lens - 1), c.block_size)
+        return slots, (key_pos < seq_lens)[:, None, None, :]
+
+    @staticmethod
+    def _shorts(c: AttentionMetadata, idx: list[int]):
+        dev = c.seq_lens.device
+        index = torch.tensor(idx)
+        first = c.query_start_loc_cpu[index].long()
+        q_len = c.query_start_loc_cpu[index + 1].long() - first
+        ctx = c.seq_lens_cpu[index].long()
+        j = torch.arange(int(q_len.max())).expand(len(idx), -1).minimum(q_len[:, None] - 1)
+        rows = first[:, None] + j  # [S, Q]
+        q_pos = (ctx - q_len)[:, None] + j  # the position each row queries from
+        key_pos = torch.arange(int(ctx.max())).expand(len(idx), -1)
+        # Padding repeats the last real key (masked out), as for decodes.
+        slots = context_slots(c.block_tables[index.to(dev)],
+                              key_pos.minimum(ctx[:, None] - 1).to(dev), c.block_size)
+        mask = key_pos[:, None, :] <= q_pos[:, :, None]  # causal; < ctx follows
+        return rows.to(dev), slots, mask[:, None].to(dev)
+
+    @staticmethod
+    def _prefills(c: AttentionMetadata, idx: list[int], in_place: bool) -> list[PrefillSpan]:
+        spans = []
+        starts, seq_lens = c.query_start_loc_cpu.tolist(), c.seq_lens_cpu.tolist()
+        dev = c.seq_lens.device
+        for i in idx:
+            q_len, ctx_len = starts[i + 1] - starts[i], seq_lens[i]
+            key_pos = torch.arange(ctx_len, device=dev)
+            slots = context_slots(c.block_tables[i], key_pos, c.block_size)
+            mask = None
+            if ctx_len > q_len:  # a cached prefix: causal with an offset
+                q_pos = torch.arange(ctx_len - q_len, ctx_len, device=dev).unsqueeze(1)
+                mask = key_pos.unsqueeze(0) <= q_pos
+            spans.append(PrefillSpan(starts[i], q_len, slots, mask,
+                                     c.block_tables[i] if in_place else None, ctx_len))
+        return spans
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: TorchAttentionMetadata, scale,
+                k_scale=None, v_scale=None):
+        store_kv(k[meta.store_rows], v[meta.store_rows], k_cache, v_cache, meta.store_slots,
+                 k_scale, v_scale)
+        kv_heads, head_dim = k_cache.shape[-2:]
+        k_flat = k_cache.view(-1, kv_heads, head_dim)
+        v_flat = v_cache.view(-1, kv_heads, head_dim)
+
+        def context(slots):  # the K and V at these slots, in q's dtype
+            return (read_rows(k_flat[slots], k_scale, q.dtype),
+                    read_rows(v_flat[slots], v_scale, q.dtype))
+
+        out = torch.empty_like(q)
+        for span in meta.prefills:
+            rows = slice(span.query_start, span.query_start + span.query_len)
+            if span.block_table is not None and kernel_reads(q, k_cache, k_scale):
+                out[rows] = torch.ops.kvserve.paged_prefill(
+                    q[rows], k_cache, v_cache, span.block_table, span.context_len, scale)
+            else:
+                out[rows] = _prefill(q[rows], *context(span.context_slots), span.mask, scale)
+        if meta.paged is not None:
+            nd = meta.paged.block_tables.shape[0]
+            out[:nd] = paged_decode(q[:nd], k_cache, v_cache, meta.paged.block_tables,
+                                    meta.paged.seq_lens, scale, k_scale, v_scale)
+        if meta.decode_slots is not None:
+            nd = meta.decode_slots.shape[0]
+            out[:nd] = _decode(q[:nd], *context(meta.decode_slots), meta.decode_mask, scale)
+        if meta.short is not None:
+            rows, slots, mask = meta.short
+            # A padded row repeats its request's last row and mask, so writing every
+            # row back writes identical values twice, never a wrong one.
+            o = _short(q[rows], *context(slots), mask, scale)
+            out[rows.reshape(-1)] = o.reshape(-1, *o.shape[2:])
+        return out
+
+
+def _prefill(q, k, v, mask, scale):
+    # [L, H, D] -> [1, H, L, D]; GQA is handled by SDPA's enable_gqa.
+    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    o = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1])
+    return o.squeeze(0).transpose(0, 1)
+
+
+def _short(q, k, v, mask, scale):
+    # q: [S, Q, H, D] -> [S, H, Q, D]; k, v: [S, L, Hkv, D] -> [S, Hkv, L, D]
+    o = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+        scale=scale, enable_gqa=q.shape[2] != k.shape[2])
+    return o.transpose(1, 2)  # [S, Q, H, D]
+
+
+def _decode(q, k, v, mask, scale):
+    # q: [B, H, D] -> [B, H, 1, D]; k, v: [B, L, Hkv, D] -> [B, Hkv, L, D]
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+        scale=scale, enable_gqa=q.shape[1] != k.shape[2])
+    return o.squeeze(2)

@@ -1,1 +1,0 @@
-"""KV cache events: the prefix cache's changes published for prefix-aware routers."""

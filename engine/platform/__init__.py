@@ -1,0 +1,1 @@
+"""What every layer of the engine stands on (engine/__init__.py)."""

@@ -1,0 +1,136 @@
+"""Tensor parallelism from rank 0's side: rank 0 is the engine's own process (its
+scheduler, sampler and runner); it starts one worker process per other rank
+(engine/ranks/worker.py), joins them in one torch.distributed group (NCCL on
+CUDA, gloo on CPU), and watches them: a rank that dies takes the engine down,
+as a dead engine loop does (health 503, the server exits non-zero).
+
+Workers are plain subprocesses, not multiprocessing children: the engine process
+is itself a daemonic multiprocessing child, which may not have any."""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from kvserve.engine.config.engine_config import EngineConfig
+from kvserve.engine.config.model_config import ModelConfig
+from kvserve.engine.models import tp_comm as comm
+from kvserve.engine.models.tp_shard import TPShard
+from kvserve.engine.ranks.step_channel import StepChannel
+from kvserve.engine.ranks.worker import WorkerSpec
+from kvserve.modelstore.errors import ModelLoadError
+
+log = logging.getLogger("kvserve.tensor_parallel")
+
+
+def check_options(config: EngineConfig, device: torch.device) -> None:
+    """Raises ModelLoadError for what does not run under tensor parallelism yet."""
+    refuse = {
+        "LoRA adapters": config.lora is not None,
+        "weight quantization": config.quantization not in ("auto", "none"),
+        "an fp8 KV cache": config.kv_cache_dtype != "auto",
+        "model-drafted speculation (ngram works)": (config.speculative is not None
+                                                    and config.speculative.method != "ngram"),
+        # The memory profile's step would need every rank: say the cache's size.
+        "a KV cache sized by profiling (give --num-kv-blocks or --kv-cache-memory)": (
+            device.type == "cuda" and not config.num_kv_blocks
+            and config.kv_cache_memory is None),
+    }
+    refused = [what for what, on in refuse.items() if on]
+    if refused:
+        raise ModelLoadError(f"--tensor-parallel-size {config.tensor_parallel_size} does "
+                             f"not work with {', '.join(refused)} yet")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _exit_now(why: str) -> None:
+    log.critical("%s: the engine stops", why)
+    os._exit(1)
+
+
+class TensorParallelGroup:
+    """Started before rank 0 loads its weights, so every rank loads at once."""
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, device: torch.device,
+                 dtype: torch.dtype, max_model_len: int):
+        size = config.tensor_parallel_size
+        TPShard(0, size).check(model_config)
+        check_options(config, device)
+        port = _free_port()
+        name = f"kvserve-tp-{os.getpid()}-{port}"
+        self._workers: list[subprocess.Popen] = []
+        self._stopping = False
+        self._on_death: Callable[[str], None] = _exit_now  # until someone watches
+        for rank in range(1, size):
+            spec = WorkerSpec(config, rank, size, port, name,
+                              f"cuda:{rank}" if device.type == "cuda" else "cpu", dtype,
+                              max_model_len, os.getpid())
+            with tempfile.NamedTemporaryFile("wb", suffix=".tp-spec", delete=False) as f:
+                pickle.dump(spec, f)
+            self._workers.append(subprocess.Popen(
+                [sys.executable, "-m", "kvserve.engine.ranks.worker", f.name]))
+        threading.Thread(target=self._watch, name="kvserve-tp-watch", daemon=True).start()
+        comm.init(TPShard(0, size), port, device)
+        self.cpu_group = dist.new_group(backend="gloo") if device.type == "cuda" else None
+        self.channel = StepChannel(name, 0, device, config.block_size, self.cpu_group)
+        log.info("tensor parallel: %d ranks on %s (%s)", size, device.type,
+                 "nccl" if device.type == "cuda" else "gloo")
+
+    def share_num_blocks(self, num_blocks: int) -> None:
+        """Every rank allocates the KV cache rank 0 sized (its own heads of it)."""
+        dist.broadcast(torch.tensor([num_blocks], dtype=torch.int64), src=0,
+                       group=self.cpu_group)
+
+    def on_death(self, callback: Callable[[str], None]) -> None:
+        """callback(why) runs on the watcher's thread when a worker rank dies."""
+        self._on_death = callback
+
+    def _watch(self) -> None:
+        while not self._stopping:
+            for rank, proc in enumerate(self._workers, start=1):
+                code = proc.poll()
+                if code is not None and not self._stopping:
+                    self._on_death(f"tensor-parallel rank {rank} died (exit code {code})")
+                    return
+            time.sleep(0.2)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stops the workers (killed if they do not stop in `timeout`) and leaves
+        the group."""
+        self._stopping = True
+        try:
+            self.channel.stop()
+        except RuntimeError:  # a rank is gone: the broadcast cannot complete
+            pass
+        deadline = time.monotonic() + timeout
+        for proc in self._workers:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.channel.close()
+        comm.destroy()
+
+
+def start_group(config: EngineConfig, model_config: ModelConfig, device: torch.device,
+                dtype: torch.dtype, max_model_len: int) -> TensorParallelGroup | None:
+    """The group of --tensor-parallel-size ranks; None at one rank."""
+    if config.tensor_parallel_size == 1:
+        return None
+    return TensorParallelGroup(config, model_config, device, dtype, max_model_len)

@@ -1,0 +1,82 @@
+"""Quantized weights: which layers are quantized, and how (--quantization).
+
+Online quantization (as vLLM's --quantization fp8) rounds a float checkpoint's
+decoder projections at load: int8 (int8.py, one scale per output channel), int4
+(int4.py, a scale and a minimum per group of 32 inputs) or, on Ada/Hopper GPUs, fp8
+(fp8.py: e4m3 weights and per-token e4m3 activations); the layer kinds live in
+engine/models/quantized/. A GGUF checkpoint's own
+quantized blocks are repacked into the same layers instead (engine/weights/gguf_loader.py).
+The embeddings and the LM head stay in the model dtype here; where kvserve's CPU
+kernels pack the model, a quantized model's head (and tied table) is rounded to
+GGUF's Q8_0 as it is packed (engine/weights/cpu_packing.py: pack_model's int8_head),
+measured to cost no perplexity."""
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable
+
+import torch
+from torch import nn
+
+from kvserve.engine.weights.quantization.awq import decoder_linears, search_scales
+from kvserve.engine.models.quantized.fp8 import Fp8Linear, check_fp8_device, check_fp8_shapes
+from kvserve.engine.models.quantized.int4 import PACK_ROWS, Int4Linear, fake_quantize_int4
+from kvserve.engine.models.quantized.int8 import Int8Linear, fake_quantize_int8
+from kvserve.modelstore.errors import ModelLoadError
+
+# auto: the checkpoint's own (a GGUF's quantized blocks stay quantized, float
+# weights stay float); none: every weight in --dtype; -awq: activation-aware scales.
+MODES = ("auto", "none", "int8", "int4", "int8-awq", "int4-awq", "fp8")
+
+
+def quantize_model(model: nn.Module, mode: str, group_size: int = 32,
+                   calibration: Callable[[], dict[str, torch.Tensor]] | None = None) -> None:
+    """In place: every linear layer of the decoder layers becomes `mode`'s (int4:
+    `group_size` inputs share a scale and a minimum). An -awq mode calls
+    `calibration` for each projection's inputs on the calibration text first."""
+    if mode in ("auto", "none"):
+        return
+    if mode == "fp8":
+        return quantize_fp8_model(model)
+    kind, _, method = mode.partition("-")
+    if kind == "int4":
+        check_int4_shapes(model, group_size)
+    inputs = calibration() if method == "awq" else {}
+    fake = fake_quantize_int8 if kind == "int8" else partial(fake_quantize_int4,
+                                                              group_size=group_size)
+    for name, parent, attr, linear in decoder_linears(model):
+        scales = None
+        if name in inputs:
+            scales = search_scales(linear.weight, inputs[name], fake, linear.weight.dtype)
+        setattr(parent, attr, Int8Linear.of(linear, scales) if kind == "int8"
+                else Int4Linear.of(linear, group_size, scales))
+
+
+def quantize_fp8_model(model: nn.Module) -> None:
+    """fp8.py's layers for every decoder projection, where the device has fp8 GEMMs."""
+    check_fp8_device(next(model.parameters()).device)
+    linears = list(decoder_linears(model))
+    check_fp8_shapes((name, linear) for name, _, _, linear in linears)
+    for _, parent, attr, linear in linears:
+        setattr(parent, attr, Fp8Linear.of(linear))
+
+
+def check_int4_shapes(model: nn.Module, group_size: int) -> None:
+    """Whole groups in every projection's inputs, and rows in the CPU kernel's
+    blocks of 64, or a start-up error naming what would work."""
+    for name, _, _, linear in decoder_linears(model):
+        rows, cols = linear.weight.shape
+        if cols % group_size:
+            works = [g for g in (32, 64, 128) if cols % g == 0]
+            raise ModelLoadError(f"--quantization-group-size {group_size} does not divide "
+                                 f"{name}'s {cols} inputs; this model takes "
+                                 f"{' or '.join(map(str, works)) or 'none of 32, 64, 128'}")
+        if rows % PACK_ROWS:
+            raise ModelLoadError(f"int4 keeps rows in blocks of {PACK_ROWS}; {name} has "
+                                 f"{rows}: use --quantization int8")
+
+
+def model_bytes(model: nn.Module) -> int:
+    """What the model's weights hold in memory (a tied weight counted once)."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())

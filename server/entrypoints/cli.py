@@ -1,0 +1,145 @@
+"""`kvserve` command line. Every flag's default can be set by an environment variable
+KVSERVE_<FLAG> (upper case, dashes as underscores), e.g. KVSERVE_PORT=9000."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from kvserve.engine.config.arg_types import split_keys  # light: imports no torch
+from kvserve.engine.config.engine_config import EngineConfig
+from kvserve.engine.config.settings import add_flags, from_args
+from kvserve.server.config import ServerConfig
+
+log = logging.getLogger("kvserve")
+
+
+CLIENT_TOOLS = {"bench": "benchmarks: bench serve|plot load-test an OpenAI-compatible "
+                         "server; bench offline|decode|spec|profile run the engine in process",
+                "estimate": "roofline: memory, KV capacity, speed and cost on a GPU"}
+# `kvserve bench TOOL` for these goes to bench/in_process (the engine in this process);
+# every other bench tool to bench/client, which is a client of the HTTP API only.
+ENGINE_BENCH_TOOLS = ("offline", "decode", "spec", "profile")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible server")
+    add_flags(serve, EngineConfig)
+    add_flags(serve, ServerConfig)
+    # Tools parsed by bench/client or bench/in_process: with "\0" as the only prefix
+    # character every flag passes through unparsed, and neither package is imported
+    # unless one of its tools runs.
+    for name, what in CLIENT_TOOLS.items():
+        tool = sub.add_parser(name, help=what, add_help=False, prefix_chars="\0")
+        tool.add_argument("argv", nargs="*")
+    return parser
+
+
+def engine_config_from_args(args, model_path: str) -> EngineConfig:
+    return from_args(EngineConfig, args, model=model_path)
+
+
+def server_config_from_args(args) -> ServerConfig:
+    return from_args(ServerConfig, args)
+
+
+def resolve_model(args) -> tuple[str, list[str]]:
+    """(model directory, served names)."""
+    if args.model is None:
+        from kvserve.modelstore.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+
+        path, names = str(ensure_default_model()), [DEFAULT_MODEL_NAME]
+    else:
+        path, names = args.model, [args.model]
+        _check_model_arg(path, args.load_format)
+    if args.served_model_name:
+        names = split_keys([args.served_model_name])
+    return path, names
+
+
+def _check_model_arg(model: str, load_format: str) -> None:
+    from kvserve.modelstore.presets import is_preset, resolve_model_path
+
+    if not is_preset(model):
+        if model.endswith(".gguf") and os.path.isfile(model):
+            return
+        if not os.path.isdir(model):
+            raise SystemExit(f"kvserve: model directory not found: {model} (kvserve loads "
+                             "local Hugging Face model directories or .gguf files; it "
+                             "downloads nothing)")
+        return
+    try:
+        resolve_model_path(model)
+    except ValueError as exc:
+        raise SystemExit(f"kvserve: {exc}") from None
+    if load_format != "random":
+        raise SystemExit(f"kvserve: {model} is a model shape without weights; "
+                         "add --load-format random")
+
+
+def serve(args) -> None:
+    import uvicorn
+
+    from kvserve.engine.kernels.attention import AttentionBackendError
+    from kvserve.engine.config.model_config import ModelConfigError
+    from kvserve.engine.platform.heap import freeze_startup_heap
+    from kvserve.engine.client.launch import start_engine
+    from kvserve.engine.weights.loader import ModelLoadError
+    from kvserve.engine.client.process_engine import EngineStartError
+    from kvserve.server.entrypoints.app import build_app
+    from kvserve.server.shutdown import GracefulServer
+
+    try:
+        config = server_config_from_args(args)
+    except ValueError as exc:  # settings that contradict each other
+        raise SystemExit(f"kvserve: {exc}") from None
+    path, names = resolve_model(args)
+    try:
+        engine = start_engine(engine_config_from_args(args, path), config.engine_mode)
+    except (ModelLoadError, ModelConfigError, AttentionBackendError, EngineStartError,
+            ValueError) as exc:  # ValueError: settings that contradict each other
+        raise SystemExit(f"kvserve: {exc}") from None
+    app = build_app(engine, names, model_root=path, config=config)
+    guarded = ("/v1, /tokenize, /detokenize" + (", /health, /version and /metrics"
+                                                if config.protect_metrics else ""))
+    keys = len(config.api_keys) + len(config.admin_api_keys)
+    log.info("serving %s on http://%s:%d%s", ", ".join(names), config.host, config.port,
+             f" ({keys} API key(s) required on {guarded})" if keys else "")
+    # The drain has already waited for responses in flight; uvicorn's own wait after
+    # it only has to outlast stragglers, so it is short.
+    uvicorn_config = uvicorn.Config(app, host=config.host, port=config.port,
+                                    log_level=config.log_level, timeout_graceful_shutdown=5,
+                                    timeout_keep_alive=config.timeout_keep_alive,
+                                    limit_concurrency=config.max_connections or None)
+    server = GracefulServer(uvicorn_config, app.state.admission, config.shutdown_timeout)
+    freeze_startup_heap()  # the libraries, tokenizer (and in-process model): never garbage
+    server.run()
+    if server.engine_died:
+        # Non-zero, so a supervisor (systemd, Kubernetes) restarts the server.
+        raise SystemExit(f"kvserve: the engine died ({engine.error!r}); exiting")
+
+
+def main(argv: list[str] | None = None) -> int | None:
+    args = build_parser().parse_args(argv)
+    if args.command == "bench" and args.argv[:1] and args.argv[0] in ENGINE_BENCH_TOOLS:
+        from kvserve.benchmarks.in_process.cli import main as engine_bench_main
+
+        return engine_bench_main(args.argv)
+    if args.command in CLIENT_TOOLS:
+        from kvserve.benchmarks.client.cli import main as client_main
+
+        return client_main([args.command, *args.argv])
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        serve(args)
+        from kvserve.engine.runner.compile_process import exit_if_compiling
+
+        exit_if_compiling(0)
+
+
+if __name__ == "__main__":
+    main()
