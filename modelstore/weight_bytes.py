@@ -5,7 +5,7 @@ the engine's memory check and for `kvserve estimate` (which runs without torch).
 the bench client's ModelShape): hidden_size, intermediate_size, num_layers,
 num_heads, num_kv_heads, head_dim, vocab_size, tie_word_embeddings. Quantization
 covers the decoder layers' projections; embeddings, the LM head and the norms stay
-in the model dtype (engine/quantization/)."""
+in the model dtype (engine/weights/quantization/)."""
 from __future__ import annotations
 
 QUANTIZATIONS = ("none", "int8", "int4", "fp8")

@@ -12,7 +12,7 @@ GREEDY_EPSILON = 1e-5
 MAX_LOGPROBS = 20
 # OpenAI clamps logit_bias values to this range.
 MAX_LOGIT_BIAS = 100.0
-# How an embedding request's final hidden states become one vector (engine/pooling.py).
+# How an embedding request's final hidden states become one vector (engine/runner/pooling.py).
 POOLING_METHODS = ("last", "mean")
 
 
