@@ -662,7 +662,7 @@ def test_n_with_two_prompts(srv):
 def test_client_disconnect_mid_stream_aborts_the_request(srv):
     assert wait_idle(srv.engine)
     max_tokens = 2000
-    generated_before = srv.engine.stats.generated_tokens
+    generated_before = srv.engine.stats().generated_tokens
     body = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=max_tokens, temperature=0,
                 ignore_eos=True, stream=True)
     with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
@@ -677,7 +677,7 @@ def test_client_disconnect_mid_stream_aborts_the_request(srv):
     assert wait_idle(srv.engine, timeout=5.0), "the aborted request is still running"
     assert srv.engine.scheduler.kv.num_free_blocks == srv.engine.scheduler.kv.num_blocks
     assert not srv.engine.has_unfinished_requests()
-    assert srv.engine.stats.generated_tokens - generated_before < max_tokens
+    assert srv.engine.stats().generated_tokens - generated_before < max_tokens
     # and the server still serves, streaming or not
     assert srv.ok(prompt="x", max_tokens=3, ignore_eos=True)["usage"]["completion_tokens"] == 3
     _, raw = srv.stream_raw(prompt="x", max_tokens=3, ignore_eos=True)
@@ -687,13 +687,13 @@ def test_client_disconnect_mid_stream_aborts_the_request(srv):
 def test_client_timeout_on_non_streaming_request_aborts_it(srv):
     assert wait_idle(srv.engine)
     max_tokens = 2000
-    generated_before = srv.engine.stats.generated_tokens
+    generated_before = srv.engine.stats().generated_tokens
     with httpx.Client(base_url=srv.url, timeout=0.3) as c:
         with pytest.raises(httpx.TimeoutException):
             c.post("/v1/completions", json=dict(model=MODEL, prompt=PROMPTS[0],
                                                 max_tokens=max_tokens, ignore_eos=True))
     assert wait_idle(srv.engine, timeout=5.0), "the abandoned request is still running"
-    assert srv.engine.stats.generated_tokens - generated_before < max_tokens
+    assert srv.engine.stats().generated_tokens - generated_before < max_tokens
     assert srv.ok(prompt="x", max_tokens=2)["choices"]
 
 
