@@ -68,21 +68,23 @@ COLUMNS = [("out tok/s", "output_throughput", "{:.1f}"),
 # ------------------------------------------------------------------ pure helpers
 
 
-KINDS = ("kvserve", "llama", "transformers", "transformers-nocb")
+KINDS = ("kvserve", "kvserve-src", "llama", "transformers", "transformers-nocb")
 
 
 def parse_peer(spec: str) -> tuple[str, str, str, list[str] | None]:
     """`[LABEL=]KIND[:ARG][@W1,W2]` -> (label, kind, arg, workloads or None for all).
-    Kinds: kvserve (ARG: extra `kvserve serve` flags, space-separated), llama (ARG: a
-    GGUF file), transformers / transformers-nocb (ARG: a model directory, default the
-    kvserve cache's; continuous batching on / off)."""
+    Kinds: kvserve (ARG: extra `kvserve serve` flags, space-separated), kvserve-src
+    (ARG: another source tree of kvserve, e.g. an older commit's `git archive`, served
+    with its defaults: two commits side by side), llama (ARG: a GGUF file),
+    transformers / transformers-nocb (ARG: a model directory, default the kvserve
+    cache's; continuous batching on / off)."""
     spec, _, only = spec.partition("@")
     label, _, rest = spec.rpartition("=")
     kind, _, arg = rest.partition(":")
     if kind not in KINDS:
         raise ValueError(f"unknown peer kind {kind!r} in {spec!r}")
-    if kind == "llama" and not arg:
-        raise ValueError(f"llama needs a GGUF file: llama:PATH ({spec!r})")
+    if kind in ("llama", "kvserve-src") and not arg:
+        raise ValueError(f"{kind} needs a path: {kind}:PATH ({spec!r})")
     return (label or kind), kind, arg, (only.split(",") if only else None)
 
 
@@ -162,11 +164,16 @@ class Peer:
     extra: list[str] = field(default_factory=list)
 
     def env(self) -> dict:
-        return {**os.environ, "TRANSFORMERS_CB": "0" if self.kind == "transformers-nocb" else "1"}
+        env = {**os.environ, "TRANSFORMERS_CB": "0" if self.kind == "transformers-nocb" else "1"}
+        if self.kind == "kvserve-src":
+            env["KVSERVE_SRC"] = self.arg
+        return env
 
     def command(self, args) -> list[str]:
         if self.kind == "kvserve":
             return [str(PEERS_DIR / "kvserve.sh"), str(self.port), *self.arg.split(), *self.extra]
+        if self.kind == "kvserve-src":
+            return [str(PEERS_DIR / "kvserve.sh"), str(self.port), *self.extra]
         if self.kind == "llama":
             return [str(PEERS_DIR / "llama_server.sh"), str(self.port), self.arg, *self.extra]
         return [str(PEERS_DIR / "transformers.sh"), str(self.port), self.model_dir(args), *self.extra]

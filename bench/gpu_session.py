@@ -61,7 +61,7 @@ POLL_S = 1.0
 FILES = ("summary.txt", "results.json", "tests.log", "stages.log")
 
 # The CUDA paths' test files (issue 49): kernels first, so a cut stage still ran them.
-CUDA_TESTS = ["tests/engine/kernels/attention", "tests/engine/test_decode_graphs.py",
+CUDA_TESTS = ["tests/engine/attention", "tests/engine/test_decode_graphs.py",
               "tests/engine/test_kv_fp8.py", "tests/engine/lora/test_triton_lora.py",
               "tests/engine/test_parity.py"]
 # The dry run's quick subset of them (the rest is collected, not run, there).

@@ -230,7 +230,7 @@ def rss_mib() -> float:
 @dataclass
 class Target:
     url: str
-    engine: object  # engine.engine.Engine
+    engine: object  # kvserve.engine.core.engine.Engine
     app: object
 
 

@@ -17,5 +17,11 @@ model_args=()
 # the forward pass is compiled before the server answers (--compile wait) instead of
 # in the background while it serves eagerly: the same compiled path, but none of the
 # timed requests runs before it is ready.
-exec "$py" -c 'import sys; from kvserve.server.entrypoints.cli import main; sys.argv[0] = "kvserve"; sys.exit(main())' \
+src=${KVSERVE_SRC:-$root}
+# Where the CLI lives in that tree: trees from before kvserve was one installed
+# package (issue 51) name it by its old top-level name.
+if [[ -f $src/server/entrypoints/cli.py ]]; then entry=kvserve.server.entrypoints.cli
+elif [[ -d $src/kvserve ]]; then entry=kvserve.server.cli
+else entry=server.cli; fi
+exec "$py" -c "import sys; from $entry import main; sys.argv[0] = 'kvserve'; sys.exit(main())" \
   serve "${model_args[@]}" --host 127.0.0.1 --port "$port" --compile wait "$@"

@@ -30,6 +30,20 @@ def test_parse_peer():
         cc.parse_peer("vllm")
     with pytest.raises(ValueError):
         cc.parse_peer("llama")
+    assert cc.parse_peer("before=kvserve-src:/tmp/old@a,b") == ("before", "kvserve-src",
+                                                              "/tmp/old", ["a", "b"])
+    with pytest.raises(ValueError):
+        cc.parse_peer("kvserve-src")
+
+
+def test_a_source_tree_peer_serves_that_tree():
+    """kvserve-src:DIR runs bench/peers/kvserve.sh with KVSERVE_SRC=DIR: two commits
+    side by side in one run (the launcher finds the CLI in old layouts too)."""
+    peer = cc.Peer("before", "kvserve-src", "/tmp/old", None, 8190)
+    assert peer.env()["KVSERVE_SRC"] == "/tmp/old"
+    assert peer.command(None) == [str(cc.PEERS_DIR / "kvserve.sh"), "8190"]
+    script = (cc.PEERS_DIR / "kvserve.sh").read_text()
+    assert "entry=server.cli" in script and "entry=kvserve.server.entrypoints.cli" in script
 
 
 def test_aggregate_median_spread_and_failed_sum():

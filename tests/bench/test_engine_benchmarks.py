@@ -180,8 +180,9 @@ def test_bench_tools_are_routed(monkeypatch):
 
 
 def test_serve_imports_no_benchmark_package():
-    code = ("import sys, server.cli; server.cli.build_parser().parse_args(['serve']); "
-            "print(sorted(m for m in sys.modules if m.startswith(('bench', 'torch'))))")
+    code = ("import sys; from kvserve.server.entrypoints import cli; "
+            "cli.build_parser().parse_args(['serve']); print(sorted(m for m in sys.modules "
+            "if m.startswith(('bench', 'kvserve.benchmarks', 'torch'))))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                          text=True, timeout=60, check=True).stdout
     assert out.strip() == "[]"

@@ -642,7 +642,7 @@ def test_an_unknown_mode_is_refused():
 def test_avx512_loads_the_kernels_for_attention_and_packs_nothing(monkeypatch, caplog):
     """Where oneDNN keeps the GEMMs (AVX-512, bf16), auto still loads the kernels, for
     the attention; --cpu-kernels torch loads nothing."""
-    from kvserve.engine.kernels.cpu import setup
+    from kvserve.engine.weights import cpu_packing as setup
 
     loads = []
     monkeypatch.setattr(setup, "load_once", lambda: loads.append(1))
@@ -656,7 +656,7 @@ def test_avx512_loads_the_kernels_for_attention_and_packs_nothing(monkeypatch, c
 
 
 def test_a_failed_build_leaves_torch_under_auto_and_stops_kvserve(monkeypatch, caplog):
-    from kvserve.engine.kernels.cpu import setup
+    from kvserve.engine.weights import cpu_packing as setup
 
     def fail():
         raise build.BuildError("no C++ compiler found (g++ or $CXX)")
