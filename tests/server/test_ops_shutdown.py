@@ -1,6 +1,6 @@
-"""Graceful shutdown of a real `python -m kvserve.server.entrypoints.cli serve` process: on SIGTERM (or
-SIGINT) it answers new requests 503 while the ones in flight finish, then exits 0;
-past --shutdown-timeout it aborts what still runs."""
+"""Graceful shutdown of a real `python -m kvserve.server.entrypoints.cli serve`
+process: on SIGTERM (or SIGINT) it answers new requests 503 while the ones in flight
+finish, then exits 0; past --shutdown-timeout it aborts what still runs."""
 from __future__ import annotations
 
 import asyncio
