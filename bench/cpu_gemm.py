@@ -35,8 +35,8 @@ from kvserve.benchmarks.in_process.utilisation import copy_bandwidth  # noqa: E4
 from kvserve.benchmarks.provenance import provenance, simd_flags  # noqa: E402
 from kvserve.engine.kernels.cpu.packing import (pack_weight, packed_linear,  # noqa: E402
                                                 reference_product)
-from kvserve.engine.weights.cpu_packing import load_once  # noqa: E402
 from kvserve.engine.platform.device import cpu_flags  # noqa: E402
+from kvserve.engine.weights.cpu_packing import load_once  # noqa: E402
 
 # SmolLM2-135M: hidden, intermediate, q width, kv width, vocabulary, layers
 DEFAULT_SHAPE = (576, 1536, 576, 192, 49152, 30)

@@ -22,8 +22,8 @@ import torch
 
 from kvserve.benchmarks.provenance import simd_flags
 from kvserve.engine.kernels.attention.cpu_paged import paged_decode_reference
-from kvserve.engine.weights.cpu_packing import load_once
 from kvserve.engine.platform.device import cpu_flags
+from kvserve.engine.weights.cpu_packing import load_once
 
 LAYERS, BLOCK, KV_HEADS, Q_HEADS, DIM = 30, 16, 3, 9, 64
 

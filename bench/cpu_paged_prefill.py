@@ -18,8 +18,8 @@ import torch
 from kvserve.benchmarks.provenance import simd_flags
 from kvserve.engine.kernels.attention.step_metadata import context_slots
 from kvserve.engine.kernels.attention.torch_backend import _prefill
-from kvserve.engine.weights.cpu_packing import load_once
 from kvserve.engine.platform.device import cpu_flags
+from kvserve.engine.weights.cpu_packing import load_once
 
 LAYERS, BLOCK, KV_HEADS, Q_HEADS, DIM = 30, 16, 3, 9, 64
 

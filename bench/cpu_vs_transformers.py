@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvserve.benchmarks.provenance import provenance  # noqa: E402
 from kvserve.engine.config.engine_config import EngineConfig  # noqa: E402
-from kvserve.modelstore.default_model import ensure_default_model  # noqa: E402
 from kvserve.engine.core.engine import Engine  # noqa: E402
+from kvserve.modelstore.default_model import ensure_default_model  # noqa: E402
 from kvserve.scheduler.sampling_params import SamplingParams  # noqa: E402
 
 PROMPT_LEN, OUTPUT_LEN, CONCURRENCY = 128, 128, 16

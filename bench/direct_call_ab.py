@@ -13,9 +13,9 @@ import json
 import statistics
 import time
 
+from kvserve.benchmarks.provenance import simd_flags
 from kvserve.engine.config.engine_config import EngineConfig
 from kvserve.engine.core.engine import Engine
-from kvserve.benchmarks.provenance import simd_flags
 from kvserve.engine.platform.device import cpu_flags
 from kvserve.scheduler.sampling_params import SamplingParams
 

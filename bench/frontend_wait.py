@@ -35,10 +35,10 @@ sys.path.insert(0, str(ROOT))
 
 from kvserve.benchmarks.provenance import provenance  # noqa: E402
 from kvserve.engine.client.async_engine import AsyncEngine  # noqa: E402
-from kvserve.engine.config.engine_config import EngineConfig  # noqa: E402
-from kvserve.engine.core.engine import Engine  # noqa: E402
 from kvserve.engine.client.messages import StepReport  # noqa: E402
 from kvserve.engine.client.process_engine import ProcessEngine  # noqa: E402
+from kvserve.engine.config.engine_config import EngineConfig  # noqa: E402
+from kvserve.engine.core.engine import Engine  # noqa: E402
 from kvserve.scheduler.sampling_params import SamplingParams  # noqa: E402
 from kvserve.server.entrypoints.app import build_app  # noqa: E402
 from tests.support.server import running_server  # noqa: E402

@@ -25,10 +25,10 @@ from safetensors.torch import save_file
 
 from kvserve.benchmarks.in_process.decode import where_from
 from kvserve.engine.config.engine_config import EngineConfig
+from kvserve.engine.config.lora_config import LoRAConfig
 from kvserve.engine.config.model_config import ModelConfig
 from kvserve.engine.core.engine import Engine
 from kvserve.engine.lora.adapter import TARGETS, projection_shapes
-from kvserve.engine.config.lora_config import LoRAConfig
 from kvserve.modelstore.default_model import default_model_dir
 from kvserve.scheduler.sampling_params import SamplingParams
 

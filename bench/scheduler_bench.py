@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.method_timer import MethodTimer  # noqa: E402
 from kvserve.benchmarks.provenance import provenance  # noqa: E402
 from kvserve.kvcache import KVCacheManager  # noqa: E402
+from kvserve.scheduler.config import SchedulerConfig
 from kvserve.scheduler.request import Request  # noqa: E402
 from kvserve.scheduler.sampling_params import SamplingParams  # noqa: E402
-from kvserve.scheduler.config import SchedulerConfig
 from kvserve.scheduler.scheduler import Scheduler  # noqa: E402
 
 VOCAB = 32000

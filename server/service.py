@@ -7,9 +7,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvserve.engine.client.engine_client import EngineClient
 from kvserve.server import generation
+from kvserve.server.config import ServerConfig
 from kvserve.server.errors import APIError
 from kvserve.server.generation import PromptGroup, TextOptions
-from kvserve.server.config import ServerConfig
 from kvserve.server.grammar_limits import GrammarLimits
 from kvserve.server.request_caps import refuse_past_counts
 from kvserve.server.request_owners import ENGINE_ID_HEADER, engine_request_id

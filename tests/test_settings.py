@@ -13,8 +13,8 @@ from kvserve.engine.config.engine_config import EngineConfig, SpeculativeConfig
 from kvserve.engine.config.kv_events_config import KVEventsConfig, parse_flag
 from kvserve.engine.config.lora_config import LoRAConfig
 from kvserve.engine.config.settings import dest_name, env_name, flag_name, from_args, settings_of
-from kvserve.server.entrypoints.cli import build_parser
 from kvserve.server.config import ServerConfig
+from kvserve.server.entrypoints.cli import build_parser
 
 CONFIGS = [EngineConfig, SpeculativeConfig, LoRAConfig, ServerConfig]
 SETTINGS = [(cls, f) for cls in CONFIGS for f in settings_of(cls)

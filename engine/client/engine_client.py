@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from kvserve.engine.client.adapters import Adapters
 from kvserve.engine.client.messages import (AbortRequest, AddRequest, EngineCommand, StepReport,
                                             TakeSnapshot)
-from kvserve.engine.platform.outputs import RequestOutput
 from kvserve.engine.core.reports import EngineInfo, EngineSnapshot
 from kvserve.engine.core.request_checks import check_request
+from kvserve.engine.platform.outputs import RequestOutput
 from kvserve.engine.spec_decode.speculator import SpecDecodeStats
 from kvserve.scheduler.sampling_params import SamplingParams
 

@@ -7,8 +7,8 @@ bf16, 2 cores; the 16-client workload gave 169 vs 229 output tok/s). The thread 
 for tests and embedding."""
 from __future__ import annotations
 
-from kvserve.engine.config.engine_config import EngineConfig
 from kvserve.engine.client.engine_client import EngineClient
+from kvserve.engine.config.engine_config import EngineConfig
 
 ENGINE_MODES = ("auto", "thread", "process")
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvserve.engine.platform.outputs import RequestOutput
 from kvserve.engine.core.reports import EngineInfo, EngineSnapshot
+from kvserve.engine.platform.outputs import RequestOutput
 from kvserve.engine.spec_decode.speculator import SpecDecodeStats
 from kvserve.scheduler.sampling_params import SamplingParams
 

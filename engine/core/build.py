@@ -11,26 +11,26 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.engine.kernels.attention import make_backend
-from kvserve.engine.runner.compile_process import use_cache_dir
 from kvserve.engine.config.engine_config import EngineConfig
 from kvserve.engine.config.model_config import ModelConfig
-from kvserve.engine.kernels.cpu.build import c_compiler
-from kvserve.engine.runner.cuda_graphs import DecodeGraphPlan
-from kvserve.engine.models.kv_caches import KVCacheFormat
 from kvserve.engine.core.kv_events import make_publisher
-from kvserve.engine.platform.device import resolve_device, resolve_dtype
+from kvserve.engine.kernels.attention import make_backend
+from kvserve.engine.kernels.cpu.build import c_compiler
 from kvserve.engine.lora.manager import LoRAManager
+from kvserve.engine.models import tp_comm as comm
+from kvserve.engine.models.kv_caches import KVCacheFormat
+from kvserve.engine.platform.device import resolve_device, resolve_dtype
+from kvserve.engine.ranks.group import TensorParallelGroup, start_group
+from kvserve.engine.runner.compile_process import use_cache_dir
+from kvserve.engine.runner.cuda_graphs import DecodeGraphPlan
 from kvserve.engine.runner.memory_budget import log_kv_cache, num_kv_blocks
 from kvserve.engine.runner.model_runner import ModelRunner
-from kvserve.engine.weights.model_setup import load_served_model
-from kvserve.engine.models import tp_comm as comm
-from kvserve.engine.ranks.group import TensorParallelGroup, start_group
 from kvserve.engine.spec_decode.setup import make_drafter, make_speculator
 from kvserve.engine.spec_decode.speculator import Speculator
 from kvserve.engine.structured.compiler import GrammarCompiler
 from kvserve.engine.structured.gate import GrammarGate
 from kvserve.engine.structured.matchers import Matchers
+from kvserve.engine.weights.model_setup import load_served_model
 from kvserve.modelstore.default_model import cache_root
 from kvserve.modelstore.tokenizer import has_tokenizer, load_tokenizer
 from kvserve.scheduler.config import KVCacheConfig, SchedulerConfig

@@ -5,17 +5,15 @@ import logging
 import time
 from dataclasses import dataclass, replace
 
-import torch
-
-from kvserve.engine.core.build import build_engine
 from kvserve.engine.config.engine_config import EngineConfig
+from kvserve.engine.core.build import build_engine
+from kvserve.engine.core.reports import EngineInfo, EngineSnapshot, EngineStats
+from kvserve.engine.core.request_checks import check_request
 from kvserve.engine.lora.manager import adapter_names, lora_key
 from kvserve.engine.lora.runtime import RuntimeAdapters
 from kvserve.engine.platform.outputs import RequestOutput, RequestTimes
-from kvserve.engine.core.reports import EngineInfo, EngineSnapshot, EngineStats
-from kvserve.engine.core.request_checks import check_request
-from kvserve.engine.sampling import StepResult
 from kvserve.engine.runner.step_batch import LaunchedStep
+from kvserve.engine.sampling import StepResult
 from kvserve.scheduler.output import SchedulerOutput
 from kvserve.scheduler.request import Request
 from kvserve.scheduler.sampling_params import SamplingParams

@@ -9,14 +9,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.engine.config.model_config import ModelConfig
 from kvserve.engine.kernels.attention import paged_attention
 from kvserve.engine.kernels.attention.cpu_paged import PagedDecode, decode_in_place
 from kvserve.engine.kernels.fp8_cache import rotate
-from kvserve.engine.config.model_config import ModelConfig
-from kvserve.engine.models.lora_step import LoRAStep
-from kvserve.engine.models.linear import Linear
-from kvserve.engine.models.layers import PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary
 from kvserve.engine.models import tp_comm as comm
+from kvserve.engine.models.layers import PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary
+from kvserve.engine.models.linear import Linear
+from kvserve.engine.models.lora_step import LoRAStep
 from kvserve.engine.models.tp_layers import RowParallelLinear, VocabParallelEmbedding
 from kvserve.engine.models.tp_shard import SINGLE, TPShard
 

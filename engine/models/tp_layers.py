@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.engine.kernels.cpu.packing import PackedWeight
-from kvserve.engine.models.linear import Linear
 from kvserve.engine.models import tp_comm as comm
+from kvserve.engine.models.linear import Linear
 
 
 class RowParallelLinear(Linear):

@@ -48,11 +48,11 @@ import torch
 import torch._inductor.config
 
 from kvserve.engine.kernels.attention.cpu_paged import PagedDecode
+from kvserve.engine.models.llama import LlamaForCausalLM
+from kvserve.engine.models.lora_step import LoRAStep
+from kvserve.engine.models.quantized.layer import QuantizedLinear
 from kvserve.engine.runner.compile_process import track_build
 from kvserve.engine.runner.direct_graph import DirectCall, GraphRecorder, model_tensors
-from kvserve.engine.models.lora_step import LoRAStep
-from kvserve.engine.models.llama import LlamaForCausalLM
-from kvserve.engine.models.quantized.layer import QuantizedLinear
 
 log = logging.getLogger("kvserve.compile")
 

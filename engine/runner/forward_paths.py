@@ -26,9 +26,9 @@ from collections.abc import Callable
 import torch
 
 from kvserve.engine.kernels.attention.backend import AttentionBackend
+from kvserve.engine.lora.manager import LoRAManager
 from kvserve.engine.runner.compiled_model import CompiledModel
 from kvserve.engine.runner.cuda_graphs import DecodeGraphPlan, DecodeGraphs
-from kvserve.engine.lora.manager import LoRAManager
 from kvserve.engine.runner.step_batch import FlatBatch
 from kvserve.scheduler.output import ScheduledRequest
 

@@ -7,25 +7,25 @@ from itertools import accumulate
 
 import torch
 
-from kvserve.engine.platform import faults
 from kvserve.engine.kernels.attention import clear_attention_context, set_attention_context
 from kvserve.engine.kernels.attention.backend import AttentionBackend
 from kvserve.engine.kernels.attention.step_metadata import build_host_step
+from kvserve.engine.lora.manager import LoRAManager
+from kvserve.engine.models.kv_caches import KVCacheFormat, attach_kv_caches, copy_blocks
+from kvserve.engine.models.llama import LlamaForCausalLM
+from kvserve.engine.platform import faults
+from kvserve.engine.platform.host_copy import to_device
+from kvserve.engine.ranks.step_channel import StepChannel
 from kvserve.engine.runner.block_table_rows import BlockTableRows
 from kvserve.engine.runner.compiled_model import CompiledModel
 from kvserve.engine.runner.cuda_graphs import DecodeGraphPlan
 from kvserve.engine.runner.forward_paths import ForwardPaths
-from kvserve.engine.platform.host_copy import to_device
-from kvserve.engine.models.kv_caches import KVCacheFormat, attach_kv_caches, copy_blocks
-from kvserve.engine.lora.manager import LoRAManager
-from kvserve.engine.models.llama import LlamaForCausalLM
-from kvserve.engine.ranks.step_channel import StepChannel
 from kvserve.engine.runner.pooling import Pooler, PoolRows
+from kvserve.engine.runner.step_batch import FlatBatch, LaunchedStep
 from kvserve.engine.sampling import Sampler, StepResult
 from kvserve.engine.sampling.logprobs import MAX_EXACT_ID
 from kvserve.engine.sampling.step_logits import LogitRows, StepLogits
 from kvserve.engine.sampling.step_result import SampleLaunch
-from kvserve.engine.runner.step_batch import FlatBatch, LaunchedStep
 from kvserve.engine.structured.matchers import Matchers
 from kvserve.scheduler.output import ScheduledRequest, SchedulerOutput
 

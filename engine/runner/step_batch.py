@@ -8,13 +8,13 @@ from typing import Any
 import torch
 
 from kvserve.engine.kernels.attention.step_metadata import HostStep
-from kvserve.engine.platform.host_copy import to_device
 from kvserve.engine.models.lora_step import LoRAStep
+from kvserve.engine.platform.host_copy import to_device
 from kvserve.engine.runner.pooling import PoolRows
 from kvserve.engine.sampling import StepResult
 from kvserve.engine.sampling.prompt_logprobs import PromptSpan
-from kvserve.engine.sampling.step_result import SampleLaunch
 from kvserve.engine.sampling.step_logits import LogitRows
+from kvserve.engine.sampling.step_result import SampleLaunch
 from kvserve.scheduler.output import ScheduledRequest
 
 

@@ -8,11 +8,11 @@ import logging
 
 from kvserve.engine.config.engine_config import EngineConfig
 from kvserve.engine.config.model_config import ModelConfig
-from kvserve.engine.weights.cpu_packing import pack_model
 from kvserve.engine.models.kv_caches import KVCacheFormat
-from kvserve.engine.weights.loader import ModelLoadError, load_model
 from kvserve.engine.spec_decode.drafters import DraftModelDrafter, EarlyExitDrafter
 from kvserve.engine.spec_decode.speculator import Speculator
+from kvserve.engine.weights.cpu_packing import pack_model
+from kvserve.engine.weights.loader import ModelLoadError, load_model
 
 log = logging.getLogger("kvserve.engine")
 

@@ -13,10 +13,10 @@ from torch import nn
 
 from kvserve.engine.kernels.cpu.build import BuildError, load_kernels
 from kvserve.engine.kernels.cpu.packing import register_fake
-from kvserve.engine.platform.device import cpu_flags
 from kvserve.engine.models.linear import Linear
-from kvserve.engine.weights.quantization import model_bytes
 from kvserve.engine.models.quantized.layer import QuantizedLinear
+from kvserve.engine.platform.device import cpu_flags
+from kvserve.engine.weights.quantization import model_bytes
 from kvserve.modelstore.default_model import cache_root
 from kvserve.modelstore.errors import ModelLoadError
 

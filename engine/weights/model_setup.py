@@ -11,10 +11,10 @@ from torch import nn
 
 from kvserve.engine.config.engine_config import EngineConfig
 from kvserve.engine.config.model_config import ModelConfig
-from kvserve.engine.weights.cpu_packing import pack_model
 from kvserve.engine.models.kv_caches import KVCacheFormat
-from kvserve.engine.weights.loader import load_model, resolve_load_format
 from kvserve.engine.models.tp_shard import SINGLE, TPShard
+from kvserve.engine.weights.cpu_packing import pack_model
+from kvserve.engine.weights.loader import load_model, resolve_load_format
 from kvserve.engine.weights.quantization import model_bytes, quantize_model
 from kvserve.engine.weights.quantization.awq import calibration_inputs
 from kvserve.engine.weights.quantization.kv_fp8 import kv_cache_format

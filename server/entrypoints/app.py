@@ -13,6 +13,7 @@ from kvserve.engine.client.engine_client import EngineClient
 from kvserve.server.auth import current_principal
 from kvserve.server.chat import ChatService
 from kvserve.server.completions import CompletionService
+from kvserve.server.config import ServerConfig
 from kvserve.server.embeddings import EmbeddingRequest, EmbeddingService
 from kvserve.server.engine_view.history import EngineHistory
 from kvserve.server.engine_view.hub import EngineViewHub
@@ -22,7 +23,6 @@ from kvserve.server.json_body import BODY_CHECK, OffLoopJSONRoute
 from kvserve.server.lora_api import lora_router
 from kvserve.server.models_api import models_router
 from kvserve.server.ops import install_ops
-from kvserve.server.config import ServerConfig
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.server.request_caps import refuse_past_counts
 from kvserve.server.responses.protocol import ResponsesRequest

@@ -7,8 +7,8 @@ from __future__ import annotations
 from bench import abuse
 from bench.abuse_corpus import CORPUS
 from kvserve.engine.client.async_engine import AsyncEngine
-from kvserve.server.entrypoints.app import build_app
 from kvserve.server.config import ServerConfig
+from kvserve.server.entrypoints.app import build_app
 from tests.support.server import running_server
 
 

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from bench.cpu_gemm import WAYS, main
-from kvserve.engine.weights.cpu_packing import NEEDED_FLAGS
 from kvserve.engine.platform.device import cpu_flags
+from kvserve.engine.weights.cpu_packing import NEEDED_FLAGS
 
 pytestmark = pytest.mark.skipif(not set(NEEDED_FLAGS) <= cpu_flags(),
                                 reason="kvserve's CPU kernels need AVX2, FMA and F16C")

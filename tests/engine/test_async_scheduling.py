@@ -9,10 +9,10 @@ import random
 
 import pytest
 
-from kvserve.engine.platform import faults
 from kvserve.engine.config.engine_config import EngineConfig, SpeculativeConfig
-from kvserve.engine.runner.cuda_graphs import DecodeGraphPlan
 from kvserve.engine.core.engine import Engine
+from kvserve.engine.platform import faults
+from kvserve.engine.runner.cuda_graphs import DecodeGraphPlan
 from kvserve.scheduler.sampling_params import SamplingParams
 from tests.engine.test_fault_isolation import _exact, _values, assert_idle, run
 from tests.support.reference import varied_prompts

@@ -8,9 +8,9 @@ import torch
 
 from kvserve.engine.config.engine_config import EngineConfig
 from kvserve.engine.core.engine import Engine
-from kvserve.engine.weights.quantization.awq import search_scales
 from kvserve.engine.models.quantized.int4 import Int4Linear, fake_quantize_int4
 from kvserve.engine.models.quantized.int8 import Int8Linear, fake_quantize_int8
+from kvserve.engine.weights.quantization.awq import search_scales
 from kvserve.modelstore.errors import ModelLoadError
 
 

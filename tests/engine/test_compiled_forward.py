@@ -16,8 +16,8 @@ import random
 import pytest
 import torch
 
-from kvserve.engine.runner.compile_process import graphs_compiled
 from kvserve.engine.config.engine_config import SpeculativeConfig
+from kvserve.engine.runner.compile_process import graphs_compiled
 from kvserve.scheduler.sampling_params import SamplingParams
 from tests.support.reference import (assert_same_tokens, load_reference, reference_greedy,
                                      varied_prompts)

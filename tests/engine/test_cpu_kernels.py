@@ -19,9 +19,9 @@ from kvserve.engine.kernels.cpu.packing import (Packed, PackedWeight, exact_in_b
                                                 unpack_weight)
 from kvserve.engine.weights.cpu_packing import (attention_wanted, load_once, pack_model,
                                                 packing_wanted)
-from kvserve.engine.weights.loader import load_model
-from kvserve.engine.platform.device import cpu_flags
 from kvserve.engine.models.linear import Linear
+from kvserve.engine.platform.device import cpu_flags
+from kvserve.engine.weights.loader import load_model
 from kvserve.modelstore.errors import ModelLoadError
 from kvserve.scheduler.sampling_params import SamplingParams
 from tests.support.reference import (assert_same_tokens, load_reference, reference_greedy,

@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvserve.engine.platform import faults
 from kvserve.engine.config.engine_config import EngineConfig
 from kvserve.engine.core.engine import Engine
+from kvserve.engine.platform import faults
 from kvserve.engine.sampling.sampler import _non_finite, _peaks
 from kvserve.scheduler.sampling_params import SamplingParams
 

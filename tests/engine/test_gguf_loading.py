@@ -14,9 +14,9 @@ import torch
 from kvserve.engine.config.engine_config import EngineConfig
 from kvserve.engine.config.model_config import ModelConfig
 from kvserve.engine.core.engine import Engine
-from kvserve.engine.weights.loader import load_model
 from kvserve.engine.models.quantized.int4 import Int4Linear
 from kvserve.engine.models.quantized.int8 import GroupInt8Linear
+from kvserve.engine.weights.loader import load_model
 from kvserve.modelstore.errors import ModelLoadError
 from kvserve.scheduler.sampling_params import SamplingParams
 from tests.support.tiny_gguf import INT4_SHAPES, write_gguf_dir

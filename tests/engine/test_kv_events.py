@@ -16,8 +16,8 @@ import pytest
 import zmq
 
 from kvserve.engine.config.engine_config import EngineConfig
-from kvserve.engine.core.engine import Engine
 from kvserve.engine.config.kv_events_config import KVEventsConfig, binds_every_interface
+from kvserve.engine.core.engine import Engine
 from kvserve.engine.core.kv_events import encode_event, external_hash, make_publisher
 from kvserve.scheduler.kv_events import BlockStored
 from kvserve.scheduler.sampling_params import SamplingParams

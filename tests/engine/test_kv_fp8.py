@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kvserve.engine.kernels.fp8_cache import FP8, FP8_MAX
-from kvserve.engine.weights.quantization.calibration import calibration_tokens
 from kvserve.engine.kernels.fp8_cache import key_rotation, rotate
+from kvserve.engine.weights.quantization.calibration import calibration_tokens
 from kvserve.engine.weights.quantization.kv_fp8 import HEADROOM
 from kvserve.modelstore.errors import ModelLoadError
 from kvserve.scheduler.sampling_params import SamplingParams

@@ -7,10 +7,10 @@ import shutil
 import pytest
 import torch
 
-from kvserve.engine.platform import device as platform_device
 from kvserve.engine.config.engine_config import EngineConfig
 from kvserve.engine.config.model_config import ModelConfig, ModelConfigError
 from kvserve.engine.core.engine import Engine
+from kvserve.engine.platform import device as platform_device
 from kvserve.engine.weights.loader import ModelLoadError
 
 

@@ -11,8 +11,8 @@ from kvserve.engine.client.engine_client import EngineClient
 from kvserve.engine.client.engine_loop import EngineLoop
 from kvserve.engine.client.messages import (AbortRequest, AddRequest, EngineDied, EngineReady,
                                             Shutdown, StepReport, TakeSnapshot)
-from kvserve.engine.platform.outputs import RequestOutput
 from kvserve.engine.core.reports import EngineInfo
+from kvserve.engine.platform.outputs import RequestOutput
 from kvserve.scheduler.sampling_params import SamplingParams
 
 

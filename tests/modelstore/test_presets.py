@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvserve.engine.platform import device as platform_device
-from kvserve.engine.weights import loader
 from kvserve.engine.config.engine_config import EngineConfig
 from kvserve.engine.config.model_config import ModelConfig, ModelConfigError
 from kvserve.engine.core.engine import Engine
+from kvserve.engine.platform import device as platform_device
+from kvserve.engine.weights import loader
 from kvserve.modelstore.presets import preset_names, resolve_model_path
 from kvserve.modelstore.weight_bytes import weight_bytes
 from kvserve.scheduler.sampling_params import SamplingParams

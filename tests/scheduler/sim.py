@@ -30,10 +30,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from kvserve.kvcache import KVCacheManager
+from kvserve.scheduler.config import SchedulerConfig
 from kvserve.scheduler.output import SchedulerOutput
 from kvserve.scheduler.request import Request, RequestStatus
 from kvserve.scheduler.sampling_params import SamplingParams
-from kvserve.scheduler.config import SchedulerConfig
 from kvserve.scheduler.scheduler import Scheduler
 from tests.kvcache.kvcache_sim import check_pool_invariants
 

@@ -7,10 +7,10 @@ import zlib
 import pytest
 
 from kvserve.kvcache import KVCacheManager
+from kvserve.scheduler.config import SchedulerConfig
 from kvserve.scheduler.output import SchedulerOutput
 from kvserve.scheduler.request import Request, RequestStatus
 from kvserve.scheduler.sampling_params import SamplingParams
-from kvserve.scheduler.config import SchedulerConfig
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.scheduler.waiting_queue import FCFSQueue, PriorityQueue, make_waiting_queue
 from tests.kvcache.kvcache_sim import check_pool_invariants

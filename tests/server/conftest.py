@@ -6,8 +6,8 @@ import pytest
 from kvserve.engine.client.async_engine import AsyncEngine
 from kvserve.engine.config.engine_config import EngineConfig
 from kvserve.engine.core.engine import Engine
-from kvserve.server.entrypoints.app import build_app
 from kvserve.server.config import ServerConfig
+from kvserve.server.entrypoints.app import build_app
 from tests.support.server import running_server
 
 SMOL = "smol"  # the default model's served name in these servers

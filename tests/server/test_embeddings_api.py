@@ -19,8 +19,8 @@ from transformers import AutoModel, AutoTokenizer
 from kvserve.engine.client.async_engine import AsyncEngine
 from kvserve.engine.config.engine_config import EngineConfig
 from kvserve.engine.core.engine import Engine
-from kvserve.server.entrypoints.app import build_app
 from kvserve.server.config import ServerConfig
+from kvserve.server.entrypoints.app import build_app
 from tests.support.http import assert_error
 from tests.support.server import running_server
 from tests.support.tiny_models import CORPUS, make_tiny_model

@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from kvserve.engine.client.async_engine import AsyncEngine
-from kvserve.server.entrypoints.app import build_app
 from kvserve.server.config import ServerConfig
+from kvserve.server.entrypoints.app import build_app
 from tests.server.conftest import SMOL
 from tests.support.browser import chromium, expect, screenshot
 from tests.support.server import running_server

@@ -9,9 +9,9 @@ import time
 import httpx
 import pytest
 
+from kvserve.engine.client.process_engine import EngineStartError, ProcessEngine
 from kvserve.engine.config.engine_config import EngineConfig
 from kvserve.modelstore.tokenizer import load_tokenizer
-from kvserve.engine.client.process_engine import EngineStartError, ProcessEngine
 from kvserve.scheduler.sampling_params import SamplingParams
 from kvserve.server.entrypoints.app import build_app
 from tests.support.http import assert_error, parse_sse

@@ -14,8 +14,8 @@ from httpx_sse import connect_sse
 
 from kvserve.engine.client.async_engine import AsyncEngine
 from kvserve.engine.client.messages import TakeSnapshot
-from kvserve.server.entrypoints.app import build_app
 from kvserve.server.config import ServerConfig
+from kvserve.server.entrypoints.app import build_app
 from tests.support.http import assert_error
 from tests.support.server import running_server
 

@@ -13,8 +13,8 @@ import pytest
 
 from kvserve.engine.client.async_engine import AsyncEngine
 from kvserve.engine.structured import grammars
-from kvserve.server.entrypoints.app import build_app
 from kvserve.server.config import ServerConfig
+from kvserve.server.entrypoints.app import build_app
 from kvserve.server.grammar_limits import GrammarLimits
 from tests.support.http import assert_error, wait_idle
 from tests.support.server import running_server

@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from kvserve.engine.client.async_engine import AsyncEngine
-from kvserve.engine.config.engine_config import EngineConfig
 from kvserve.engine.client.process_engine import ProcessEngine
+from kvserve.engine.config.engine_config import EngineConfig
 from tests.server.test_ops_shutdown import serving
 
 STATS_LINE = "Avg prompt throughput"

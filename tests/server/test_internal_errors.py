@@ -6,10 +6,10 @@ from __future__ import annotations
 import httpx
 import pytest
 
-import kvserve.server.generation
 from kvserve.engine.client.async_engine import AsyncEngine
-from kvserve.server.entrypoints.app import build_app
 from kvserve.server.detokenizer import IncrementalDetokenizer
+from kvserve.server.entrypoints.app import build_app
+import kvserve.server.generation
 from tests.support.http import assert_error, parse_sse, wait_idle
 from tests.support.server import running_server
 

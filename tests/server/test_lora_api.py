@@ -13,8 +13,8 @@ from peft import PeftModel
 
 from kvserve.engine.client.async_engine import AsyncEngine
 from kvserve.engine.config.lora_config import LoRAConfig
-from kvserve.server.entrypoints.app import build_app
 from kvserve.server.config import ServerConfig
+from kvserve.server.entrypoints.app import build_app
 from tests.engine.lora.test_adapter import make_adapter
 from tests.support.reference import load_reference, reference_greedy
 from tests.support.server import running_server

@@ -8,11 +8,11 @@ import time
 import httpx
 import pytest
 
-from kvserve.engine.config.engine_config import EngineConfig
 from kvserve.engine.client.messages import StepReport
-from kvserve.modelstore.tokenizer import load_tokenizer
-from kvserve.engine.platform.outputs import RequestOutput, RequestTimes
 from kvserve.engine.client.process_engine import ProcessEngine
+from kvserve.engine.config.engine_config import EngineConfig
+from kvserve.engine.platform.outputs import RequestOutput, RequestTimes
+from kvserve.modelstore.tokenizer import load_tokenizer
 from kvserve.server.entrypoints.app import build_app
 from tests.support.metrics_script import Scrapes, complete
 from tests.support.server import running_server

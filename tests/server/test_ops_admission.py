@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from kvserve.engine.client.async_engine import AsyncEngine
-from kvserve.server.entrypoints.app import build_app
 from kvserve.server.config import ServerConfig
+from kvserve.server.entrypoints.app import build_app
 from tests.support.http import assert_error, parse_sse, wait_idle
 from tests.support.server import running_server
 

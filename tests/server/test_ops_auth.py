@@ -10,8 +10,8 @@ import openai
 import pytest
 
 from kvserve.engine.client.async_engine import AsyncEngine
-from kvserve.server.entrypoints.app import build_app
 from kvserve.server.config import ServerConfig
+from kvserve.server.entrypoints.app import build_app
 from tests.support.http import assert_error
 from tests.support.server import running_server
 

@@ -6,9 +6,9 @@ import os
 
 import pytest
 
+from kvserve.server.config import ServerConfig
 from kvserve.server.entrypoints import cli
 from kvserve.server.entrypoints.cli import build_parser
-from kvserve.server.config import ServerConfig
 
 
 @pytest.fixture(autouse=True)

@@ -5,8 +5,8 @@ import httpx
 import pytest
 
 from kvserve.engine.client.async_engine import AsyncEngine
-from kvserve.server.entrypoints.app import build_app
 from kvserve.server.chat_template import render_chat
+from kvserve.server.entrypoints.app import build_app
 from tests.support.http import assert_error
 from tests.support.server import running_server
 

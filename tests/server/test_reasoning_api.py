@@ -14,8 +14,8 @@ from transformers import AutoTokenizer
 from kvserve.engine.client.async_engine import AsyncEngine
 from kvserve.engine.config.engine_config import EngineConfig
 from kvserve.engine.core.engine import Engine
-from kvserve.server.entrypoints.app import build_app
 from kvserve.server.config import ServerConfig
+from kvserve.server.entrypoints.app import build_app
 from kvserve.server.reasoning import reasoning_parser
 from tests.support.http import parse_sse
 from tests.support.server import running_server

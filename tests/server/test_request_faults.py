@@ -11,11 +11,11 @@ import time
 import httpx
 import pytest
 
-from kvserve.engine.platform import faults
 from kvserve.engine.client.async_engine import AsyncEngine
-from kvserve.engine.config.engine_config import EngineConfig
-from kvserve.modelstore.tokenizer import load_tokenizer
 from kvserve.engine.client.process_engine import ProcessEngine
+from kvserve.engine.config.engine_config import EngineConfig
+from kvserve.engine.platform import faults
+from kvserve.modelstore.tokenizer import load_tokenizer
 from kvserve.scheduler.sampling_params import SamplingParams
 from kvserve.server.entrypoints.app import build_app
 from tests.engine.test_fault_isolation import poisoned_copy

@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode, checks
 
 from kvserve.engine.client.async_engine import AsyncEngine
-from kvserve.server.entrypoints.app import build_app
 from kvserve.server.config import ServerConfig
+from kvserve.server.entrypoints.app import build_app
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from tests.support.http import wait_idle
 from tests.support.server import running_server

@@ -11,10 +11,10 @@ import json
 import httpx
 import pytest
 
+from kvserve.benchmarks.client.client import Target, send
 from kvserve.engine.client.async_engine import AsyncEngine
 from kvserve.engine.config.engine_config import EngineConfig
 from kvserve.engine.core.engine import Engine
-from kvserve.benchmarks.client.client import Target, send
 from kvserve.server.entrypoints.app import build_app
 from tests.support.http import parse_sse
 from tests.support.server import running_server

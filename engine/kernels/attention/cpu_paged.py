@@ -37,8 +37,8 @@ from typing import NamedTuple
 
 import torch
 
-from kvserve.engine.kernels.fp8_cache import store_rows
 from kvserve.engine.kernels.cpu import build as cpu_kernels
+from kvserve.engine.kernels.fp8_cache import store_rows
 
 
 class PagedDecode(NamedTuple):

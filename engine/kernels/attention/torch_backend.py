@@ -16,8 +16,8 @@ from kvserve.engine.kernels.attention.backend import AttentionBackend
 from kvserve.engine.kernels.attention.context import AttentionMetadata
 from kvserve.engine.kernels.attention.cpu_paged import (PagedDecode, kernel_reads, paged_decode,
                                                         store_kv, widened)
-from kvserve.engine.kernels.fp8_cache import read_rows
 from kvserve.engine.kernels.attention.step_metadata import context_slots
+from kvserve.engine.kernels.fp8_cache import read_rows
 
 
 @dataclass

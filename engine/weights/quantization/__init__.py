@@ -18,10 +18,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from kvserve.engine.weights.quantization.awq import decoder_linears, search_scales
 from kvserve.engine.models.quantized.fp8 import Fp8Linear, check_fp8_device, check_fp8_shapes
 from kvserve.engine.models.quantized.int4 import PACK_ROWS, Int4Linear, fake_quantize_int4
 from kvserve.engine.models.quantized.int8 import Int8Linear, fake_quantize_int8
+from kvserve.engine.weights.quantization.awq import decoder_linears, search_scales
 from kvserve.modelstore.errors import ModelLoadError
 
 # auto: the checkpoint's own (a GGUF's quantized blocks stay quantized, float

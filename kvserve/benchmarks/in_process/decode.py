@@ -35,10 +35,10 @@ from kvserve.benchmarks.provenance import provenance
 from kvserve.engine.config.engine_config import EngineConfig
 from kvserve.engine.config.model_config import ModelConfig
 from kvserve.engine.core.engine import Engine
-from kvserve.engine.weights.loader import resolve_load_format
 from kvserve.engine.platform.device import resolve_device, resolve_dtype
-from kvserve.modelstore.weight_bytes import weight_bytes
+from kvserve.engine.weights.loader import resolve_load_format
 from kvserve.modelstore.presets import PREFIX, is_preset
+from kvserve.modelstore.weight_bytes import weight_bytes
 from kvserve.scheduler.sampling_params import SamplingParams
 
 BLOCK = 16

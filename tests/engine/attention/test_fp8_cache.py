@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kvserve.engine.kernels.attention import AttentionBackendError, make_backend
-from kvserve.engine.kernels.fp8_cache import FP8, FP8_MAX, to_fp8
 from kvserve.engine.kernels.attention.torch_backend import TorchBackend
+from kvserve.engine.kernels.fp8_cache import FP8, FP8_MAX, to_fp8
 from tests.engine.attention.paged_batch import (DEVICE, PagedBatch, make_batch,
                                                needs_kernel_device)
 from tests.engine.attention.test_triton_backend import PAD, with_padding

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kvserve.engine.kernels.attention.torch_backend import TorchBackend
-from kvserve.engine.weights.cpu_packing import NEEDED_FLAGS, load_once
 from kvserve.engine.platform.device import cpu_flags
+from kvserve.engine.weights.cpu_packing import NEEDED_FLAGS, load_once
 from tests.engine.attention.paged_batch import make_batch
 
 pytestmark = pytest.mark.skipif(not set(NEEDED_FLAGS) <= cpu_flags(),

@@ -12,8 +12,8 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from kvserve.engine.config.model_config import ModelConfig
-from kvserve.engine.lora.adapter import LoRAAdapterError, load_adapter, projection_shapes
 from kvserve.engine.kernels.lora.batched import add_lora
+from kvserve.engine.lora.adapter import LoRAAdapterError, load_adapter, projection_shapes
 
 CASES = {
     "r8-attention": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kvserve.engine.config.model_config import ModelConfig
-from kvserve.engine.weights.loader import load_model
 from kvserve.engine.models.tp_shard import TPShard
+from kvserve.engine.weights.loader import load_model
 
 
 def _load(model_dir, shard: TPShard):
