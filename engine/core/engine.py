@@ -67,7 +67,9 @@ class Engine(RuntimeAdapters):
         """Counters since start and the queues now; the grammar compiles that ended
         since the previous call."""
         sched, counters = self.scheduler.stats(), self.counters
-        running, waiting = self.adapters_in_use(sched)
+        # Only with LoRA on: the held grammars are not walked every step otherwise.
+        running, waiting = (self.adapters_in_use(sched) if self.lora is not None
+                            else ((), ()))
         return EngineStats(
             steps=counters.steps, prompt_tokens_computed=counters.prompt_tokens_computed,
             generated_tokens=counters.generated_tokens,

@@ -94,11 +94,12 @@ class ForwardPaths:
     def run(self, batch: FlatBatch) -> tuple[torch.Tensor, bool]:
         """The step's forward pass, under its attention context: (the logits of every
         row, True) where the graph computed them, else (the hidden states, False)."""
-        compiled, traced = self.compiled, self.backend.traced_decode(batch.attention)
-        decode_only = (batch.rows.num_sample == batch.rows.total == len(batch.input_ids)
-                       and not batch.pooling)  # pooling needs the hidden rows
+        compiled = self.compiled
         if compiled is None:
             return self.model(batch.input_ids, batch.positions, lora=batch.lora), False
+        traced = self.backend.traced_decode(batch.attention)
+        decode_only = (batch.rows.num_sample == batch.rows.total == len(batch.input_ids)
+                       and not batch.pooling)  # pooling needs the hidden rows
         if decode_only and (traced is not None or not compiled.paged_decode):
             # Every row samples, in order (one graph, LM head in it).
             return compiled.decode_logits(batch.input_ids, batch.positions, traced,
