@@ -31,10 +31,26 @@ def projection_bytes(rows: int, cols: int, dtype_bytes: float, quantization: str
 
 def weight_bytes(shape, dtype_bytes: float, quantization: str = "none",
                  group_size: int = 32) -> float:
-    h, d, inter = shape.hidden_size, shape.head_dim, shape.intermediate_size
+    """A mixture-of-experts shape (a `moe` with num_experts, intermediate_size,
+    shared_expert_intermediate_size and is_sparse(layer)) counts every expert."""
+    h, d = shape.hidden_size, shape.head_dim
     q, kv = shape.num_heads * d, shape.num_kv_heads * d
-    projections = [(q + 2 * kv, h), (h, q), (2 * inter, h), (h, inter)]
-    per_layer = sum(projection_bytes(r, c, dtype_bytes, quantization, group_size)
-                    for r, c in projections) + 2 * h * dtype_bytes  # the two norms
+
+    def size(projections) -> float:
+        return sum(projection_bytes(r, c, dtype_bytes, quantization, group_size)
+                   for r, c in projections)
+
+    attention = size([(q + 2 * kv, h), (h, q)]) + 2 * h * dtype_bytes  # + the two norms
+    moe = getattr(shape, "moe", None)
+    total = 0.0
+    for layer in range(shape.num_layers):
+        if moe is not None and moe.is_sparse(layer):
+            inter, shared = moe.intermediate_size, moe.shared_expert_intermediate_size
+            mlp = moe.num_experts * size([(2 * inter, h), (h, inter)]) + size(
+                [(2 * shared, h), (h, shared)]) + (moe.num_experts + 1) * h * dtype_bytes
+        else:
+            inter = shape.intermediate_size
+            mlp = size([(2 * inter, h), (h, inter)])
+        total += attention + mlp
     tables = shape.vocab_size * h * (1 if shape.tie_word_embeddings else 2)
-    return shape.num_layers * per_layer + (tables + h) * dtype_bytes
+    return total + (tables + h) * dtype_bytes

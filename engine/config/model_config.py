@@ -6,26 +6,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
+from kvserve.engine.config.architectures import (ARCHITECTURES, SUPPORTED_ARCHITECTURES,
+                                                 qkv_bias)
+from kvserve.engine.config.moe_config import MoEConfig
+from kvserve.engine.config.rope_config import (RopeConfig, RopeConfigError, rope_from_hf,
+                                               scaled_max_len)
 
+__all__ = ["ModelConfig", "ModelConfigError", "MoEConfig", "RopeConfig",
+           "SUPPORTED_ARCHITECTURES"]
 
 class ModelConfigError(ValueError):
     """The checkpoint's configuration is missing, malformed or unsupported."""
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    theta: float = 10000.0
-    rope_type: str = "default"  # default | linear | llama3
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
 
 
 @dataclass(frozen=True)
@@ -46,6 +37,7 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False
     rope: RopeConfig = field(default_factory=RopeConfig)
+    moe: MoEConfig | None = None  # a mixture-of-experts model's routing and experts
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None  # the checkpoint's own dtype name, if stated
     # A Matryoshka embedding model's vector lengths that `dimensions` may ask for
@@ -55,7 +47,8 @@ class ModelConfig:
 
     @property
     def max_model_len(self) -> int:
-        return self.max_position_embeddings
+        """The context the rope scaling allows (rope_config.scaled_max_len)."""
+        return scaled_max_len(self.max_position_embeddings, self.rope)
 
     @staticmethod
     def from_pretrained(model_dir: str | Path) -> "ModelConfig":
@@ -94,6 +87,7 @@ class ModelConfig:
                 f"unsupported architecture {archs or hf.model_type!r}; "
                 f"kvserve supports {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        traits = ARCHITECTURES[arch]
         heads = hf.num_attention_heads
         attention_bias = bool(getattr(hf, "attention_bias", False))
         max_pos = hf.max_position_embeddings
@@ -114,12 +108,12 @@ class ModelConfig:
             rms_norm_eps=hf.rms_norm_eps,
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v biases; Llama and Qwen3 follow attention_bias.
-            qkv_bias=attention_bias or arch == "Qwen2ForCausalLM",
-            o_bias=attention_bias and arch != "Qwen2ForCausalLM",
+            qkv_bias=qkv_bias(traits, hf),
+            o_bias=attention_bias and traits.qkv_bias is None,
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
-            rope=_rope_from_hf(hf),
+            qk_norm=traits.qk_norm,
+            rope=_rope(hf),
+            moe=traits.moe(hf) if traits.moe else None,
             eos_token_ids=_eos_ids(hf),
             torch_dtype=_dtype_name(hf),
             shorter_embeddings=_matryoshka(hf),
@@ -133,26 +127,11 @@ def _matryoshka(hf) -> tuple[int, ...] | None:
     return () if getattr(hf, "is_matryoshka", False) else None
 
 
-def _rope_from_hf(hf) -> RopeConfig:
-    # transformers >= 5 folds rope_theta and rope_scaling into rope_parameters.
-    params = dict(getattr(hf, "rope_parameters", None) or {})
-    scaling = getattr(hf, "rope_scaling", None)
-    if scaling and not params.get("rope_type"):
-        params.update(scaling)
-    theta = params.get("rope_theta") or getattr(hf, "rope_theta", None) or 10000.0
-    rope_type = params.get("rope_type") or params.get("type") or "default"
-    if rope_type not in ("default", "linear", "llama3"):
-        raise ModelConfigError(f"unsupported rope_scaling type {rope_type!r}")
-    return RopeConfig(
-        theta=float(theta),
-        rope_type=rope_type,
-        factor=float(params.get("factor", 1.0)),
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(
-            params.get("original_max_position_embeddings", 8192)
-        ),
-    )
+def _rope(hf) -> RopeConfig:
+    try:
+        return rope_from_hf(hf)
+    except RopeConfigError as exc:
+        raise ModelConfigError(str(exc)) from exc
 
 
 def _eos_ids(hf) -> tuple[int, ...]:

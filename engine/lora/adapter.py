@@ -17,6 +17,7 @@ import torch
 
 # The projections an adapter may target, as Llama-family checkpoints name them.
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 _WEIGHT = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
@@ -38,9 +39,11 @@ class LoRAAdapter:
 
 
 def load_adapter(name: str, path: str | Path, max_rank: int, num_layers: int,
-                 shapes: dict[str, tuple[int, int]], dtype: torch.dtype = torch.float32
-                 ) -> LoRAAdapter:
-    """shapes: projection -> (in features, out features) of the base model."""
+                 shapes: dict[str, tuple[int, int]], dtype: torch.dtype = torch.float32,
+                 sparse_layers: frozenset[int] = frozenset()) -> LoRAAdapter:
+    """shapes: projection -> (in features, out features) of the base model;
+    sparse_layers: its mixture-of-experts layers (adapters reach their attention,
+    not their experts)."""
     path = Path(path)
     config = _config(path)
     rank = config.get("r")
@@ -66,6 +69,9 @@ def load_adapter(name: str, path: str | Path, max_rank: int, num_layers: int,
         if layer >= num_layers:
             raise LoRAAdapterError(f"adapter {name!r}: layer {layer} is past the model's "
                                    f"{num_layers} layers")
+        if layer in sparse_layers and module in MLP_TARGETS:
+            raise LoRAAdapterError(f"adapter {name!r} targets {module!r} of layer {layer}, a "
+                                   "mixture-of-experts layer: LoRA reaches its attention only")
         pairs.setdefault((layer, module), {})[which] = tensor
     weights = {}
     for (layer, module), ab in sorted(pairs.items()):

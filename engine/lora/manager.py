@@ -31,6 +31,10 @@ class LoRAManager:
         self.config = config
         self.num_layers = model_config.num_layers
         self.shapes = projection_shapes(model_config)
+        # A mixture-of-experts layer has no dense MLP for an adapter to add to.
+        moe = model_config.moe
+        self.sparse_layers = frozenset(
+            i for i in range(self.num_layers) if moe is not None and moe.is_sparse(i))
         self.slots = LoRASlots(config.max_loras, config.max_rank, self.num_layers,
                                self.shapes, dtype, device)
         self.device, self.dtype = device, dtype
@@ -51,7 +55,8 @@ class LoRAManager:
     def read(self, name: str, path: str) -> LoRAAdapter:
         """The adapter read from disk and checked against the model: touches none of
         the manager's state, so it may run on a thread of its own while steps run."""
-        return load_adapter(name, path, self.config.max_rank, self.num_layers, self.shapes)
+        return load_adapter(name, path, self.config.max_rank, self.num_layers, self.shapes,
+                            sparse_layers=self.sparse_layers)
 
     def check_room(self, name: str, replace: bool) -> None:
         """LoRAAdapterError if `name` may not be loaded now: taken (without replace),

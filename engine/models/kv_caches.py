@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.engine.models.llama import LlamaForCausalLM
+from kvserve.engine.models.decoder import DecoderModel
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class KVCacheFormat:
             self.dtype.itemsize
 
 
-def attach_kv_caches(model: LlamaForCausalLM, num_blocks: int, block_size: int,
+def attach_kv_caches(model: DecoderModel, num_blocks: int, block_size: int,
                      fmt: KVCacheFormat, device: torch.device) -> list[tuple]:
     """A paged (K, V) pair per layer, zeroed, and each layer's attention pointed at
     its pair and its scales: [(k, v)], each [num_blocks, block_size, kv_heads,

@@ -31,6 +31,13 @@ class TPShard:
         if cfg.intermediate_size % n:
             raise ModelLoadError(f"--tensor-parallel-size {n} does not divide the model's "
                                  f"intermediate size {cfg.intermediate_size}")
+        moe = cfg.moe
+        if moe is not None and moe.num_experts % n:
+            raise ModelLoadError(f"--tensor-parallel-size {n} does not divide the model's "
+                                 f"{moe.num_experts} experts (each rank holds a share)")
+        if moe is not None and moe.shared_expert_intermediate_size % n:
+            raise ModelLoadError(f"--tensor-parallel-size {n} does not divide the shared "
+                                 f"expert's size {moe.shared_expert_intermediate_size}")
 
     def heads(self, cfg: ModelConfig) -> int:
         return cfg.num_heads // self.size
@@ -48,7 +55,15 @@ class TPShard:
         return self.rank * cfg.num_kv_heads // self.size
 
     def intermediate(self, cfg: ModelConfig) -> int:
-        return cfg.intermediate_size // self.size
+        return self.split(cfg.intermediate_size)
+
+    def split(self, size: int) -> int:
+        """This rank's share of a dimension split evenly (an MLP's features)."""
+        return size // self.size
+
+    def experts(self, cfg: ModelConfig) -> int:
+        """Routed experts held here (expert parallelism: whole experts per rank)."""
+        return cfg.moe.num_experts // self.size
 
     def vocab(self, cfg: ModelConfig) -> int:
         """Rows of the embedding and the LM head held here (padded to equal shares)."""
@@ -57,23 +72,22 @@ class TPShard:
     def vocab_start(self, cfg: ModelConfig) -> int:
         return self.rank * self.vocab(cfg)
 
-    def checkpoint_slice(self, cfg: ModelConfig, name: str, shard: int | None,
-                         tensor) -> torch.Tensor:
+    def checkpoint_slice(self, cfg: ModelConfig, name: str, shard, tensor,
+                         module=None) -> torch.Tensor:
         """This rank's part of the checkpoint tensor `tensor` (a safetensors slice,
-        read only where indexed; or a tensor), which fills our parameter `name`
-        (shard: the index within a packed layer)."""
+        read only where indexed; or a tensor), which fills our parameter `name` of
+        `module` (shard: the index within a packed layer). Experts are held whole."""
         if self.size == 1:
             return tensor[:]
         if ".qkv_proj." in name:
             heads = (self.heads(cfg), self.kv_heads(cfg), self.kv_heads(cfg))[shard]
             first = (self.rank * heads if shard == 0 else self.first_kv_head(cfg))
             return tensor[first * cfg.head_dim:(first + heads) * cfg.head_dim]
-        if ".gate_up_proj." in name:
-            part = self.intermediate(cfg)
+        if ".gate_up_proj." in name:  # this rank's features of gate, then of up
+            part = module.shard_sizes[shard]
             return tensor[self.rank * part:(self.rank + 1) * part]
         if name.endswith(("o_proj.weight", "down_proj.weight")):
-            part = (self.heads(cfg) * cfg.head_dim if "o_proj" in name
-                    else self.intermediate(cfg))
+            part = module.in_features  # this rank's input columns
             return tensor[:, self.rank * part:(self.rank + 1) * part]
         if name in ("embed_tokens.weight", "lm_head.weight"):
             start = self.vocab_start(cfg)

@@ -48,7 +48,7 @@ import torch
 import torch._inductor.config
 
 from kvserve.engine.kernels.attention.cpu_paged import PagedDecode
-from kvserve.engine.models.llama import LlamaForCausalLM
+from kvserve.engine.models.decoder import DecoderModel
 from kvserve.engine.models.lora_step import LoRAStep
 from kvserve.engine.models.quantized.layer import QuantizedLinear
 from kvserve.engine.runner.compile_process import track_build
@@ -116,7 +116,7 @@ def _own_code(fn, instance):
 class CompiledModel:
     """The model's decode logits and hidden states, compiled once `ready`."""
 
-    def __init__(self, model: LlamaForCausalLM, paged_decode: bool = False,
+    def __init__(self, model: DecoderModel, paged_decode: bool = False,
                  lora: bool = False, cpp_wrapper: bool = False,
                  device: torch.device = torch.device("cpu")):
         self.model = model

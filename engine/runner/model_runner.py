@@ -12,7 +12,7 @@ from kvserve.engine.kernels.attention.backend import AttentionBackend
 from kvserve.engine.kernels.attention.step_metadata import build_host_step
 from kvserve.engine.lora.manager import LoRAManager
 from kvserve.engine.models.kv_caches import KVCacheFormat, attach_kv_caches, copy_blocks
-from kvserve.engine.models.llama import LlamaForCausalLM
+from kvserve.engine.models.decoder import DecoderModel
 from kvserve.engine.platform import faults
 from kvserve.engine.platform.host_copy import to_device
 from kvserve.engine.ranks.step_channel import StepChannel
@@ -41,7 +41,7 @@ class ModelRunner:
     runner is the only one: the others run the steps it sends). Which forward pass a
     step takes is engine/runner/forward_paths.py's to decide."""
 
-    def __init__(self, model: LlamaForCausalLM, *, num_blocks: int, block_size: int,
+    def __init__(self, model: DecoderModel, *, num_blocks: int, block_size: int,
                  device: torch.device, kv_format: KVCacheFormat,
                  attn_backend: AttentionBackend,
                  drafter=None, decode_graphs: DecodeGraphPlan | None = None,

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from kvserve.engine.config.model_config import ModelConfig
-from kvserve.engine.models.llama import LlamaForCausalLM
+from kvserve.engine.models.decoder import DecoderModel
+from kvserve.engine.models.registry import model_class
 from kvserve.engine.models.tp_shard import SINGLE, TPShard
 from kvserve.engine.platform.device import check_fits
 from kvserve.modelstore.errors import ModelLoadError
@@ -33,13 +34,13 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                max_positions: int, shard: TPShard = SINGLE) -> LlamaForCausalLM:
+                max_positions: int, shard: TPShard = SINGLE) -> DecoderModel:
     """Parameters are created on the meta device (no memory, no init work), then
     given uninitialised storage on `device`; `shard`: the tensor-parallel rank's part."""
     check_fits(int(weight_bytes(cfg, dtype.itemsize)) // shard.size, device,
                "the model's weights")
     with _default_dtype(dtype), torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_positions, shard)
+        model = model_class(cfg)(cfg, max_positions, shard)
     model.to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty may untie shared parameters
         model.lm_head.weight = model.embed_tokens.weight
@@ -65,7 +66,7 @@ def resolve_load_format(model: str | Path, load_format: str) -> str:
 def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
                device: torch.device, max_positions: int,
                load_format: str = "safetensors", seed: int = 0,
-               quantization: str = "auto", shard: TPShard = SINGLE) -> LlamaForCausalLM:
+               quantization: str = "auto", shard: TPShard = SINGLE) -> DecoderModel:
     """`model_dir` may be `preset:NAME`; `random` never reads it (no checkpoint).
     A GGUF's quantized blocks are kept unless `quantization` is none; a float
     checkpoint is quantized afterwards (engine.quantization.quantize_model).
@@ -106,7 +107,7 @@ def init_random(model: nn.Module, seed: int, std: float = 0.02) -> None:
         p.data.normal_(0.0, std, generator=gens[p.device])
 
 
-def load_safetensors(model: LlamaForCausalLM, model_dir: Path,
+def load_safetensors(model: DecoderModel, model_dir: Path,
                      shard: TPShard = SINGLE) -> None:
     """Each tensor read once, memory-mapped, and only the rows or columns `shard`
     holds (a tensor-parallel rank never reads the whole model)."""
@@ -122,35 +123,29 @@ def load_safetensors(model: LlamaForCausalLM, model_dir: Path,
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 if _load_one(model, params, name, f.get_slice(name), shard):
-                    loaded.add(_our_name(name))
+                    loaded.add(model.checkpoint_name(name))
     missing = _expected_weights(model, params) - loaded
     if missing:
         raise ModelLoadError(f"checkpoint in {model_dir} lacks {len(missing)} weights, "
                              f"e.g. {sorted(missing)[:3]}")
 
 
-def _our_name(ckpt_name: str) -> tuple[str, int | None]:
-    """Checkpoint name -> (our parameter name, shard index within a packed layer)."""
-    name = ckpt_name.removeprefix("model.")
-    for frag, (packed, shard) in LlamaForCausalLM.packed_modules.items():
-        if f".{frag}." in name:
-            return name.replace(f".{frag}.", f".{packed}."), shard
-    return name, None
-
-
 def _load_one(model, params: dict, ckpt_name: str, tensor, tp: TPShard = SINGLE) -> bool:
     """tensor: the checkpoint's (a tensor, or a safetensors slice read where indexed)."""
-    name, shard = _our_name(ckpt_name)
+    name, shard = model.checkpoint_name(ckpt_name)
     if name == "lm_head.weight" and model.config.tie_word_embeddings:
         return False  # tied: the embedding is the head
     if name not in params:
         if "rotary_emb" in name:
             return False
         raise ModelLoadError(f"unexpected weight {ckpt_name!r} in checkpoint")
-    tensor = tp.checkpoint_slice(model.config, name, shard, tensor)
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if shard is not None and not getattr(module, "holds", lambda _: True)(shard):
+        return False  # another rank's expert
+    tensor = tp.checkpoint_slice(model.config, name, shard, tensor, module)
     if shard is not None:
-        module_name, _, attr = name.rpartition(".")
-        model.get_submodule(module_name).load_shard(attr, shard, tensor)
+        module.load_shard(attr, shard, tensor)
     else:
         param = params[name]
         if param.shape != tensor.shape:
@@ -169,7 +164,9 @@ def _expected_weights(model, params: dict) -> set[tuple[str, int | None]]:
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
         shards = getattr(module, "shard_sizes", None)
-        if shards:
+        if hasattr(module, "expected_shards"):  # stacked experts
+            expected.update((name, s) for s in module.expected_shards(attr))
+        elif shards:
             expected.update((name, i) for i in range(len(shards)))
         else:
             expected.add((name, None))

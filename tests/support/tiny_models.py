@@ -32,6 +32,22 @@ ARCHS = {
                     sliding_window=None),
     "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2"),
     "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=24),
+    # Mixture-of-experts: enough experts that a batch leaves some idle, top-k > 1.
+    "mixtral": dict(architectures=["MixtralForCausalLM"], model_type="mixtral",
+                    num_local_experts=6, num_experts_per_tok=2, sliding_window=None),
+    "qwen2moe": dict(architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe",
+                     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                     shared_expert_intermediate_size=64, norm_topk_prob=False,
+                     num_hidden_layers=3, mlp_only_layers=[1]),
+    "qwen3moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                     head_dim=24, num_experts=8, num_experts_per_tok=3,
+                     moe_intermediate_size=48, norm_topk_prob=True, num_hidden_layers=4,
+                     decoder_sparse_step=2),
+    # Long-context RoPE: YaRN over a short original context, so prompts pass it.
+    "qwen2yarn": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+                      max_position_embeddings=256,
+                      rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                    "original_max_position_embeddings": 64}),
 }
 
 

@@ -1,0 +1,51 @@
+"""A mixture-of-experts model's routing and expert shapes, read from its Hugging Face
+config (each family names them its own way)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one expert
+    # Which decoder layers have the sparse block (the others a dense MLP of the
+    # model's intermediate_size): Qwen's decoder_sparse_step / mlp_only_layers.
+    sparse_layers: tuple[bool, ...]
+    # The chosen experts' softmax weights renormalised to sum to 1.
+    norm_topk_prob: bool = True
+    # A dense expert every token goes through beside the routed ones (0: none), and
+    # whether a sigmoid of its own linear gate scales it (Qwen2-MoE).
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
+    # The routing weights multiply the experts' outputs in float32 (Mixtral's
+    # router keeps them so); else they are cast to the model's dtype first (Qwen's).
+    float32_weights: bool = False
+
+    def is_sparse(self, layer: int) -> bool:
+        return self.sparse_layers[layer]
+
+
+def _sparse_layers(hf, num_experts: int) -> tuple[bool, ...]:
+    step = int(getattr(hf, "decoder_sparse_step", 1) or 1)
+    dense = set(getattr(hf, "mlp_only_layers", None) or ())
+    return tuple(i not in dense and num_experts > 0 and (i + 1) % step == 0
+                 for i in range(hf.num_hidden_layers))
+
+
+def qwen_moe(hf) -> MoEConfig:
+    """Qwen2-MoE and Qwen3-MoE (Qwen2's shared expert is a field of its config)."""
+    shared = int(getattr(hf, "shared_expert_intermediate_size", 0) or 0)
+    return MoEConfig(num_experts=hf.num_experts, top_k=hf.num_experts_per_tok,
+                     intermediate_size=hf.moe_intermediate_size,
+                     sparse_layers=_sparse_layers(hf, hf.num_experts),
+                     norm_topk_prob=bool(hf.norm_topk_prob),
+                     shared_expert_intermediate_size=shared, shared_expert_gate=shared > 0)
+
+
+def mixtral(hf) -> MoEConfig:
+    return MoEConfig(num_experts=hf.num_local_experts, top_k=hf.num_experts_per_tok,
+                     intermediate_size=hf.intermediate_size,
+                     sparse_layers=(True,) * hf.num_hidden_layers, norm_topk_prob=True,
+                     float32_weights=True)

@@ -1,0 +1,2 @@
+"""Mixture-of-experts kernels: the routed experts' SwiGLU MLPs over a flat batch
+(fused_experts.py)."""

@@ -1,0 +1,50 @@
+"""The routed experts of a mixture-of-experts layer, as one op: `kvserve::fused_experts`.
+
+Each token picked top_k experts; the (token, expert) pairs are sorted by expert
+(one argsort), so each active expert gathers its tokens and runs its SwiGLU MLP as
+two GEMMs over all of them at once, and the weighted results are added back per
+token. The work is one GEMM pair per *active* expert, whatever the batch, with no
+per-token Python (transformers loops the same way over experts, but builds a
+one-hot [E, K, T] mask to find each expert's tokens).
+
+It is a custom op, as attention is, so that torch.compile treats the data-dependent
+loop as one opaque call and compiles the rest of the decoder around it. Under
+expert parallelism a rank holds experts [first_expert, first_expert + E_local):
+pairs routed elsewhere are skipped here and the ranks' outputs summed by the caller."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+@torch.library.custom_op("kvserve::fused_experts", mutates_args=())
+def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                  w13: torch.Tensor, w2: torch.Tensor, first_expert: int) -> torch.Tensor:
+    """x [T, H]; topk_ids [T, K] (global expert ids) and topk_weights [T, K] (any
+    float dtype: the product is taken in it, then cast to x's); w13 [E, 2I, H] (gate
+    rows, then up rows), w2 [E, H, I]. Returns sum_k weight_k * expert_k(x): [T, H]."""
+    num_experts = w13.shape[0]
+    top_k = topk_ids.shape[1]
+    local = topk_ids.reshape(-1) - first_expert
+    outside = (local < 0) | (local >= num_experts)
+    # Pairs routed to another rank's experts sort last, under the id `num_experts`.
+    sorted_ids, order = local.masked_fill(outside, num_experts).sort(stable=True)
+    counts = torch.bincount(sorted_ids, minlength=num_experts + 1)[:num_experts].tolist()
+    weights = topk_weights.reshape(-1)
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, n in enumerate(counts):
+        if n == 0:
+            continue
+        pairs = order[start:start + n]
+        start += n
+        tokens = pairs // top_k
+        gate, up = F.linear(x[tokens], w13[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[expert]) * weights[pairs, None]
+        out.index_add_(0, tokens, y.to(x.dtype))
+    return out
+
+
+@fused_experts.register_fake
+def _fused_experts_shape(x, topk_ids, topk_weights, w13, w2, first_expert):
+    return torch.empty_like(x)

@@ -1,0 +1,101 @@
+"""A decoder-only transformer over a flat batch of tokens, the shape every supported
+family shares: embedding, layers of (norm, attention, norm, MLP) with residuals,
+final norm, LM head. A family (engine/models/registry.py) subclasses DecoderModel for
+what differs: its MLP (`make_mlp`: dense, or mixture-of-experts) and how its
+checkpoint names tensors (`checkpoint_name`).
+
+There is no padding and no batch dimension: row i of every activation is token i of
+the step, whatever request it belongs to. Attention is the only place requests are
+told apart, through the global attention metadata and the paged KV cache."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvserve.engine.config.model_config import ModelConfig
+from kvserve.engine.kernels.attention.cpu_paged import PagedDecode
+from kvserve.engine.models import tp_comm as comm
+from kvserve.engine.models.attention import Attention
+from kvserve.engine.models.layers import RMSNorm
+from kvserve.engine.models.linear import Linear
+from kvserve.engine.models.lora_step import LoRAStep
+from kvserve.engine.models.mlp import MLP
+from kvserve.engine.models.rotary import RotaryEmbedding
+from kvserve.engine.models.tp_layers import VocabParallelEmbedding
+from kvserve.engine.models.tp_shard import SINGLE, TPShard
+
+# checkpoint name fragment -> (our packed module name fragment, shard index)
+PACKED_MODULES = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, mlp: nn.Module, layer: int = 0,
+                 shard: TPShard = SINGLE):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer, shard)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+                paged: PagedDecode | None = None, lora: LoRAStep | None = None
+                ) -> torch.Tensor:
+        x = x + self.self_attn(rope, self.input_layernorm(x), paged, lora)
+        return x + self.mlp(self.post_attention_layernorm(x), lora)
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int, shard: TPShard = SINGLE):
+        super().__init__()
+        self.config = cfg  # the whole model's, whatever part of it `shard` holds
+        self.shard = shard
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope)
+        self.embed_tokens = VocabParallelEmbedding(shard.vocab(cfg), cfg.hidden_size,
+                                                   shard.vocab_start(cfg))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.make_mlp(cfg, i, shard), i, shard)
+                                    for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = Linear(cfg.hidden_size, shard.vocab(cfg), bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @classmethod
+    def make_mlp(cls, cfg: ModelConfig, layer: int, shard: TPShard) -> nn.Module:
+        """Layer `layer`'s MLP: dense by default."""
+        return MLP(cfg, layer, shard)
+
+    @classmethod
+    def checkpoint_name(cls, ckpt_name: str) -> tuple[str, object]:
+        """A checkpoint tensor's name -> (our parameter's name, the shard it fills
+        within a packed parameter, or None)."""
+        name = ckpt_name.removeprefix("model.")
+        for frag, (packed, shard) in PACKED_MODULES.items():
+            if f".{frag}." in name:
+                return name.replace(f".{frag}.", f".{packed}."), shard
+        return name, None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                num_layers: int | None = None, paged: PagedDecode | None = None,
+                lora: LoRAStep | None = None) -> torch.Tensor:
+        """Returns the final hidden states [T, hidden] (logits are taken only for the
+        rows that need them, see compute_logits). num_layers: stop after that many
+        layers and normalise there (early-exit drafts: the first layers plus the
+        LM head make a draft model with no weights of its own). paged: a decode-only
+        step's attention inputs, for attention written as plain ops (compiled decode
+        graphs on CPU); without it every layer calls the attention custom op.
+        lora: the step's adapters (engine/models/lora_step.py), None when it has none."""
+        x = self.embed_tokens(input_ids)
+        rope = self.rotary.table(positions, x.dtype)
+        # (Slicing a ModuleList builds a new one: only when asked.)
+        layers = self.layers if num_layers is None else self.layers[:num_layers]
+        for layer in layers:
+            x = layer(rope, x, paged, lora)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [rows, vocab] (under tensor parallelism on rank 0; every
+        rank calls it, the others get their own columns)."""
+        return comm.gather_vocab(self.lm_head(hidden).float(), self.config.vocab_size)

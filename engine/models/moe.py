@@ -1,0 +1,88 @@
+"""The sparse mixture-of-experts block: a router picks each token's top-k experts
+and the routed experts run as one fused op (engine/kernels/moe), beside an optional
+shared expert every token goes through (Qwen2-MoE's, gated by a sigmoid).
+
+Under tensor parallelism the experts are split across the ranks whole (expert
+parallelism over the same process group): every rank routes every token, runs the
+experts it holds, and one all-reduce sums the ranks' outputs. A shared expert is
+split as the dense MLP is."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvserve.engine.config.model_config import ModelConfig
+from kvserve.engine.kernels.moe import fused_experts as _registers_op  # noqa: F401
+from kvserve.engine.models import tp_comm as comm
+from kvserve.engine.models.linear import Linear
+from kvserve.engine.models.mlp import MLP
+from kvserve.engine.models.tp_shard import SINGLE, TPShard
+
+
+class FusedExperts(nn.Module):
+    """The routed experts this rank holds, stacked: w13 [E, 2I, H] (each expert's gate
+    rows, then its up rows), w2 [E, H, I]. Filled per checkpoint tensor through
+    load_shard with shard (global expert id, part: 0 gate, 1 up; 0 for down)."""
+
+    def __init__(self, num_experts: int, first: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.first, self.intermediate = first, intermediate
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+    def expected_shards(self, attr: str) -> list[tuple[int, int]]:
+        experts = range(self.first, self.first + self.w13.shape[0])
+        parts = (0, 1) if attr == "w13" else (0,)
+        return [(e, p) for e in experts for p in parts]
+
+    def holds(self, shard: tuple[int, int]) -> bool:
+        return self.first <= shard[0] < self.first + self.w13.shape[0]
+
+    def load_shard(self, attr: str, shard: tuple[int, int], tensor: torch.Tensor) -> None:
+        expert, part = shard[0] - self.first, shard[1]
+        target = getattr(self, attr).data[expert]
+        rows = slice(part * self.intermediate, (part + 1) * self.intermediate) \
+            if attr == "w13" else slice(None)
+        if target[rows].shape != tensor.shape:
+            raise ValueError(f"expert tensor of shape {tuple(tensor.shape)}, expected "
+                             f"{tuple(target[rows].shape)}")
+        target[rows].copy_(tensor)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+        return torch.ops.kvserve.fused_experts(x, ids, weights, self.w13, self.w2, self.first)
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int = 0, shard: TPShard = SINGLE):
+        super().__init__()
+        moe = cfg.moe
+        self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
+        self.float32_weights = moe.float32_weights
+        self.gate = Linear(cfg.hidden_size, moe.num_experts, bias=False)  # the router
+        local = shard.experts(cfg)
+        self.experts = FusedExperts(local, shard.rank * local, cfg.hidden_size,
+                                    moe.intermediate_size)
+        self.shared_expert = None
+        if moe.shared_expert_intermediate_size:
+            self.shared_expert = MLP(cfg, layer, shard, moe.shared_expert_intermediate_size)
+        self.shared_expert_gate = (Linear(cfg.hidden_size, 1, bias=False)
+                                   if moe.shared_expert_gate else None)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top-k experts [T, K] and their weights [T, K]: a softmax over
+        every expert in float32, the top k kept (renormalised if the config says)."""
+        logits = self.gate(x)
+        weights, ids = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(self.top_k)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights if self.float32_weights else weights.to(logits.dtype)
+
+    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
+        ids, weights = self.route(x)
+        out = comm.all_reduce(self.experts(x, ids, weights))
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)  # all-reduced by its down projection
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out
