@@ -202,9 +202,15 @@ def qkv(cfg, tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
             torch.empty(tokens, cfg.num_kv_heads, cfg.head_dim, dtype=dtype), v)
 
 
-def run_attention(cfg, dtype: torch.dtype, fp8: bool, block_size: int, graphs: bool) -> None:
+# What some families add to attention (engine/kernels/attention/score_mods.py): a
+# Gemma 2 sliding layer (window and soft-cap) and a gpt-oss one (window and sinks).
+SCORE_MODS = ({"window": 128, "softcap": 50.0}, {"window": 128, "sinks": True})
+
+
+def run_attention(cfg, dtype: torch.dtype, fp8: bool, block_size: int, graphs: bool,
+                  mods: dict | None = None) -> None:
     """Every step of eager_steps (and, with graphs, every CUDA-graph bucket) through
-    the Triton backend over one layer's cache."""
+    the Triton backend over one layer's cache; mods: a layer's SCORE_MODS."""
     from kvserve.engine.kernels.attention.triton_backend import TritonBackend
     from kvserve.engine.runner.cuda_graphs import batch_buckets
 
@@ -216,10 +222,13 @@ def run_attention(cfg, dtype: torch.dtype, fp8: bool, block_size: int, graphs: b
     if graphs:
         metas += [graph_metadata(b, m, block_size) for m in graph_max_lens(cfg.max_model_len)
                   for b in batch_buckets(MAX_NUM_SEQS)]
+    mods = dict(mods or {})
+    if mods.get("sinks"):
+        mods["sinks"] = torch.zeros(cfg.num_heads, dtype=torch.float32)
     for meta in metas:
         q, k, v = qkv(cfg, meta.num_tokens, dtype)
         scale = cfg.head_dim ** -0.5
-        backend.forward(q, k, v, *caches, backend.prepare(meta), scale, *scales)
+        backend.forward(q, k, v, *caches, backend.prepare(meta), scale, *scales, **mods)
 
 
 def run_lora(cfg, dtype: torch.dtype, slots: int, rank: int) -> None:
@@ -259,6 +268,11 @@ def configurations(target: Target, block_sizes: tuple[int, ...]
                     # Tensor-parallel steps stay eager (Engine._decode_graph_plan).
                     yield label, lambda r=rank, d=dtype, f=fp8, b=bs, g=tp == 1: \
                         run_attention(r, d, f, b, g)
+                    if tp == 1 and not fp8 and dtype != torch.float16:
+                        for mods in SCORE_MODS:
+                            yield (f"{label} {'+'.join(mods)}",
+                                   lambda r=rank, d=dtype, b=bs, m=mods:
+                                   run_attention(r, d, False, b, True, m))
                 if tp == 1:
                     for slots, rank_ in ((s, r) for s in LORA_SLOTS for r in LORA_RANKS):
                         yield (f"{name} {dt} lora r{rank_} x{slots}",

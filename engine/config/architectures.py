@@ -17,6 +17,10 @@ class ArchitectureTraits:
     qkv_bias: bool | None = None
     qk_norm: bool = False
     moe: Callable[[object], MoEConfig] | None = None
+    attention_sinks: bool = False
+    # The config's max_position_embeddings is the context after rope scaling
+    # already (Gemma 3's, as vLLM reads it), not to be multiplied by the factor.
+    context_states_scaling: bool = False
 
 
 ARCHITECTURES: dict[str, ArchitectureTraits] = {
@@ -27,6 +31,10 @@ ARCHITECTURES: dict[str, ArchitectureTraits] = {
     "MixtralForCausalLM": ArchitectureTraits(moe=moe_config.mixtral),
     "Qwen2MoeForCausalLM": ArchitectureTraits(qkv_bias=True, moe=moe_config.qwen_moe),
     "Qwen3MoeForCausalLM": ArchitectureTraits(qk_norm=True, moe=moe_config.qwen_moe),
+    "Gemma2ForCausalLM": ArchitectureTraits(),
+    "Gemma3ForCausalLM": ArchitectureTraits(qk_norm=True, context_states_scaling=True),
+    "GptOssForCausalLM": ArchitectureTraits(moe=moe_config.gpt_oss, attention_sinks=True),
+    "Phi3ForCausalLM": ArchitectureTraits(),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 

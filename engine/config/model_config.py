@@ -15,6 +15,7 @@ from kvserve.engine.config.rope_config import (RopeConfig, RopeConfigError, rope
 __all__ = ["ModelConfig", "ModelConfigError", "MoEConfig", "RopeConfig",
            "SUPPORTED_ARCHITECTURES"]
 
+
 class ModelConfigError(ValueError):
     """The checkpoint's configuration is missing, malformed or unsupported."""
 
@@ -38,6 +39,19 @@ class ModelConfig:
     qk_norm: bool = False
     rope: RopeConfig = field(default_factory=RopeConfig)
     moe: MoEConfig | None = None  # a mixture-of-experts model's routing and experts
+    # Sliding-window attention: the window (0: none), on every layer, or where
+    # layer_types (one "sliding_attention" / "full_attention" a layer) says.
+    sliding_window: int = 0
+    layer_types: tuple[str, ...] = ()
+    # The sliding layers' own rope (Gemma 3's local base), None: the model's rope.
+    local_rope: RopeConfig | None = None
+    attn_softcap: float = 0.0  # tanh soft-capping of attention scores (Gemma 2)
+    final_softcap: float = 0.0  # ... and of the logits
+    query_pre_attn_scalar: float = 0.0  # scores scaled by its -1/2 power, not head_dim's
+    attention_sinks: bool = False  # a learned logit per head in every softmax (gpt-oss)
+    hidden_act: str = "silu"  # the MLP's gate activation
+    # False where max_position_embeddings is the scaled context already (Gemma 3).
+    rope_scales_context: bool = True
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None  # the checkpoint's own dtype name, if stated
     # A Matryoshka embedding model's vector lengths that `dimensions` may ask for
@@ -45,9 +59,17 @@ class ModelConfig:
     # None when its vectors cannot be shortened.
     shorter_embeddings: tuple[int, ...] | None = None
 
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window, 0 for full attention."""
+        if not self.layer_types:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else 0
+
     @property
     def max_model_len(self) -> int:
         """The context the rope scaling allows (rope_config.scaled_max_len)."""
+        if not self.rope_scales_context:
+            return self.max_position_embeddings
         return scaled_max_len(self.max_position_embeddings, self.rope)
 
     @staticmethod
@@ -90,12 +112,6 @@ class ModelConfig:
         traits = ARCHITECTURES[arch]
         heads = hf.num_attention_heads
         attention_bias = bool(getattr(hf, "attention_bias", False))
-        max_pos = hf.max_position_embeddings
-        # Mistral-style sliding windows are not implemented: cap the context instead
-        # so results stay exact.
-        window = getattr(hf, "sliding_window", None)
-        if window and getattr(hf, "use_sliding_window", True):
-            max_pos = min(max_pos, window)
         return ModelConfig(
             architecture=arch,
             vocab_size=hf.vocab_size,
@@ -106,7 +122,7 @@ class ModelConfig:
             num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
             head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
             rms_norm_eps=hf.rms_norm_eps,
-            max_position_embeddings=max_pos,
+            max_position_embeddings=hf.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             qkv_bias=qkv_bias(traits, hf),
             o_bias=attention_bias and traits.qkv_bias is None,
@@ -114,6 +130,7 @@ class ModelConfig:
             qk_norm=traits.qk_norm,
             rope=_rope(hf),
             moe=traits.moe(hf) if traits.moe else None,
+            **_attention_fields(hf, traits),
             eos_token_ids=_eos_ids(hf),
             torch_dtype=_dtype_name(hf),
             shorter_embeddings=_matryoshka(hf),
@@ -127,11 +144,31 @@ def _matryoshka(hf) -> tuple[int, ...] | None:
     return () if getattr(hf, "is_matryoshka", False) else None
 
 
-def _rope(hf) -> RopeConfig:
+def _rope(hf, layer_type: str = "full_attention") -> RopeConfig:
     try:
-        return rope_from_hf(hf)
+        return rope_from_hf(hf, layer_type)
     except RopeConfigError as exc:
         raise ModelConfigError(str(exc)) from exc
+
+
+def _attention_fields(hf, traits) -> dict:
+    """Windows, soft-caps, sinks and the like, where the family has them."""
+    window = int(getattr(hf, "sliding_window", None) or 0)
+    if not getattr(hf, "use_sliding_window", True):  # Qwen2's switch
+        window = 0
+    layer_types = tuple(getattr(hf, "layer_types", None) or ())
+    params = getattr(hf, "rope_parameters", None) or {}
+    return dict(
+        sliding_window=window, layer_types=layer_types,
+        local_rope=_rope(hf, "sliding_attention") if "sliding_attention" in params else None,
+        attn_softcap=float(getattr(hf, "attn_logit_softcapping", None) or 0.0),
+        final_softcap=float(getattr(hf, "final_logit_softcapping", None) or 0.0),
+        query_pre_attn_scalar=float(getattr(hf, "query_pre_attn_scalar", None) or 0.0),
+        attention_sinks=traits.attention_sinks,
+        hidden_act=(getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", None)
+                    or "silu"),
+        rope_scales_context=not traits.context_states_scaling,
+    )
 
 
 def _eos_ids(hf) -> tuple[int, ...]:

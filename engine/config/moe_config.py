@@ -22,6 +22,17 @@ class MoEConfig:
     # The routing weights multiply the experts' outputs in float32 (Mixtral's
     # router keeps them so); else they are cast to the model's dtype first (Qwen's).
     float32_weights: bool = False
+    # "softmax": a softmax over every expert, then the top k (Mixtral, Qwen);
+    # "topk_softmax": the top k logits, then a softmax over those k (gpt-oss).
+    router: str = "softmax"
+    router_bias: bool = False
+    expert_bias: bool = False  # biases on each expert's projections (gpt-oss)
+    # The experts' gated activation: "silu" (SwiGLU), or "swiglu_oai" (gpt-oss's:
+    # gate clamped above at swiglu_limit, up clamped to +-swiglu_limit,
+    # gate * sigmoid(swiglu_alpha * gate) * (up + 1)).
+    activation: str = "silu"
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 0.0
 
     def is_sparse(self, layer: int) -> bool:
         return self.sparse_layers[layer]
@@ -49,3 +60,12 @@ def mixtral(hf) -> MoEConfig:
                      intermediate_size=hf.intermediate_size,
                      sparse_layers=(True,) * hf.num_hidden_layers, norm_topk_prob=True,
                      float32_weights=True)
+
+
+def gpt_oss(hf) -> MoEConfig:
+    return MoEConfig(num_experts=hf.num_local_experts, top_k=hf.num_experts_per_tok,
+                     intermediate_size=hf.intermediate_size,
+                     sparse_layers=(True,) * hf.num_hidden_layers, router="topk_softmax",
+                     router_bias=True, expert_bias=True, activation="swiglu_oai",
+                     swiglu_limit=float(getattr(hf, "swiglu_limit", 7.0)),
+                     swiglu_alpha=float(getattr(hf, "swiglu_alpha", 1.702)))

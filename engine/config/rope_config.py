@@ -39,9 +39,13 @@ class RopeConfig:
     partial_rotary_factor: float = 1.0
 
 
-def rope_from_hf(hf) -> RopeConfig:
+def rope_from_hf(hf, layer_type: str = "full_attention") -> RopeConfig:
+    """layer_type: which layers' rope, where the config keys its parameters by layer
+    type (Gemma 3: a local base for sliding layers, a global one for full layers)."""
     # transformers >= 5 folds rope_theta and rope_scaling into rope_parameters.
     params = dict(getattr(hf, "rope_parameters", None) or {})
+    if layer_type in params:
+        params = dict(params[layer_type])
     scaling = getattr(hf, "rope_scaling", None)
     if scaling and not params.get("rope_type"):
         params.update(scaling)

@@ -20,7 +20,9 @@ from kvserve.engine.models.tp_shard import SINGLE, TPShard
 class Attention(nn.Module):
     """The heads one tensor-parallel rank holds (`shard`; all of them at one rank)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int = 0, shard: TPShard = SINGLE):
+    def __init__(self, cfg: ModelConfig, layer: int = 0, shard: TPShard = SINGLE,
+                 norm: type[nn.Module] = RMSNorm):
+        """norm: the QK-norm's class, where the config has one."""
         super().__init__()
         self.layer = layer  # which adapter weights a LoRA step adds here
         self.num_heads, self.num_kv_heads = shard.heads(cfg), shard.kv_heads(cfg)
@@ -28,9 +30,15 @@ class Attention(nn.Module):
         q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.qkv_proj = PackedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], cfg.qkv_bias)
         self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, bias=cfg.o_bias)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.scale = cfg.head_dim ** -0.5
+        self.q_norm = norm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = norm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        # What some families add to the softmax (engine/kernels/attention/score_mods.py).
+        self.window, self.softcap = cfg.window(layer), cfg.attn_softcap
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if cfg.attention_sinks else None
+        # Which of the model's rope tables this layer rotates by (1: the local one of
+        # sliding layers, Gemma 3).
+        self.rope_index = 1 if cfg.local_rope is not None and self.window else 0
         # Set by the model runner once the cache is allocated.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
@@ -56,12 +64,13 @@ class Attention(nn.Module):
         if self.key_rotation is not None:  # q.k unchanged: the rotation is orthogonal
             q, k = rotate(q, self.key_rotation), rotate(k, self.key_rotation)
         k_scale, v_scale = self.kv_scales or (None, None)
+        mods = (self.window, self.softcap, self.sinks)
         if paged is None:  # the attention custom op, through the step's backend
             o = paged_attention(q, k, v, self.k_cache, self.v_cache, self.scale,
-                                k_scale, v_scale)
+                                k_scale, v_scale, *mods)
         else:  # a compiled decode graph: attention traced with the rest
             o = decode_in_place(q, k, v, self.k_cache, self.v_cache, paged, self.scale,
-                                k_scale, v_scale)
+                                k_scale, v_scale, *mods)
         o = o.reshape(n, q_size)
         out = self.o_proj(o)
         return out if lora is None else lora.add("o", self.layer, o, out)

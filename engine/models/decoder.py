@@ -1,8 +1,9 @@
 """A decoder-only transformer over a flat batch of tokens, the shape every supported
 family shares: embedding, layers of (norm, attention, norm, MLP) with residuals,
 final norm, LM head. A family (engine/models/registry.py) subclasses DecoderModel for
-what differs: its MLP (`make_mlp`: dense, or mixture-of-experts) and how its
-checkpoint names tensors (`checkpoint_name`).
+what differs: its layers (`make_layer`), MLP (`make_mlp`: dense, or mixture-of-
+experts), norm (`norm_class`), embedding (`embed`), and how its checkpoint names
+and lays out tensors (`checkpoint_name`, `checkpoint_tensors`).
 
 There is no padding and no batch dimension: row i of every activation is token i of
 the step, whatever request it belongs to. Attention is the only place requests are
@@ -33,39 +34,62 @@ PACKED_MODULES = {
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, mlp: nn.Module, layer: int = 0,
-                 shard: TPShard = SINGLE):
+                 shard: TPShard = SINGLE, norm: type[nn.Module] = RMSNorm):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer, shard)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer, shard, norm)
+        self.post_attention_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = mlp
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+    def forward(self, ropes: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor,
                 paged: PagedDecode | None = None, lora: LoRAStep | None = None
                 ) -> torch.Tensor:
+        rope = ropes[self.self_attn.rope_index]
         x = x + self.self_attn(rope, self.input_layernorm(x), paged, lora)
         return x + self.mlp(self.post_attention_layernorm(x), lora)
 
 
 class DecoderModel(nn.Module):
+    norm_class: type[nn.Module] = RMSNorm
+
     def __init__(self, cfg: ModelConfig, max_positions: int, shard: TPShard = SINGLE):
         super().__init__()
         self.config = cfg  # the whole model's, whatever part of it `shard` holds
         self.shard = shard
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope)
+        # The sliding layers' own rope table, where the family has one (Gemma 3).
+        self.local_rotary = (RotaryEmbedding(cfg.head_dim, max_positions, cfg.local_rope)
+                             if cfg.local_rope is not None else None)
         self.embed_tokens = VocabParallelEmbedding(shard.vocab(cfg), cfg.hidden_size,
                                                    shard.vocab_start(cfg))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.make_mlp(cfg, i, shard), i, shard)
+        self.layers = nn.ModuleList(self.make_layer(cfg, i, shard)
                                     for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, shard.vocab(cfg), bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
     @classmethod
+    def make_layer(cls, cfg: ModelConfig, layer: int, shard: TPShard) -> nn.Module:
+        return DecoderLayer(cfg, cls.make_mlp(cfg, layer, shard), layer, shard,
+                            cls.norm_class)
+
+    @classmethod
     def make_mlp(cls, cfg: ModelConfig, layer: int, shard: TPShard) -> nn.Module:
         """Layer `layer`'s MLP: dense by default."""
         return MLP(cfg, layer, shard)
+
+    def rotaries(self) -> list[RotaryEmbedding]:
+        return [r for r in (self.rotary, self.local_rotary) if r is not None]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def checkpoint_tensors(self, ckpt_name: str, tensor):
+        """The checkpoint tensor `ckpt_name` as (name, tensor) pieces in the layout
+        checkpoint_name maps (a family whose checkpoints fuse what we split, or the
+        other way round, rewrites them here); by default as it is."""
+        yield ckpt_name, tensor
 
     @classmethod
     def checkpoint_name(cls, ckpt_name: str) -> tuple[str, object]:
@@ -87,15 +111,18 @@ class DecoderModel(nn.Module):
         step's attention inputs, for attention written as plain ops (compiled decode
         graphs on CPU); without it every layer calls the attention custom op.
         lora: the step's adapters (engine/models/lora_step.py), None when it has none."""
-        x = self.embed_tokens(input_ids)
-        rope = self.rotary.table(positions, x.dtype)
+        x = self.embed(input_ids)
+        ropes = [r.table(positions, x.dtype) for r in self.rotaries()]
         # (Slicing a ModuleList builds a new one: only when asked.)
         layers = self.layers if num_layers is None else self.layers[:num_layers]
         for layer in layers:
-            x = layer(rope, x, paged, lora)
+            x = layer(ropes, x, paged, lora)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [rows, vocab] (under tensor parallelism on rank 0; every
-        rank calls it, the others get their own columns)."""
-        return comm.gather_vocab(self.lm_head(hidden).float(), self.config.vocab_size)
+        rank calls it, the others get their own columns), soft-capped where the
+        family caps them (Gemma 2)."""
+        logits = comm.gather_vocab(self.lm_head(hidden).float(), self.config.vocab_size)
+        cap = self.config.final_softcap
+        return torch.tanh(logits / cap) * cap if cap else logits

@@ -13,7 +13,7 @@ from kvserve.engine.models.moe import SparseMoE
 from kvserve.engine.models.qwen_moe import expert_name
 from kvserve.engine.models.tp_shard import TPShard
 
-_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w3|w2)\.weight$")
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w3|w2)\.(weight)$")
 _PARTS = {"w1": ("w13", 0), "w3": ("w13", 1), "w2": ("w2", 0)}
 
 

@@ -21,18 +21,23 @@ from kvserve.engine.models.tp_shard import SINGLE, TPShard
 
 class FusedExperts(nn.Module):
     """The routed experts this rank holds, stacked: w13 [E, 2I, H] (each expert's gate
-    rows, then its up rows), w2 [E, H, I]. Filled per checkpoint tensor through
-    load_shard with shard (global expert id, part: 0 gate, 1 up; 0 for down)."""
+    rows, then its up rows), w2 [E, H, I], and with `bias` b13 [E, 2I], b2 [E, H].
+    Filled per checkpoint tensor through load_shard with shard (global expert id,
+    part: 0 gate, 1 up; 0 for down)."""
 
-    def __init__(self, num_experts: int, first: int, hidden: int, intermediate: int):
+    def __init__(self, num_experts: int, first: int, hidden: int, intermediate: int,
+                 bias: bool = False, activation: tuple = ("silu", 0.0, 0.0)):
         super().__init__()
         self.first, self.intermediate = first, intermediate
+        self.activation = activation  # (name, limit, alpha): fused_experts.gated's
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.b13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate)) if bias else None
+        self.b2 = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
 
     def expected_shards(self, attr: str) -> list[tuple[int, int]]:
         experts = range(self.first, self.first + self.w13.shape[0])
-        parts = (0, 1) if attr == "w13" else (0,)
+        parts = (0, 1) if attr in ("w13", "b13") else (0,)
         return [(e, p) for e in experts for p in parts]
 
     def holds(self, shard: tuple[int, int]) -> bool:
@@ -42,26 +47,27 @@ class FusedExperts(nn.Module):
         expert, part = shard[0] - self.first, shard[1]
         target = getattr(self, attr).data[expert]
         rows = slice(part * self.intermediate, (part + 1) * self.intermediate) \
-            if attr == "w13" else slice(None)
+            if attr in ("w13", "b13") else slice(None)
         if target[rows].shape != tensor.shape:
             raise ValueError(f"expert tensor of shape {tuple(tensor.shape)}, expected "
                              f"{tuple(target[rows].shape)}")
         target[rows].copy_(tensor)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
-        return torch.ops.kvserve.fused_experts(x, ids, weights, self.w13, self.w2, self.first)
+        return torch.ops.kvserve.fused_experts(x, ids, weights, self.w13, self.w2, self.first,
+                                               self.b13, self.b2, *self.activation)
 
 
 class SparseMoE(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int = 0, shard: TPShard = SINGLE):
         super().__init__()
         moe = cfg.moe
-        self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
-        self.float32_weights = moe.float32_weights
-        self.gate = Linear(cfg.hidden_size, moe.num_experts, bias=False)  # the router
+        self.moe = moe
+        self.gate = Linear(cfg.hidden_size, moe.num_experts, bias=moe.router_bias)  # router
         local = shard.experts(cfg)
         self.experts = FusedExperts(local, shard.rank * local, cfg.hidden_size,
-                                    moe.intermediate_size)
+                                    moe.intermediate_size, moe.expert_bias,
+                                    (moe.activation, moe.swiglu_limit, moe.swiglu_alpha))
         self.shared_expert = None
         if moe.shared_expert_intermediate_size:
             self.shared_expert = MLP(cfg, layer, shard, moe.shared_expert_intermediate_size)
@@ -70,12 +76,16 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k experts [T, K] and their weights [T, K]: a softmax over
-        every expert in float32, the top k kept (renormalised if the config says)."""
-        logits = self.gate(x)
-        weights, ids = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(self.top_k)
-        if self.norm_topk_prob:
+        every expert in float32, the top k kept (renormalised if the config says);
+        or (topk_softmax) the top k logits and a softmax over them."""
+        moe, logits = self.moe, self.gate(x)
+        if moe.router == "topk_softmax":
+            top, ids = logits.topk(moe.top_k)
+            return ids, torch.softmax(top, dim=-1)
+        weights, ids = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(moe.top_k)
+        if moe.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return ids, weights if self.float32_weights else weights.to(logits.dtype)
+        return ids, weights if moe.float32_weights else weights.to(logits.dtype)
 
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
         ids, weights = self.route(x)

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from kvserve.engine.config.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from kvserve.engine.models.decoder import DecoderModel
+from kvserve.engine.models.gemma import GemmaForCausalLM
+from kvserve.engine.models.gpt_oss import GptOssForCausalLM
 from kvserve.engine.models.llama import LlamaForCausalLM
 from kvserve.engine.models.mixtral import MixtralForCausalLM
+from kvserve.engine.models.phi3 import Phi3ForCausalLM
 from kvserve.engine.models.qwen_moe import QwenMoeForCausalLM
 from kvserve.modelstore.errors import ModelLoadError
 
@@ -18,6 +21,10 @@ MODEL_CLASSES: dict[str, type[DecoderModel]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": QwenMoeForCausalLM,
     "Qwen3MoeForCausalLM": QwenMoeForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 

@@ -89,6 +89,9 @@ class TPShard:
         if name.endswith(("o_proj.weight", "down_proj.weight")):
             part = module.in_features  # this rank's input columns
             return tensor[:, self.rank * part:(self.rank + 1) * part]
+        if name.endswith("self_attn.sinks"):  # one per query head
+            heads = self.heads(cfg)
+            return tensor[self.rank * heads:(self.rank + 1) * heads]
         if name in ("embed_tokens.weight", "lm_head.weight"):
             start = self.vocab_start(cfg)
             rows = tensor[start:min(start + self.vocab(cfg), cfg.vocab_size)]

@@ -130,7 +130,8 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
         tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
         if any(t.is_meta for t in tensors):
             module.to_empty(device=device, recurse=False)
-    model.rotary.materialize(device)
+    for rotary in model.rotaries():
+        rotary.materialize(device)
 
 
 def _fill_floats(model: LlamaForCausalLM, ckpt: GGUFCheckpoint, names: dict) -> Counter:

@@ -44,7 +44,8 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
     model.to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty may untie shared parameters
         model.lm_head.weight = model.embed_tokens.weight
-    model.rotary.materialize(device)
+    for rotary in model.rotaries():
+        rotary.materialize(device)
     return model.eval().requires_grad_(False)
 
 
@@ -121,9 +122,10 @@ def load_safetensors(model: DecoderModel, model_dir: Path,
     loaded: set[tuple[str, int | None]] = set()
     for file in files:
         with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                if _load_one(model, params, name, f.get_slice(name), shard):
-                    loaded.add(model.checkpoint_name(name))
+            for key in f.keys():
+                for name, tensor in model.checkpoint_tensors(key, f.get_slice(key)):
+                    if _load_one(model, params, name, tensor, shard):
+                        loaded.add(model.checkpoint_name(name))
     missing = _expected_weights(model, params) - loaded
     if missing:
         raise ModelLoadError(f"checkpoint in {model_dir} lacks {len(missing)} weights, "

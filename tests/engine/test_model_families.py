@@ -13,7 +13,8 @@ from kvserve.scheduler.sampling_params import SamplingParams
 from tests.support.reference import (assert_same_tokens, load_reference, reference_greedy,
                                      varied_prompts)
 
-FAMILIES = ["mixtral", "qwen2moe", "qwen3moe", "qwen2yarn"]
+FAMILIES = ["mixtral", "qwen2moe", "qwen3moe", "qwen2yarn", "mistralwin", "gemma2", "gemma3",
+            "gptoss", "phi3"]
 # qwen2yarn serves 256 positions (YaRN x4 over 64): prompts and outputs fit in them,
 # and most prompts pass the original 64.
 LENGTHS = (1, 3, 17, 31, 33, 64, 100, 129, 150, 180)
@@ -62,7 +63,8 @@ def test_prefix_hits_and_preemption_keep_the_tokens(family):
     assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
 
 
-@pytest.mark.parametrize("family", ["qwen3moe", "qwen2yarn"], indirect=True)
+@pytest.mark.parametrize("family", ["qwen3moe", "qwen2yarn", "gemma2", "gptoss"],
+                         indirect=True)
 def test_compiled_path_matches_transformers(family):
     model_dir, ref = family
     engine = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=512,
@@ -76,7 +78,7 @@ def test_compiled_path_matches_transformers(family):
     assert_same_tokens(ref, prompts, got, reference(ref, prompts, params))
 
 
-@pytest.mark.parametrize("family", ["qwen2moe", "mixtral"], indirect=True)
+@pytest.mark.parametrize("family", ["qwen2moe", "mixtral", "gptoss"], indirect=True)
 def test_two_ranks_split_the_experts(family):
     model_dir, ref = family
     engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", compile="off",

@@ -43,9 +43,12 @@ class AttentionBackend(ABC):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: Any,
                 scale: float, k_scale: torch.Tensor | None = None,
-                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                v_scale: torch.Tensor | None = None, window: int = 0,
+                softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Writes k, v [T, Hkv, D] into the cache at meta's slots (skipping slot -1),
         then returns attention of q [T, Hq, D] over each request's context: [T, Hq, D].
         The caches are [num_blocks, block_size, Hkv, D]. With k_scale and v_scale
         (float32 scalars) the caches are fp8: K/V are stored divided by them
-        (engine/weights/quantization/kv_fp8.py) and read multiplied back."""
+        (engine/weights/quantization/kv_fp8.py) and read multiplied back. window,
+        softcap and sinks: a sliding window, logit soft-cap and attention sinks
+        (score_mods.py; 0, 0.0 and None: plain attention)."""

@@ -75,14 +75,20 @@ def get_attention_metadata() -> Any:
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
                     k_scale: Optional[torch.Tensor] = None,
-                    v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    v_scale: Optional[torch.Tensor] = None, window: int = 0,
+                    softcap: float = 0.0, sinks: Optional[torch.Tensor] = None
+                    ) -> torch.Tensor:
     """The attention call of every layer: stores the new tokens' K/V and attends,
     through the step's backend. q: [T, Hq, D]; k, v: [T, Hkv, D]; returns [T, Hq, D].
-    k_scale, v_scale: the layer's fp8 cache scales (None: a cache in the model dtype)."""
+    k_scale, v_scale: the layer's fp8 cache scales (None: a cache in the model dtype).
+    window (a sliding window's keys, 0: all), softcap (0.0: none), sinks ([Hq] logits,
+    None: none): what some families add (engine/kernels/attention/score_mods.py)."""
     backend, meta = _current()
-    return backend.forward(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale)
+    return backend.forward(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale,
+                           window, softcap, sinks)
 
 
 @paged_attention.register_fake
-def _paged_attention_shape(q, k, v, k_cache, v_cache, scale, k_scale=None, v_scale=None):
+def _paged_attention_shape(q, k, v, k_cache, v_cache, scale, k_scale=None, v_scale=None,
+                           window=0, softcap=0.0, sinks=None):
     return torch.empty_like(q)

@@ -37,6 +37,7 @@ from typing import NamedTuple
 
 import torch
 
+from kvserve.engine.kernels.attention import score_mods
 from kvserve.engine.kernels.cpu import build as cpu_kernels
 from kvserve.engine.kernels.fp8_cache import store_rows
 
@@ -59,13 +60,15 @@ def widened(block_tables: torch.Tensor) -> torch.Tensor:
 def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
                            scale: float, k_scale: torch.Tensor | None = None,
-                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           v_scale: torch.Tensor | None = None, window: int = 0,
+                           softcap: float = 0.0,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, D], one query per request at its last position; caches [N, bs, Hkv, D];
     block_tables [B, W] (int); seq_lens [B] (keys 0..len-1 are visible); k_scale,
-    v_scale: an fp8 cache's. -> [B, Hq, D]."""
+    v_scale: an fp8 cache's; window, softcap, sinks [Hq]: score_mods.py's. -> [B, Hq, D]."""
     if k_scale is not None:
         return _fp8_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale,
-                           v_scale)
+                           v_scale, window, softcap, sinks)
     b, hq, d = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     width = block_tables.shape[1]
@@ -80,16 +83,23 @@ def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     k, v = k_cache[bt].float(), v_cache[bt].float()
     qg = q.float().reshape(b, 1, 1, hkv, hq // hkv, d)  # query heads grouped by KV head
     scores = (qg * k.unsqueeze(4)).sum(-1) * scale  # [B, W, bs, Hkv, G]
+    scores = score_mods.capped(scores, softcap)
     pos = torch.arange(width * bs, device=q.device).reshape(width, bs)
-    visible = (pos[None] < seq_lens[:, None, None].long())[..., None, None]
-    scores = scores.masked_fill(~visible, float("-inf")).reshape(b, width * bs, hkv, -1)
-    p = scores.softmax(dim=1).reshape(b, width, bs, hkv, -1, 1)
+    lens = seq_lens[:, None, None].long()
+    visible = pos[None] < lens
+    if window:
+        visible = visible & score_mods.in_window(pos[None], lens - 1, window)
+    scores = scores.masked_fill(~visible[..., None, None], float("-inf"))
+    scores = scores.reshape(b, width * bs, hkv, -1)
+    sink = None if sinks is None else sinks.float().reshape(1, hkv, -1).expand(b, -1, -1)
+    p = score_mods.softmax(scores, 1, sink).reshape(b, width, bs, hkv, -1, 1)
     out = (p * v.unsqueeze(4)).sum((1, 2))  # [B, Hkv, G, D]
     return out.reshape(b, hq, d).to(q.dtype)
 
 
 def _fp8_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float,
-                k_scale: torch.Tensor, v_scale: torch.Tensor) -> torch.Tensor:
+                k_scale: torch.Tensor, v_scale: torch.Tensor, window: int = 0,
+                softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """paged_decode_reference over an fp8 cache. Its keys are indexed one by one in
     any order (softmax and sum do not care), each with its own position for the mask,
     column by column of the block table, so that neighbouring reads are in different
@@ -114,8 +124,14 @@ def _fp8_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float,
     # the positions second (scores [B, L, Hkv, G]) it parallelised each softmax
     # reduction on its own, one OpenMP region per request, 1.4-1.5x slower.
     scores = (qg * k.unsqueeze(2)).sum(-1) * scale * k_scale  # [B, Hkv, G, L]
-    visible = (pos[None, :] < seq_lens[:, None].long())[:, None, None, :]
-    p = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+    scores = score_mods.capped(scores, softcap)
+    lens = seq_lens[:, None].long()
+    visible = pos[None, :] < lens
+    if window:
+        visible = visible & score_mods.in_window(pos[None, :], lens - 1, window)
+    sink = None if sinks is None else sinks.float().reshape(1, hkv, -1).expand(b, -1, -1)
+    p = score_mods.softmax(scores.masked_fill(~visible[:, None, None, :], float("-inf")),
+                           -1, sink)
     out = (p.unsqueeze(-1) * v.unsqueeze(2)).sum(3) * v_scale  # [B, Hkv, G, D]
     return out.reshape(b, hq, d).to(q.dtype)
 
@@ -131,17 +147,18 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-           k_scale: torch.Tensor | None = None,
-           v_scale: torch.Tensor | None = None) -> torch.Tensor:
+           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+           window: int = 0, softcap: float = 0.0,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """paged_decode_reference's result: through kvserve's CPU kernel (the op
-    kvserve::paged_decode, engine/kernels/cpu/paged_decode.cpp) for float32 and bf16
-    caches where this process has the kernels, 1.8-4x faster; else the reference's
-    ops, compiled by the caller."""
-    if kernel_reads(q, k_cache, k_scale):
+    kvserve::paged_decode, engine/kernels/cpu/paged_decode.cpp) for plain attention
+    over float32 and bf16 caches where this process has the kernels, 1.8-4x faster;
+    else the reference's ops, compiled by the caller."""
+    if kernel_reads(q, k_cache, k_scale) and score_mods.plain(window, softcap, sinks):
         return torch.ops.kvserve.paged_decode(q, k_cache, v_cache, block_tables.int(),
                                               seq_lens.int(), scale)
     return paged_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                  k_scale, v_scale)
+                                  k_scale, v_scale, window, softcap, sinks)
 
 
 def kernel_reads(q: torch.Tensor, k_cache: torch.Tensor, k_scale) -> bool:
@@ -155,25 +172,27 @@ def kernel_reads(q: torch.Tensor, k_cache: torch.Tensor, k_scale) -> bool:
 def decode_in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, step: PagedDecode,
                     scale: float, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    v_scale: torch.Tensor | None = None, window: int = 0,
+                    softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Stores the step's K/V [B, Hkv, D] at step.slots, then attends: what the attention
     custom op does for decodes, as ops a compiled graph can take in (Inductor writes
     the store into the cache in place)."""
     store_kv(k, v, k_cache, v_cache, step.slots, k_scale, v_scale)
     return attend(q, k_cache, v_cache, step.block_tables, step.seq_lens, scale, k_scale,
-                  v_scale)
+                  v_scale, window, softcap, sinks)
 
 
 _compiled = None
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float,
-                 k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                 window: int = 0, softcap: float = 0.0,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """attend: the kernel, else the reference compiled (once, for every batch size
-    and length)."""
+    and length, and once per window, cap and sinks a model's layers have)."""
     global _compiled
-    if kernel_reads(q, k_cache, k_scale):
+    if kernel_reads(q, k_cache, k_scale) and score_mods.plain(window, softcap, sinks):
         return attend(q, k_cache, v_cache, block_tables, seq_lens, scale)
     if _compiled is None:
         _compiled = torch.compile(paged_decode_reference, fullgraph=True)
@@ -193,4 +212,5 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float,
                         (k_view, (0,)), (v_view, (0,))):
             for dim in dims:
                 torch._dynamo.maybe_mark_dynamic(t, dim)
-        return _compiled(q, k_view, v_view, block_tables, seq_lens, scale, k_scale, v_scale)
+        return _compiled(q, k_view, v_view, block_tables, seq_lens, scale, k_scale, v_scale,
+                         window, softcap, sinks)

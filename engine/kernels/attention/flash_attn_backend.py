@@ -37,9 +37,13 @@ class FlashAttnBackend(AttentionBackend):
         return FlashAttnMetadata(common, cu)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: FlashAttnMetadata, scale,
-                k_scale=None, v_scale=None):
+                k_scale=None, v_scale=None, window=0, softcap=0.0, sinks=None):
         if k_scale is not None:  # the selector refuses the pairing; a cache is never misread
             raise ValueError("the flash-attn backend reads no fp8 KV cache")
+        if sinks is not None:  # likewise (engine/core/build.py)
+            raise ValueError("flash-attn 2 has no attention sinks")
+        # flash-attn's window counts the keys left of the query's own.
+        extras = dict(window_size=(window - 1, 0) if window else (-1, -1), softcap=softcap)
         c = meta.common
         self._store(k, v, k_cache, v_cache, c.slot_mapping)
         if c.num_prefills == 0:
@@ -48,10 +52,11 @@ class FlashAttnBackend(AttentionBackend):
             # [B, 1, Hq, D]: one query per request, at the end of its context.
             out[:nd] = self._with_kvcache(
                 q[:nd].unsqueeze(1), k_cache, v_cache, cache_seqlens=c.seq_lens,
-                block_table=c.block_tables, softmax_scale=scale, causal=True).squeeze(1)
+                block_table=c.block_tables, softmax_scale=scale, causal=True,
+                **extras).squeeze(1)
             return out
         return self._varlen(
             q, k_cache, v_cache, cu_seqlens_q=c.query_start_loc,
             cu_seqlens_k=meta.cu_seqlens_k, max_seqlen_q=c.max_query_len,
             max_seqlen_k=c.max_seq_len, softmax_scale=scale, causal=True,
-            block_table=c.block_tables)
+            block_table=c.block_tables, **extras)

@@ -7,11 +7,12 @@ head_dim]; flattened over the first two dims a token's K/V lives at its "slot"
 indices and masks once per step; every layer then gathers its context with them."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
 
+from kvserve.engine.kernels.attention import score_mods
 from kvserve.engine.kernels.attention.backend import AttentionBackend
 from kvserve.engine.kernels.attention.context import AttentionMetadata
 from kvserve.engine.kernels.attention.cpu_paged import (PagedDecode, kernel_reads, paged_decode,
@@ -33,6 +34,15 @@ class PrefillSpan:
     block_table: torch.Tensor | None = None
     context_len: int = 0
 
+    def windowed(self, window: int) -> PrefillSpan:
+        """This span's mask narrowed to a sliding window."""
+        dev = self.context_slots.device
+        key_pos = torch.arange(self.context_len, device=dev)
+        q_pos = torch.arange(self.context_len - self.query_len, self.context_len,
+                             device=dev).unsqueeze(1)
+        mask = (key_pos <= q_pos) & score_mods.in_window(key_pos, q_pos, window)
+        return replace(self, mask=mask)
+
 
 @dataclass
 class TorchAttentionMetadata:
@@ -50,6 +60,32 @@ class TorchAttentionMetadata:
     # With paged decode, the decodes read the cache in place instead (decode_slots
     # and decode_mask None); `paged.slots` are those of the decodes only.
     paged: PagedDecode | None = None
+    # The query positions of the decodes' [B, 1, 1, 1] and of the short rows'
+    # [S, 1, Q, 1] masks, to narrow them to a window (`windowed`).
+    decode_query_pos: torch.Tensor | None = None
+    short_query_pos: torch.Tensor | None = None
+    _windowed: dict[int, TorchAttentionMetadata] = field(default_factory=dict)
+
+    def windowed(self, window: int) -> TorchAttentionMetadata:
+        """The step's metadata with every mask narrowed to a sliding window (made
+        once a step for each window the model's layers have)."""
+        if not window:
+            return self
+        if window not in self._windowed:
+            short, decode_mask = self.short, self.decode_mask
+            if short is not None:
+                rows, slots, mask = short
+                key_pos = torch.arange(mask.shape[-1], device=mask.device)
+                short = (rows, slots, mask & score_mods.in_window(
+                    key_pos, self.short_query_pos, window))
+            if decode_mask is not None:
+                key_pos = torch.arange(decode_mask.shape[-1], device=decode_mask.device)
+                decode_mask = decode_mask & score_mods.in_window(
+                    key_pos, self.decode_query_pos, window)
+            self._windowed[window] = replace(
+                self, prefills=[s.windowed(window) for s in self.prefills],
+                decode_mask=decode_mask, short=short, _windowed={})
+        return self._windowed[window]
 
     def decode_only(self) -> PagedDecode | None:
         """The step's attention inputs for a compiled decode graph, if every row
@@ -85,7 +121,7 @@ class TorchBackend(AttentionBackend):
 
     def prepare(self, common: AttentionMetadata) -> TorchAttentionMetadata:
         rows = torch.nonzero(common.slot_mapping >= 0).squeeze(1)
-        slots, mask, paged = None, None, None
+        slots, mask, paged, decode_pos = None, None, None, None
         nd = common.num_decodes
         in_place = self.in_place
         if nd and in_place:
@@ -93,14 +129,16 @@ class TorchBackend(AttentionBackend):
                                 common.slot_mapping[:nd])
         elif nd:
             slots, mask = self._decodes(common)
+            decode_pos = (common.seq_lens[:nd].long() - 1)[:, None, None, None]
         lens = common.query_start_loc_cpu.diff().tolist()
         short = [i for i in range(common.num_decodes, common.num_reqs)
                  if lens[i] <= SHORT_QUERY]
         long = [i for i in range(common.num_decodes, common.num_reqs) if lens[i] > SHORT_QUERY]
+        shorts = self._shorts(common, short) if short else None
         return TorchAttentionMetadata(rows, common.slot_mapping[rows],
                                       self._prefills(common, long, in_place), slots, mask,
-                                      self._shorts(common, short) if short else None,
-                                      paged)
+                                      shorts[:3] if shorts else None, paged, decode_pos,
+                                      shorts[3] if shorts else None)
 
     @staticmethod
     def _decodes(c: AttentionMetadata):
@@ -128,7 +166,7 @@ class TorchBackend(AttentionBackend):
         slots = context_slots(c.block_tables[index.to(dev)],
                               key_pos.minimum(ctx[:, None] - 1).to(dev), c.block_size)
         mask = key_pos[:, None, :] <= q_pos[:, :, None]  # causal; < ctx follows
-        return rows.to(dev), slots, mask[:, None].to(dev)
+        return rows.to(dev), slots, mask[:, None].to(dev), q_pos[:, None, :, None].to(dev)
 
     @staticmethod
     def _prefills(c: AttentionMetadata, idx: list[int], in_place: bool) -> list[PrefillSpan]:
@@ -148,7 +186,7 @@ class TorchBackend(AttentionBackend):
         return spans
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TorchAttentionMetadata, scale,
-                k_scale=None, v_scale=None):
+                k_scale=None, v_scale=None, window=0, softcap=0.0, sinks=None):
         store_kv(k[meta.store_rows], v[meta.store_rows], k_cache, v_cache, meta.store_slots,
                  k_scale, v_scale)
         kv_heads, head_dim = k_cache.shape[-2:]
@@ -159,50 +197,61 @@ class TorchBackend(AttentionBackend):
             return (read_rows(k_flat[slots], k_scale, q.dtype),
                     read_rows(v_flat[slots], v_scale, q.dtype))
 
+        kernel = kernel_reads(q, k_cache, k_scale) and score_mods.plain(window, softcap, sinks)
+        mods = (scale, softcap, sinks)
+        meta = meta.windowed(window)
         out = torch.empty_like(q)
         for span in meta.prefills:
             rows = slice(span.query_start, span.query_start + span.query_len)
-            if span.block_table is not None and kernel_reads(q, k_cache, k_scale):
+            if span.block_table is not None and kernel:
                 out[rows] = torch.ops.kvserve.paged_prefill(
                     q[rows], k_cache, v_cache, span.block_table, span.context_len, scale)
             else:
-                out[rows] = _prefill(q[rows], *context(span.context_slots), span.mask, scale)
+                out[rows] = _prefill(q[rows], *context(span.context_slots), span.mask, *mods)
         if meta.paged is not None:
             nd = meta.paged.block_tables.shape[0]
             out[:nd] = paged_decode(q[:nd], k_cache, v_cache, meta.paged.block_tables,
-                                    meta.paged.seq_lens, scale, k_scale, v_scale)
+                                    meta.paged.seq_lens, scale, k_scale, v_scale, window,
+                                    softcap, sinks)
         if meta.decode_slots is not None:
             nd = meta.decode_slots.shape[0]
-            out[:nd] = _decode(q[:nd], *context(meta.decode_slots), meta.decode_mask, scale)
+            out[:nd] = _decode(q[:nd], *context(meta.decode_slots), meta.decode_mask, *mods)
         if meta.short is not None:
             rows, slots, mask = meta.short
             # A padded row repeats its request's last row and mask, so writing every
             # row back writes identical values twice, never a wrong one.
-            o = _short(q[rows], *context(slots), mask, scale)
+            o = _short(q[rows], *context(slots), mask, *mods)
             out[rows.reshape(-1)] = o.reshape(-1, *o.shape[2:])
         return out
 
 
-def _prefill(q, k, v, mask, scale):
-    # [L, H, D] -> [1, H, L, D]; GQA is handled by SDPA's enable_gqa.
+def _attend(q, k, v, mask, scale, softcap, sinks):
+    """q [B, H, Q, D]; k, v [B, Hkv, L, D]; mask: bool [.., Q, L], None for plain
+    causal. SDPA, or written out where it cannot (soft-capping, sinks)."""
+    if softcap or sinks is not None:
+        if mask is None:
+            qn, ln = q.shape[2], k.shape[2]
+            mask = torch.ones(qn, ln, dtype=torch.bool, device=q.device).tril(ln - qn)
+        return score_mods.attend_dense(q, k, v, mask, scale, softcap, sinks).to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                          scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _prefill(q, k, v, mask, scale, softcap=0.0, sinks=None):
+    # [L, H, D] -> [1, H, L, D]
     q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-    o = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1])
-    return o.squeeze(0).transpose(0, 1)
+    return _attend(q, k, v, mask, scale, softcap, sinks).squeeze(0).transpose(0, 1)
 
 
-def _short(q, k, v, mask, scale):
+def _short(q, k, v, mask, scale, softcap=0.0, sinks=None):
     # q: [S, Q, H, D] -> [S, H, Q, D]; k, v: [S, L, Hkv, D] -> [S, Hkv, L, D]
-    o = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-        scale=scale, enable_gqa=q.shape[2] != k.shape[2])
+    o = _attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale,
+                softcap, sinks)
     return o.transpose(1, 2)  # [S, Q, H, D]
 
 
-def _decode(q, k, v, mask, scale):
+def _decode(q, k, v, mask, scale, softcap=0.0, sinks=None):
     # q: [B, H, D] -> [B, H, 1, D]; k, v: [B, L, Hkv, D] -> [B, Hkv, L, D]
-    o = F.scaled_dot_product_attention(
-        q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-        scale=scale, enable_gqa=q.shape[1] != k.shape[2])
+    o = _attend(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), mask, scale,
+                softcap, sinks)
     return o.squeeze(2)

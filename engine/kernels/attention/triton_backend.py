@@ -36,7 +36,8 @@ class TritonBackend(AttentionBackend):
         return TritonAttentionMetadata(common, longest)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TritonAttentionMetadata, scale,
-                k_scale=None, v_scale=None):
+                k_scale=None, v_scale=None, window=0, softcap=0.0, sinks=None):
+        mods = dict(window=window, softcap=softcap, sinks=sinks)
         c = meta.common
         store_kv_cache(k, v, k_cache, v_cache, c.slot_mapping, k_scale, v_scale)
         out = torch.empty_like(q)
@@ -44,10 +45,10 @@ class TritonBackend(AttentionBackend):
         if nd:
             decode_attention(q[:nd], k_cache, v_cache, out[:nd], c.seq_lens[:nd],
                              c.block_tables[:nd], scale, meta.max_decode_seq_len,
-                             k_scale=k_scale, v_scale=v_scale)
+                             k_scale=k_scale, v_scale=v_scale, **mods)
         if c.num_prefills:
             prefill_attention(q, k_cache, v_cache, out, c.query_start_loc, c.seq_lens,
                               c.block_tables, scale, first_req=nd, num_reqs=c.num_prefills,
                               max_query_len=c.max_query_len, k_scale=k_scale,
-                              v_scale=v_scale)
+                              v_scale=v_scale, **mods)
         return out

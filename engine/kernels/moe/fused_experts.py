@@ -13,16 +13,33 @@ expert parallelism a rank holds experts [first_expert, first_expert + E_local):
 pairs routed elsewhere are skipped here and the ranks' outputs summed by the caller."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
 
+def gated(gate_up: torch.Tensor, activation: str, limit: float, alpha: float):
+    """The experts' gated activation of [.., 2I] (gate features, then up)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if activation == "silu":
+        return F.silu(gate) * up
+    # gpt-oss's clamped SwiGLU
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 @torch.library.custom_op("kvserve::fused_experts", mutates_args=())
 def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                  w13: torch.Tensor, w2: torch.Tensor, first_expert: int) -> torch.Tensor:
+                  w13: torch.Tensor, w2: torch.Tensor, first_expert: int,
+                  b13: Optional[torch.Tensor] = None, b2: Optional[torch.Tensor] = None,
+                  activation: str = "silu", limit: float = 0.0,
+                  alpha: float = 0.0) -> torch.Tensor:
     """x [T, H]; topk_ids [T, K] (global expert ids) and topk_weights [T, K] (any
     float dtype: the product is taken in it, then cast to x's); w13 [E, 2I, H] (gate
-    rows, then up rows), w2 [E, H, I]. Returns sum_k weight_k * expert_k(x): [T, H]."""
+    rows, then up rows), w2 [E, H, I]; b13 [E, 2I], b2 [E, H]: biases, if any;
+    activation, limit, alpha: `gated`'s. Returns sum_k weight_k * expert_k(x): [T, H]."""
     num_experts = w13.shape[0]
     top_k = topk_ids.shape[1]
     local = topk_ids.reshape(-1) - first_expert
@@ -39,12 +56,14 @@ def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
         pairs = order[start:start + n]
         start += n
         tokens = pairs // top_k
-        gate, up = F.linear(x[tokens], w13[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[expert]) * weights[pairs, None]
+        h = gated(F.linear(x[tokens], w13[expert], None if b13 is None else b13[expert]),
+                  activation, limit, alpha)
+        y = F.linear(h, w2[expert], None if b2 is None else b2[expert]) * weights[pairs, None]
         out.index_add_(0, tokens, y.to(x.dtype))
     return out
 
 
 @fused_experts.register_fake
-def _fused_experts_shape(x, topk_ids, topk_weights, w13, w2, first_expert):
+def _fused_experts_shape(x, topk_ids, topk_weights, w13, w2, first_expert, b13=None,
+                         b2=None, activation="silu", limit=0.0, alpha=0.0):
     return torch.empty_like(x)

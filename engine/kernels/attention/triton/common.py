@@ -5,8 +5,10 @@ import functools
 
 import torch
 import triton
+import triton.language as tl
 
 LOG2E = 1.4426950408889634
+LOG2E_JIT: tl.constexpr = tl.constexpr(LOG2E)  # the same, for use inside kernels
 # On the GPU tl.dot needs at least 16 in every dimension (the interpreter accepts
 # less, so a smaller tile would pass the CPU tests and fail on the device).
 MIN_DOT_DIM = 16

@@ -7,16 +7,33 @@ folded into the score scale, v_scale applied to the finished output."""
 import triton
 import triton.language as tl
 
+from kvserve.engine.kernels.attention.triton.common import LOG2E_JIT
+
+
+@triton.jit
+def soft_capped(s_log2, softcap):
+    """cap * tanh(s / cap) of base-2 scores (s_log2 = s * log2(e)), in base 2; tanh
+    from exp2, which every Triton target and the interpreter have."""
+    # (Tensors on the left of constexprs: the interpreter's constexpr * tensor is
+    # a numpy array that tl.exp2 refuses.)
+    x = s_log2 / (softcap * LOG2E_JIT)
+    t = tl.exp2(tl.abs(x) * (-2.0 * LOG2E_JIT))  # exp(-2|x|)
+    tanh = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -tanh, tanh) * (softcap * LOG2E_JIT)
+
 
 @triton.jit
 def attend_paged(q, q_pos, kv_start, kv_end, table_ptr, k_cache_ptr, v_cache_ptr,
-                 kv_head, scale_log2, stride_block, stride_slot, stride_head,
-                 HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
-    """q: [BLOCK_M, BLOCK_D]; key n is visible to row m when n <= q_pos[m].
-    Returns (acc, l, m): the unnormalised output [BLOCK_M, BLOCK_D] in fp32, the
-    softmax denominators and the running maxima, both in base 2."""
+                 kv_head, scale_log2, stride_block, stride_slot, stride_head, window,
+                 softcap, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                 UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+                 SOFTCAP: tl.constexpr):
+    """q: [BLOCK_M, BLOCK_D]; key n is visible to row m when n <= q_pos[m] and, with
+    a sliding window (window > 0), n > q_pos[m] - window. SOFTCAP: scores capped at
+    softcap (cap * tanh(score / cap)). Returns (acc, l, m): the unnormalised output
+    [BLOCK_M, BLOCK_D] in fp32, the softmax denominators and the running maxima,
+    both in base 2."""
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     # A finite start: a row that has seen no visible key yet gets exp2(-inf) = 0
@@ -45,7 +62,10 @@ def attend_paged(q, q_pos, kv_start, kv_end, table_ptr, k_cache_ptr, v_cache_ptr
             k = k.to(q.dtype)
             v = v.to(q.dtype)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+        if SOFTCAP:
+            s = soft_capped(s, softcap)
         visible = n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        visible = visible & ((window == 0) | (offs_n[None, :] > q_pos[:, None] - window))
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -54,3 +74,12 @@ def attend_paged(q, q_pos, kv_start, kv_end, table_ptr, k_cache_ptr, v_cache_ptr
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
+
+
+@triton.jit
+def with_sink(acc, l_i, m_i, sink_log2):
+    """(acc, l, m) with a sink logit (base 2) joined to the softmax: its exp adds to
+    the denominator, nothing to the output."""
+    m_new = tl.maximum(m_i, sink_log2)
+    alpha = tl.exp2(m_i - m_new)
+    return acc * alpha[:, None], l_i * alpha + tl.exp2(sink_log2 - m_new), m_new

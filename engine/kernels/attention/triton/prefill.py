@@ -11,10 +11,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.engine.kernels.attention.triton.common import (LOG2E, cache_scales, check_cache,
+from kvserve.engine.kernels.attention.triton.common import (LOG2E, LOG2E_JIT, cache_scales,
+                                                            check_cache,
                                                             check_head_layout, dot_precision,
                                                             dot_tile, upcast_on_load)
-from kvserve.engine.kernels.attention.triton.paged_tile import attend_paged
+from kvserve.engine.kernels.attention.triton.paged_tile import attend_paged, with_sink
+
 
 def tiles(dtype: torch.dtype, block_d: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages), chosen by what each compiles to for
@@ -34,13 +36,14 @@ def tiles(dtype: torch.dtype, block_d: int) -> tuple[int, int, int, int]:
 @triton.jit(do_not_specialize=["first_req", "stride_table"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
                     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-                    k_scale_ptr, v_scale_ptr, scale_log2, first_req,
+                    k_scale_ptr, v_scale_ptr, sinks_ptr, scale_log2, first_req, window,
+                    softcap,
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_block, stride_slot, stride_head, stride_table,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    KV_FP8: tl.constexpr):
+                    KV_FP8: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr):
     tile = tl.program_id(0)
     req = first_req + tl.program_id(1)
     head = tl.program_id(2)
@@ -59,13 +62,20 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     if UPCAST:
         q = q.to(tl.float32)
     kv_end = tl.minimum(seq_len, prefix + (tile + 1) * BLOCK_M)
+    kv_start = 0
+    if window > 0:  # keys before the tile's first query's window: skipped
+        kv_start = tl.maximum(prefix + tile * BLOCK_M - window + 1, 0)
     if KV_FP8:
         scale_log2 = scale_log2 * tl.load(k_scale_ptr)
     acc, l_i, m_i = attend_paged(
-        q, prefix + offs_m, 0, kv_end, block_tables_ptr + req.to(tl.int64) * stride_table,
-        k_cache_ptr, v_cache_ptr, head // GROUP, scale_log2,
-        stride_block, stride_slot, stride_head,
-        HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, DOT_PRECISION, KV_FP8)
+        q, prefix + offs_m, kv_start, kv_end,
+        block_tables_ptr + req.to(tl.int64) * stride_table, k_cache_ptr, v_cache_ptr,
+        head // GROUP, scale_log2, stride_block, stride_slot, stride_head, window, softcap,
+        HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, DOT_PRECISION, KV_FP8,
+        SOFTCAP)
+    if SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E_JIT
+        acc, l_i, m_i = with_sink(acc, l_i, m_i, sink)
     out = acc / l_i[:, None]
     if KV_FP8:
         out = out * tl.load(v_scale_ptr)
@@ -78,9 +88,10 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                       first_req: int, num_reqs: int, max_query_len: int,
                       k_scale: torch.Tensor | None = None,
-                      v_scale: torch.Tensor | None = None) -> None:
+                      v_scale: torch.Tensor | None = None, window: int = 0,
+                      softcap: float = 0.0, sinks: torch.Tensor | None = None) -> None:
     """Writes out[rows of requests first_req..first_req+num_reqs-1] (k_scale, v_scale:
-    an fp8 cache's).
+    an fp8 cache's; window, softcap, sinks [Hq]: attention/score_mods.py's).
 
     q, out: [T, Hq, D]; caches [num_blocks, block_size, Hkv, D] already holding these
     tokens' K/V; query_start_loc [R+1], seq_lens [R], block_tables [R, max_blocks],
@@ -97,10 +108,10 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     k_scale, v_scale, fp8 = cache_scales(k_scale, v_scale, k_cache)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, k_scale, v_scale,
-        scale * LOG2E, first_req,
+        k_scale if sinks is None else sinks, scale * LOG2E, first_req, window, softcap,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=num_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         UPCAST=upcast_on_load(q), DOT_PRECISION=dot_precision(q.dtype), KV_FP8=fp8,
-        num_warps=warps, num_stages=stages)
+        SOFTCAP=bool(softcap), SINKS=sinks is not None, num_warps=warps, num_stages=stages)
