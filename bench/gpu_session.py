@@ -58,12 +58,16 @@ sys.path.insert(0, str(ROOT))
 from bench.gpu_summary import result_lines  # noqa: E402  (standard library only)
 GUARD_S = 20  # kept back from the deadline: the summary, and the tool's own transfer
 POLL_S = 1.0
-FILES = ("summary.txt", "results.json", "tests.log", "stages.log")
+FILES = ("summary.txt", "results.json", "tests.log", "stages.log", "families.log")
 
 # The CUDA paths' test files (issue 49): kernels first, so a cut stage still ran them.
 CUDA_TESTS = ["tests/engine/attention", "tests/engine/test_decode_graphs.py",
               "tests/engine/test_kv_fp8.py", "tests/engine/lora/test_triton_lora.py",
-              "tests/engine/test_parity.py"]
+              "tests/engine/test_parity.py", "tests/engine/moe"]
+# Every model family through the engine on the GPU (issue 52): Triton attention with
+# windows, soft-caps and sinks, the fused-MoE kernels, CUDA graphs, float32 parity.
+FAMILY_TESTS = ["tests/engine/test_model_families.py", "tests/engine/test_rotary.py"]
+DRY_FAMILY_TESTS = "test_context_follows_the_scaling"
 # The dry run's quick subset of them (the rest is collected, not run, there).
 DRY_TESTS = "test_buckets or test_split_plan or test_capture_needs_cuda or test_store"
 DRY_RUN_NOTE = ("llama-tiny for both presets, small workloads, Triton interpreted, "
@@ -140,9 +144,10 @@ def stages(s: Settings) -> list[Stage]:
         return [decode(preset, f"{stage}-{i}", label, *common, *shlex.split(label))
                 for i, label in enumerate(labels)]
 
-    pytest = [*py, "-m", "pytest", "-v", "-rfE", "--tb=short", "-p", "no:cacheprovider",
-              "--maxfail=20", "--continue-on-collection-errors", "-m", "not slow",
-              *(["-k", DRY_TESTS] if s.dry else []), *s.tests]
+    pytest_args = [*py, "-m", "pytest", "-v", "-rfE", "--tb=short", "-p", "no:cacheprovider",
+                   "--maxfail=20", "--continue-on-collection-errors", "-m", "not slow"]
+    pytest = [*pytest_args, *(["-k", DRY_TESTS] if s.dry else []), *s.tests]
+    families = [*pytest_args, *(["-k", DRY_FAMILY_TESTS] if s.dry else []), *FAMILY_TESTS]
     forward = ["--transformers", "off", "--prompt-len", "256", "--decode-tokens", "64",
                "--split-decode-tokens", "8", "--repeats", "2"]
     quant = ["--transformers", "off", "--prompt-len", "512", "--decode-tokens", "64",
@@ -173,6 +178,7 @@ def stages(s: Settings) -> list[Stage]:
             *py, "bench/lora_overhead.py", "--model", f"preset:{s.preset_1b}",
             "--load-format", "random", "--compile", "off", *lora,
             "--json", str(tmp / "lora.json")], tmp / "lora.json")]),
+        Stage("families", 150, [Run("", families)], min_s=40, log="families.log"),
     ]
 
 
@@ -271,8 +277,8 @@ class Session:
             status = self._run(run, end, runs[run.label], self.settings.out / stage.log)
             statuses.append(status)
         record["seconds"] = round(time.time() - t0)
-        if stage.log == "tests.log":
-            record.update(pytest_outcome(self.settings.out / "tests.log"))
+        if stage.log != "stages.log":  # a pytest stage's own log
+            record.update(pytest_outcome(self.settings.out / stage.log))
         record["status"] = next((s for s in statuses if s != "ok"), "ok")
         return record["status"]
 

@@ -26,6 +26,9 @@
 #   quant_8b 300         8B: bf16, fp8, int8, int4 weights; fp8 KV cache at 4k context
 #   step_overhead_1b 110 a step at 256 running, scheduler share, sync and async
 #   lora_1b 150          16 requests over 4 adapters against the base model
+#   families 150         every model family through the engine on CUDA (Triton
+#                        windows, soft-caps, sinks, fused-MoE kernels, CUDA graphs),
+#                        float32 parity with transformers; log in families.log
 #
 # The device tool cuts a command at timeout_s, or sooner when less device time is left
 # (a failed start or a fall-back to another GPU kind costs 1-2 minutes of it): read

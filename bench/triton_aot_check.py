@@ -26,7 +26,8 @@ heads of 64), per tensor-parallel rank at 1/2/4/8 ranks; bf16, fp16, fp32; cache
 the model dtype and fp8 e4m3 (sm_90 only: engine/kernels/attention/selector.py refuses an fp8
 cache below compute capability 8.9; none under tensor parallelism, which refuses LoRA
 and CUDA graphs too); block sizes 16 (the default) and 32; LoRA max ranks 4-64 over 1
-or 4 slots.
+or 4 slots; windowed, soft-capped and sink layers (Gemma 2, gpt-oss); the routed
+experts of Qwen3-30B-A3B, gpt-oss-20b and Mixtral-8x7B shapes (MOE_SHAPES).
 
   python bench/triton_aot_check.py --markdown out.md --json out.json
   python bench/triton_aot_check.py --targets 90 --block-sizes 16 --one-per-variant
@@ -252,9 +253,38 @@ def run_lora(cfg, dtype: torch.dtype, slots: int, rank: int) -> None:
             step.add(group, 0, x, y)
 
 
+# Mixture-of-experts layers shaped as their families' models are, per rank (expert
+# parallelism holds whole experts, so a rank's expert has the model's shape):
+# hidden, expert intermediate, top-k, gpt-oss's biases and clamped SwiGLU.
+MOE_SHAPES = {"qwen3-30b-a3b": (2048, 768, 8, False), "gpt-oss-20b": (2880, 2880, 4, True),
+              "mixtral-8x7b": (4096, 14336, 2, False)}
+
+
+def run_moe(hidden: int, inter: int, top_k: int, oai: bool, dtype: torch.dtype) -> None:
+    """The routed experts' Triton GEMMs at decode and prompt sizes. Two experts are
+    allocated (never filled): the kernels' strides are those of any count."""
+    from kvserve.engine.kernels.moe.triton_experts import triton_fused_experts
+
+    experts = 2
+    w13 = torch.empty(experts, 2 * inter, hidden, dtype=dtype)
+    w2 = torch.empty(experts, hidden, inter, dtype=dtype)
+    biases = ((torch.empty(experts, 2 * inter, dtype=dtype),
+               torch.empty(experts, hidden, dtype=dtype)) if oai else (None, None))
+    activation = ("swiglu_oai", 7.0, 1.702) if oai else ("silu", 0.0, 0.0)
+    for tokens in (1, 64, 512):
+        x = torch.empty(tokens, hidden, dtype=dtype)
+        ids = torch.arange(tokens * top_k).remainder(experts).view(tokens, top_k)
+        weights = torch.empty(tokens, top_k, dtype=dtype)
+        triton_fused_experts(x, ids, weights, w13, w2, 0, *biases, *activation)
+
+
 def configurations(target: Target, block_sizes: tuple[int, ...]
                    ) -> Iterator[tuple[str, object]]:
     """(label, a function running it) for every configuration the target serves."""
+    for name, shape in MOE_SHAPES.items():
+        for dtype in DTYPES:
+            yield (f"{name} experts {str(dtype).removeprefix('torch.')}",
+                   lambda s=shape, d=dtype: run_moe(*s, d))
     for name, cfg in model_configs().items():
         for tp in TP_SIZES:
             rank = rank_config(cfg, tp)

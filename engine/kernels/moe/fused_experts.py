@@ -39,7 +39,14 @@ def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     """x [T, H]; topk_ids [T, K] (global expert ids) and topk_weights [T, K] (any
     float dtype: the product is taken in it, then cast to x's); w13 [E, 2I, H] (gate
     rows, then up rows), w2 [E, H, I]; b13 [E, 2I], b2 [E, H]: biases, if any;
-    activation, limit, alpha: `gated`'s. Returns sum_k weight_k * expert_k(x): [T, H]."""
+    activation, limit, alpha: `gated`'s. Returns sum_k weight_k * expert_k(x): [T, H].
+    On CUDA: the Triton grouped GEMMs (triton_experts.py), which a CUDA graph can
+    capture; here the pairs' counts are read on the host."""
+    if x.device.type == "cuda":
+        from kvserve.engine.kernels.moe.triton_experts import triton_fused_experts
+
+        return triton_fused_experts(x, topk_ids, topk_weights, w13, w2, first_expert, b13,
+                                    b2, activation, limit, alpha)
     num_experts = w13.shape[0]
     top_k = topk_ids.shape[1]
     local = topk_ids.reshape(-1) - first_expert

@@ -1,0 +1,177 @@
+"""The routed experts on CUDA: two Triton grouped GEMMs over (token, expert) pairs
+sorted by expert, with no host synchronisation, so a decode step with a
+mixture-of-experts layer can be captured in a CUDA graph.
+
+`align` sorts the step's pairs by expert and pads each expert's run to a multiple
+of BLOCK_M with a sentinel, all with device ops into buffers of a size fixed by the
+batch (T x K pairs plus E x (BLOCK_M - 1) padding): every block of BLOCK_M sorted
+pairs then belongs to one expert. `_gate_up_kernel` computes, per block, the
+activation of x @ W13[e].T (its gate and up tiles side by side, so the activation is
+fused in); `_down_kernel` multiplies that by W2[e].T, scales by the routing weight
+and writes each pair's row; the K rows of a token are summed at the end. Blocks past
+the step's last expert exit at once. Interpreter-tested on CPU (TRITON_INTERPRET=1)
+against the CPU op (fused_experts.py)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvserve.engine.kernels.attention.triton.common import dot_precision, upcast_on_load
+
+BLOCK_M = 16  # pairs per block: decode steps route few tokens to each expert
+BLOCK_N = 64
+BLOCK_K = 32
+
+
+def align(topk_ids: torch.Tensor, num_experts: int, first_expert: int, block_m: int
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted_pairs [P], block_expert [P / block_m]): pair indices (t * K + k) grouped
+    by local expert, each group padded to block_m with the sentinel T * K; the local
+    expert of each block, num_experts for blocks past the last. Pairs routed to
+    another rank's experts are left out. P is fixed by T, K and E alone."""
+    n = topk_ids.numel()
+    dev = topk_ids.device
+    local = topk_ids.reshape(-1).long() - first_expert
+    local = torch.where((local >= 0) & (local < num_experts), local, num_experts)
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=dev)
+    counts.scatter_add_(0, local, torch.ones_like(local))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded[num_experts] = 0  # other ranks' pairs take no room
+    ends = padded.cumsum(0)
+    starts = ends - padded
+    size = triton.cdiv(n + num_experts * (block_m - 1), block_m) * block_m
+    order = torch.sort(local, stable=True).indices
+    sorted_local = local[order]
+    first_sorted = counts.cumsum(0) - counts  # where each expert's pairs begin in `order`
+    rank = torch.arange(n, device=dev) - first_sorted[sorted_local]
+    dest = torch.where(sorted_local < num_experts, starts[sorted_local] + rank, size)
+    sorted_pairs = torch.full((size + 1,), n, dtype=torch.int32, device=dev)
+    sorted_pairs.scatter_(0, dest, order.int())
+    block_start = torch.arange(0, size, block_m, device=dev)
+    block_expert = torch.searchsorted(ends[:num_experts], block_start, right=True)
+    return sorted_pairs[:size], block_expert.int()
+
+
+@triton.jit
+def _swiglu(gate, up, ACTIVATION: tl.constexpr, limit, alpha):
+    if ACTIVATION == "silu":
+        return gate * tl.sigmoid(gate) * up
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    return (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
+
+
+# The pair count changes from step to step: specialised (equal to 1, divisible by
+# 16), each value would be a compile of its own mid-serving.
+@triton.jit(do_not_specialize=["num_pairs"])
+def _gate_up_kernel(x_ptr, w_ptr, b_ptr, out_ptr, pairs_ptr, block_expert_ptr,
+                    num_pairs, hidden, inter, top_k, limit, alpha,
+                    stride_x, stride_we, stride_wn, stride_be, stride_o,
+                    NUM_EXPERTS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    UPCAST: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert >= NUM_EXPERTS:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(pairs_ptr + rows)
+    valid = pairs < num_pairs
+    tokens = (pairs // top_k).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < inter
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    w_base = w_ptr + expert * stride_we
+    for k0 in range(0, hidden, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < hidden
+        x = tl.load(x_ptr + tokens[:, None] * stride_x + offs_k[None, :],
+                    mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & n_ok[None, :]
+        wg = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=w_mask,
+                     other=0.0)
+        wu = tl.load(w_base + (offs_n + inter)[None, :] * stride_wn + offs_k[:, None],
+                     mask=w_mask, other=0.0)
+        if UPCAST:
+            x, wg, wu = x.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
+        acc_g += tl.dot(x, wg, input_precision=DOT_PRECISION)
+        acc_u += tl.dot(x, wu, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        acc_g += tl.load(b_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0)[None, :]
+        acc_u += tl.load(b_ptr + expert * stride_be + inter + offs_n, mask=n_ok,
+                         other=0.0)[None, :]
+    h = _swiglu(acc_g, acc_u, ACTIVATION, limit, alpha)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_o + offs_n[None, :],
+             h.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _down_kernel(h_ptr, w_ptr, b_ptr, weights_ptr, out_ptr, pairs_ptr, block_expert_ptr,
+                 num_pairs, hidden, inter, stride_h, stride_we, stride_wn, stride_be,
+                 stride_o, NUM_EXPERTS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert >= NUM_EXPERTS:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(pairs_ptr + rows)
+    valid = pairs < num_pairs
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hidden
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    w_base = w_ptr + expert * stride_we
+    for k0 in range(0, inter, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < inter
+        h = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_h + offs_k[None, :],
+                    mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None],
+                    mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if UPCAST:
+            h, w = h.to(tl.float32), w.to(tl.float32)
+        acc += tl.dot(h, w, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0)[None, :]
+    weight = tl.load(weights_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
+    acc = acc * weight[:, None]
+    tl.store(out_ptr + pairs[:, None].to(tl.int64) * stride_o + offs_n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+def triton_fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                         w13: torch.Tensor, w2: torch.Tensor, first_expert: int,
+                         b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                         activation: str = "silu", limit: float = 0.0,
+                         alpha: float = 0.0) -> torch.Tensor:
+    """fused_experts.fused_experts's result, on the GPU (or Triton's interpreter)."""
+    tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    num_experts, two_inter, _ = w13.shape
+    inter = two_inter // 2
+    pairs, block_expert = align(topk_ids, num_experts, first_expert, BLOCK_M)
+    n = tokens * top_k
+    h = torch.empty(len(pairs), inter, dtype=x.dtype, device=x.device)
+    precision, upcast = dot_precision(x.dtype), upcast_on_load(x)
+    bias = b13 is not None
+    _gate_up_kernel[(len(block_expert), triton.cdiv(inter, BLOCK_N))](
+        x, w13, b13 if bias else w13, h, pairs, block_expert, n, hidden, inter, top_k,
+        limit, alpha, x.stride(0), w13.stride(0), w13.stride(1),
+        b13.stride(0) if bias else 0, h.stride(0), NUM_EXPERTS=num_experts,
+        HAS_BIAS=bias, ACTIVATION=activation, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K, DOT_PRECISION=precision, UPCAST=upcast)
+    # Other ranks' pairs (expert parallelism) keep their zero rows.
+    per_pair = torch.zeros(n, hidden, dtype=torch.float32, device=x.device)
+    weights = topk_weights.reshape(-1).contiguous()
+    _down_kernel[(len(block_expert), triton.cdiv(hidden, BLOCK_N))](
+        h, w2, b2 if bias else w2, weights, per_pair, pairs, block_expert, n, hidden, inter,
+        h.stride(0), w2.stride(0), w2.stride(1), b2.stride(0) if bias else 0,
+        per_pair.stride(0), NUM_EXPERTS=num_experts, HAS_BIAS=bias, BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_PRECISION=precision, UPCAST=upcast)
+    return per_pair.view(tokens, top_k, hidden).sum(1).to(x.dtype)

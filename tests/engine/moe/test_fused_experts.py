@@ -1,0 +1,113 @@
+"""The routed experts: the CPU op (kvserve::fused_experts) against experts looped
+token by token, and the Triton grouped GEMMs (interpreted on CPU) against the CPU
+op, including gpt-oss's biases and clamped SwiGLU, expert parallelism (pairs of
+another rank's experts left out), and the padding of each expert's run."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvserve.engine.kernels.moe.fused_experts import fused_experts, gated
+from kvserve.engine.kernels.moe.triton_experts import BLOCK_M, align, triton_fused_experts
+
+# Interpreted on the CPU (tests/conftest.py sets TRITON_INTERPRET=1 unless told
+# otherwise); with TRITON_INTERPRET=0 on a GPU host the same tests run on the GPU.
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+interpreted = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
+                                 reason="Triton kernels need TRITON_INTERPRET=1 or CUDA")
+
+
+def on_device(args):
+    return [None if a is None else a.to(DEVICE) for a in args]
+
+
+def case(tokens=7, experts=6, top_k=2, hidden=40, inter=24, bias=False, seed=0,
+         dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    x = randn(tokens, hidden)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=g).to(dtype)
+    w13, w2 = randn(experts, 2 * inter, hidden) * 0.2, randn(experts, hidden, inter) * 0.2
+    biases = (randn(experts, 2 * inter), randn(experts, hidden)) if bias else (None, None)
+    return x, ids, weights, w13, w2, *biases
+
+
+def loop(x, ids, weights, w13, w2, b13, b2, first=0, activation=("silu", 0.0, 0.0)):
+    out = torch.zeros_like(x, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k]) - first
+            if not 0 <= e < w13.shape[0]:
+                continue
+            h = F.linear(x[t].double(), w13[e].double(),
+                         None if b13 is None else b13[e].double())
+            y = F.linear(gated(h, *activation), w2[e].double(),
+                         None if b2 is None else b2[e].double())
+            out[t] += weights[t, k].double() * y
+    return out
+
+
+@pytest.mark.parametrize("bias,activation", [(False, ("silu", 0.0, 0.0)),
+                                             (True, ("swiglu_oai", 1.5, 1.702))])
+def test_cpu_op_equals_a_loop_over_tokens(bias, activation):
+    args = case(bias=bias)
+    got = fused_experts(*args[:5], 0, *args[5:], *activation)
+    torch.testing.assert_close(got.double(), loop(*args, activation=activation),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_expert_parallel_ranks_sum_to_the_whole():
+    x, ids, weights, w13, w2, _, _ = case(experts=8, tokens=9, top_k=3)
+    whole = fused_experts(x, ids, weights, w13, w2, 0)
+    halves = sum(fused_experts(x, ids, weights, w13[r * 4:(r + 1) * 4],
+                               w2[r * 4:(r + 1) * 4], r * 4) for r in range(2))
+    torch.testing.assert_close(halves, whole, rtol=1e-5, atol=1e-5)
+
+
+def test_align_groups_pairs_by_expert_in_padded_blocks():
+    ids = torch.tensor([[3, 0], [3, 1], [0, 3], [5, 3]])  # expert 5 on another rank
+    pairs, block_expert = align(ids, 4, 0, 4)
+    n = ids.numel()
+    blocks = pairs.view(-1, 4)
+    seen = []
+    for block, expert in zip(blocks.tolist(), block_expert.tolist()):
+        real = [p for p in block if p < n]
+        if expert >= 4:
+            assert not real
+            continue
+        assert all(ids.view(-1)[p] == expert for p in real)
+        seen += real
+    assert sorted(seen) == [p for p in range(n) if ids.view(-1)[p] < 4]
+    assert len(pairs) % 4 == 0 and len(pairs) >= n + 4 * 3
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,bias", [(1, False), (37, False), (5, True)])
+def test_triton_kernels_equal_the_cpu_op(tokens, bias, dtype):
+    activation = ("swiglu_oai", 2.0, 1.702) if bias else ("silu", 0.0, 0.0)
+    args = case(tokens=tokens, experts=5, top_k=2, hidden=72, inter=40, bias=bias, seed=tokens,
+                dtype=dtype)
+    want = fused_experts(*[a.float() if a is not None and a.is_floating_point() else a
+                           for a in args[:5]], 0,
+                         *[None if a is None else a.float() for a in args[5:]], *activation)
+    dev = on_device(args)
+    got = triton_fused_experts(*dev[:5], 0, *dev[5:], *activation).cpu()
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+@interpreted
+def test_triton_kernels_leave_other_ranks_experts_out():
+    x, ids, weights, w13, w2, _, _ = case(experts=8, tokens=6, top_k=3, seed=3)
+    want = fused_experts(x, ids, weights, w13[4:], w2[4:], 4)
+    got = triton_fused_experts(*on_device([x, ids, weights, w13[4:], w2[4:]]), 4).cpu()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert BLOCK_M >= 16  # tl.dot's smallest tile on the GPU
