@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvserve.engine.config import moe_config
+from kvserve.engine.config.mla_config import MLAConfig, mla_from_hf
 from kvserve.engine.config.moe_config import MoEConfig
 
 
@@ -17,6 +18,7 @@ class ArchitectureTraits:
     qkv_bias: bool | None = None
     qk_norm: bool = False
     moe: Callable[[object], MoEConfig] | None = None
+    mla: Callable[[object], MLAConfig] | None = None
     attention_sinks: bool = False
     # The config's max_position_embeddings is the context after rope scaling
     # already (Gemma 3's, as vLLM reads it), not to be multiplied by the factor.
@@ -35,6 +37,7 @@ ARCHITECTURES: dict[str, ArchitectureTraits] = {
     "Gemma3ForCausalLM": ArchitectureTraits(qk_norm=True, context_states_scaling=True),
     "GptOssForCausalLM": ArchitectureTraits(moe=moe_config.gpt_oss, attention_sinks=True),
     "Phi3ForCausalLM": ArchitectureTraits(),
+    "DeepseekV3ForCausalLM": ArchitectureTraits(moe=moe_config.deepseek_v3, mla=mla_from_hf),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from kvserve.engine.config.architectures import (ARCHITECTURES, SUPPORTED_ARCHITECTURES,
                                                  qkv_bias)
+from kvserve.engine.config.mla_config import MLAConfig
 from kvserve.engine.config.moe_config import MoEConfig
 from kvserve.engine.config.rope_config import (RopeConfig, RopeConfigError, rope_from_hf,
                                                scaled_max_len)
@@ -39,6 +40,7 @@ class ModelConfig:
     qk_norm: bool = False
     rope: RopeConfig = field(default_factory=RopeConfig)
     moe: MoEConfig | None = None  # a mixture-of-experts model's routing and experts
+    mla: MLAConfig | None = None  # multi-head latent attention's shapes
     # Sliding-window attention: the window (0: none), on every layer, or where
     # layer_types (one "sliding_attention" / "full_attention" a layer) says.
     sliding_window: int = 0
@@ -58,6 +60,13 @@ class ModelConfig:
     # (config key matryoshka_dimensions); () when any length works (is_matryoshka);
     # None when its vectors cannot be shortened.
     shorter_embeddings: tuple[int, ...] | None = None
+
+    def kv_cache_dims(self) -> tuple[int, int, int]:
+        """(tensors a layer's cache has, heads, values a head): K and V of every KV
+        head; or, with latent attention, one tensor of one latent per token."""
+        if self.mla is not None:
+            return 1, 1, self.mla.cache_dim
+        return 2, self.num_kv_heads, self.head_dim
 
     def window(self, layer: int) -> int:
         """Layer `layer`'s sliding window, 0 for full attention."""
@@ -130,6 +139,7 @@ class ModelConfig:
             qk_norm=traits.qk_norm,
             rope=_rope(hf),
             moe=traits.moe(hf) if traits.moe else None,
+            mla=traits.mla(hf) if traits.mla else None,
             **_attention_fields(hf, traits),
             eos_token_ids=_eos_ids(hf),
             torch_dtype=_dtype_name(hf),

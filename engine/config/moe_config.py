@@ -23,8 +23,14 @@ class MoEConfig:
     # router keeps them so); else they are cast to the model's dtype first (Qwen's).
     float32_weights: bool = False
     # "softmax": a softmax over every expert, then the top k (Mixtral, Qwen);
-    # "topk_softmax": the top k logits, then a softmax over those k (gpt-oss).
+    # "topk_softmax": the top k logits, then a softmax over those k (gpt-oss);
+    # "grouped_sigmoid": DeepSeek-V3's sigmoid scores, biased for the choice only,
+    # the top k taken within the topk_group best of n_group expert groups, scaled by
+    # routed_scaling_factor (router logits in float32).
     router: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
     router_bias: bool = False
     expert_bias: bool = False  # biases on each expert's projections (gpt-oss)
     # The experts' gated activation: "silu" (SwiGLU), or "swiglu_oai" (gpt-oss's:
@@ -69,3 +75,18 @@ def gpt_oss(hf) -> MoEConfig:
                      router_bias=True, expert_bias=True, activation="swiglu_oai",
                      swiglu_limit=float(getattr(hf, "swiglu_limit", 7.0)),
                      swiglu_alpha=float(getattr(hf, "swiglu_alpha", 1.702)))
+
+
+def deepseek_v3(hf) -> MoEConfig:
+    first_dense = int(getattr(hf, "first_k_dense_replace", 0) or 0)
+    step = int(getattr(hf, "moe_layer_freq", 1) or 1)
+    return MoEConfig(num_experts=hf.n_routed_experts, top_k=hf.num_experts_per_tok,
+                     intermediate_size=hf.moe_intermediate_size,
+                     sparse_layers=tuple(i >= first_dense and i % step == 0
+                                         for i in range(hf.num_hidden_layers)),
+                     norm_topk_prob=bool(hf.norm_topk_prob),
+                     shared_expert_intermediate_size=hf.moe_intermediate_size * int(
+                         getattr(hf, "n_shared_experts", 0) or 0),
+                     router="grouped_sigmoid", n_group=int(hf.n_group or 1),
+                     topk_group=int(hf.topk_group or 1),
+                     routed_scaling_factor=float(hf.routed_scaling_factor or 1.0))

@@ -21,20 +21,25 @@ class KVCacheFormat:
     key_rotation: torch.Tensor | None = None
 
     def bytes_per_block(self, cfg, block_size: int) -> int:
-        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * \
-            self.dtype.itemsize
+        tensors, heads, dim = cfg.kv_cache_dims()
+        return tensors * cfg.num_layers * block_size * heads * dim * self.dtype.itemsize
 
 
 def attach_kv_caches(model: DecoderModel, num_blocks: int, block_size: int,
                      fmt: KVCacheFormat, device: torch.device) -> list[tuple]:
     """A paged (K, V) pair per layer, zeroed, and each layer's attention pointed at
     its pair and its scales: [(k, v)], each [num_blocks, block_size, kv_heads,
-    head_dim]."""
+    head_dim]. With latent attention K and V are one tensor, [num_blocks,
+    block_size, 1, latent + rotary key] (engine/models/mla.py)."""
     cfg, attn = model.config, model.layers[0].self_attn
+    tensors, _, dim = cfg.kv_cache_dims()
     # The KV heads this tensor-parallel rank holds (all of them at one rank).
-    shape = (num_blocks, block_size, attn.num_kv_heads, cfg.head_dim)
-    caches = [(torch.zeros(shape, dtype=fmt.dtype, device=device),
-               torch.zeros(shape, dtype=fmt.dtype, device=device))
+    shape = (num_blocks, block_size, attn.num_kv_heads, dim)
+
+    def zeros():
+        return torch.zeros(shape, dtype=fmt.dtype, device=device)
+
+    caches = [(zeros(), zeros()) if tensors == 2 else (z := zeros(), z)
               for _ in range(cfg.num_layers)]
     for i, (layer, (k, v)) in enumerate(zip(model.layers, caches)):
         layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
@@ -49,4 +54,5 @@ def copy_blocks(caches: list[tuple], copies: list[tuple[int, int, int]]) -> None
     for src, dst, num_tokens in copies:
         for k, v in caches:
             k[dst, :num_tokens] = k[src, :num_tokens]
-            v[dst, :num_tokens] = v[src, :num_tokens]
+            if v is not k:  # (latent attention's one tensor)
+                v[dst, :num_tokens] = v[src, :num_tokens]

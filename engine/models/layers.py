@@ -37,3 +37,15 @@ class PackedLinear(Linear):
         if tensor.shape[0] != size:
             raise ValueError(f"shard {shard} has {tensor.shape[0]} rows, expected {size}")
         target.data[start:start + size].copy_(tensor)
+
+
+class PlainWeight(nn.Module):
+    """A weight [out_features, in_features] the model reads itself rather than
+    multiplies by as a linear layer (MLA's up-projections, DeepSeek's float32
+    router): not a Linear, so CPU packing and weight quantization leave it as it is
+    (out_features / in_features: what tensor parallelism slices, as for a Linear)."""
+
+    def __init__(self, out_features: int, in_features: int):
+        super().__init__()
+        self.out_features, self.in_features = out_features, in_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))

@@ -14,6 +14,7 @@ from torch import nn
 from kvserve.engine.config.model_config import ModelConfig
 from kvserve.engine.kernels.moe import fused_experts as _registers_op  # noqa: F401
 from kvserve.engine.models import tp_comm as comm
+from kvserve.engine.models.layers import PlainWeight
 from kvserve.engine.models.linear import Linear
 from kvserve.engine.models.mlp import MLP
 from kvserve.engine.models.tp_shard import SINGLE, TPShard
@@ -63,7 +64,13 @@ class SparseMoE(nn.Module):
         super().__init__()
         moe = cfg.moe
         self.moe = moe
-        self.gate = Linear(cfg.hidden_size, moe.num_experts, bias=moe.router_bias)  # router
+        # The router; DeepSeek's multiplies in float32, as a plain weight.
+        self.gate = (PlainWeight(moe.num_experts, cfg.hidden_size)
+                     if moe.router == "grouped_sigmoid"
+                     else Linear(cfg.hidden_size, moe.num_experts, bias=moe.router_bias))
+        # DeepSeek-V3's per-expert bias, added to the scores to choose, not to weigh.
+        self.e_score_correction_bias = (nn.Parameter(torch.zeros(moe.num_experts))
+                                        if moe.router == "grouped_sigmoid" else None)
         local = shard.experts(cfg)
         self.experts = FusedExperts(local, shard.rank * local, cfg.hidden_size,
                                     moe.intermediate_size, moe.expert_bias,
@@ -78,7 +85,10 @@ class SparseMoE(nn.Module):
         """Each token's top-k experts [T, K] and their weights [T, K]: a softmax over
         every expert in float32, the top k kept (renormalised if the config says);
         or (topk_softmax) the top k logits and a softmax over them."""
-        moe, logits = self.moe, self.gate(x)
+        moe = self.moe
+        if moe.router == "grouped_sigmoid":
+            return self._grouped_sigmoid(x)
+        logits = self.gate(x)
         if moe.router == "topk_softmax":
             top, ids = logits.topk(moe.top_k)
             return ids, torch.softmax(top, dim=-1)
@@ -86,6 +96,25 @@ class SparseMoE(nn.Module):
         if moe.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return ids, weights if moe.float32_weights else weights.to(logits.dtype)
+
+    def _grouped_sigmoid(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek-V3: float32 sigmoid scores; each group of experts rated by its two
+        best (biased) scores, the topk_group best groups kept, the top k experts
+        chosen among theirs; weights: the unbiased scores, renormalised, scaled."""
+        moe = self.moe
+        weight = self.gate.weight
+        scores = torch.sigmoid(torch.nn.functional.linear(x.float(), weight.float()))
+        choice = scores + self.e_score_correction_bias.float()
+        groups = choice.view(len(x), moe.n_group, -1)
+        group_best = groups.topk(2, dim=-1).values.sum(-1)
+        keep = torch.zeros_like(group_best).scatter_(
+            1, group_best.topk(moe.topk_group, dim=-1).indices, 1.0)
+        choice = groups.masked_fill(keep.unsqueeze(-1) == 0, float("-inf")).view(len(x), -1)
+        ids = choice.topk(moe.top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if moe.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, weights * moe.routed_scaling_factor
 
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
         ids, weights = self.route(x)

@@ -86,6 +86,9 @@ class TPShard:
         if ".gate_up_proj." in name:  # this rank's features of gate, then of up
             part = module.shard_sizes[shard]
             return tensor[self.rank * part:(self.rank + 1) * part]
+        if name.endswith(("q_b_proj.weight", "kv_b_proj.weight", "self_attn.q_proj.weight")):
+            part = module.out_features  # latent attention: this rank's heads' rows
+            return tensor[self.rank * part:(self.rank + 1) * part]
         if name.endswith(("o_proj.weight", "down_proj.weight")):
             part = module.in_features  # this rank's input columns
             return tensor[:, self.rank * part:(self.rank + 1) * part]

@@ -44,6 +44,18 @@ def log_kv_cache(num_blocks: int, block_size: int, kv_format, model_config,
              "concurrency at %d)", num_blocks, block_size,
              str(kv_format.dtype).removeprefix("torch."), per_token / 1024,
              num_blocks * block_size, num_blocks * block_size / max_model_len, max_model_len)
+    if model_config.mla is not None:
+        full = full_kv_bytes_per_token(model_config, kv_format.dtype.itemsize)
+        log.info("latent attention: %.1f KiB a token against %.1f KiB for every head's "
+                 "keys and values (%.1fx less)", per_token / 1024, full / 1024,
+                 full / per_token)
+
+
+def full_kv_bytes_per_token(cfg, itemsize: int) -> int:
+    """What a latent-attention model's cache would hold a token if it kept every
+    head's key and value (the expanded form), for comparison."""
+    mla = cfg.mla
+    return cfg.num_layers * cfg.num_heads * (mla.qk_head_dim + mla.v_head_dim) * itemsize
 
 
 def kv_budget_bytes(total: int, utilization: float, peak_allocated: int,

@@ -14,7 +14,7 @@ from tests.support.reference import (assert_same_tokens, load_reference, referen
                                      varied_prompts)
 
 FAMILIES = ["mixtral", "qwen2moe", "qwen3moe", "qwen2yarn", "mistralwin", "gemma2", "gemma3",
-            "gptoss", "phi3"]
+            "gptoss", "phi3", "deepseekv3"]
 # qwen2yarn serves 256 positions (YaRN x4 over 64): prompts and outputs fit in them,
 # and most prompts pass the original 64.
 LENGTHS = (1, 3, 17, 31, 33, 64, 100, 129, 150, 180)
@@ -63,7 +63,7 @@ def test_prefix_hits_and_preemption_keep_the_tokens(family):
     assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
 
 
-@pytest.mark.parametrize("family", ["qwen3moe", "qwen2yarn", "gemma2", "gptoss"],
+@pytest.mark.parametrize("family", ["qwen3moe", "qwen2yarn", "gemma2", "gptoss", "deepseekv3"],
                          indirect=True)
 def test_compiled_path_matches_transformers(family):
     model_dir, ref = family
@@ -78,7 +78,8 @@ def test_compiled_path_matches_transformers(family):
     assert_same_tokens(ref, prompts, got, reference(ref, prompts, params))
 
 
-@pytest.mark.parametrize("family", ["qwen2moe", "mixtral", "gptoss"], indirect=True)
+@pytest.mark.parametrize("family", ["qwen2moe", "mixtral", "gptoss", "deepseekv3"],
+                         indirect=True)
 def test_two_ranks_split_the_experts(family):
     model_dir, ref = family
     engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", compile="off",
@@ -87,8 +88,8 @@ def test_two_ranks_split_the_experts(family):
     deaths: list[str] = []
     engine.on_rank_death(deaths.append)
     try:
-        assert engine.runner.model.layers[0].mlp.experts.w13.shape[0] == \
-            engine.model_config.moe.num_experts // 2
+        sparse = next(l.mlp for l in engine.runner.model.layers if hasattr(l.mlp, "experts"))
+        assert sparse.experts.w13.shape[0] == engine.model_config.moe.num_experts // 2
         prompts = varied_prompts(engine.model_config.vocab_size, count=6, seed=4,
                                  lengths=(3, 17, 70, 129))
         params = [greedy(24)] * len(prompts)
@@ -132,3 +133,28 @@ def test_lora_reaches_the_attention_of_a_moe_model(tiny_model_dir, tmp_path):
     with pytest.raises(LoRAAdapterError, match="'gate_proj' of layer 0, a mixture-of-exp"):
         load_adapter("mlp", tmp_path / "mlp", 8, cfg.num_layers, projection_shapes(cfg),
                      sparse_layers=frozenset({0}))
+
+
+def test_latent_attention_caches_latents_only(tiny_model_dir, caplog):
+    """DeepSeek-V3's cache holds one latent and rotary key a token and layer, the
+    tensor passed as both K and V; fp8 caches are refused for it."""
+    import logging
+
+    from kvserve.engine.runner.memory_budget import full_kv_bytes_per_token
+    from kvserve.modelstore.errors import ModelLoadError
+
+    with caplog.at_level(logging.INFO, logger="kvserve"):
+        engine = Engine(EngineConfig(model=str(tiny_model_dir("deepseekv3")), num_kv_blocks=64))
+    cfg = engine.model_config
+    attn = engine.runner.model.layers[0].self_attn
+    assert attn.k_cache is attn.v_cache
+    assert attn.k_cache.shape[2:] == (1, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim)
+    from kvserve.engine.models.kv_caches import KVCacheFormat
+
+    per_token = KVCacheFormat(attn.k_cache.dtype).bytes_per_block(cfg, 16) / 16
+    assert per_token == cfg.num_layers * 40 * 4  # (32 + 8) float32 values a layer
+    assert full_kv_bytes_per_token(cfg, 4) == cfg.num_layers * 4 * (24 + 16) * 4
+    assert "latent attention: " in caplog.text and "(4.0x less)" in caplog.text
+    with pytest.raises(ModelLoadError, match="fp8 is not supported for latent attention"):
+        Engine(EngineConfig(model=str(tiny_model_dir("deepseekv3")), num_kv_blocks=64,
+                            kv_cache_dtype="fp8"))

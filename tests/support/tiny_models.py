@@ -67,6 +67,19 @@ ARCHS = {
                  rope_scaling={"rope_type": "longrope",
                                "short_factor": [1.0 + i / 32 for i in range(8)],
                                "long_factor": [2.0 + i / 8 for i in range(8)]}),
+    # Latent attention and grouped routing; YaRN with DeepSeek's mscale, prompts
+    # past its original context.
+    "deepseekv3": dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
+                       num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=3,
+                       n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                       n_group=4, topk_group=2, first_k_dense_replace=1,
+                       moe_intermediate_size=32, q_lora_rank=24, kv_lora_rank=32,
+                       qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                       routed_scaling_factor=2.5, max_position_embeddings=256,
+                       rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                     "original_max_position_embeddings": 64,
+                                     "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                                     "mscale_all_dim": 1.0}),
     # Long-context RoPE: YaRN over a short original context, so prompts pass it.
     "qwen2yarn": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2",
                       max_position_embeddings=256,
@@ -118,5 +131,8 @@ def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0,
     cfg = AutoConfig.for_model(model_type, **fields)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).to(dtype)
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):  # zeros as made: make it count
+            buffer.normal_(0.0, 0.1)
     model.save_pretrained(str(path))
     return path

@@ -52,6 +52,10 @@ def kv_cache_format(name: str, model: nn.Module, tokenizer, device: torch.device
                              f"{', '.join(KV_CACHE_DTYPES)}")
     if name == "auto":
         return KVCacheFormat(dtype)
+    if model.config.mla is not None:
+        raise ModelLoadError("--kv-cache-dtype fp8 is not supported for latent attention "
+                             "(DeepSeek) models, whose cache holds latents, not keys and "
+                             "values; use --kv-cache-dtype auto")
     rotation = key_rotation(model.config.head_dim).to(device)
     scales = calibrate_scales(model, tokenizer, rotation, device, dtype)
     return KVCacheFormat(FP8, scales, rotation.to(dtype))
