@@ -88,10 +88,13 @@ class SpeculativeConfig:
 class EngineConfig:
     """The serving knobs of the engine; each is also a `kvserve serve` flag."""
     model: str = setting(
-        help="Hugging Face model directory, or preset:NAME for a shipped model shape "
-        "with --load-format random (llama-3.2-1b, llama-3.1-8b, llama-tiny) (default: "
-        "the embedded SmolLM2-135M-Instruct, converted once into the cache)",
-        flag_default=None)
+        help="Hugging Face model directory, a .gguf file, a hub id (org/name: fetched "
+        "into the Hugging Face cache, HF_HUB_OFFLINE honoured), or preset:NAME for a "
+        "shipped model shape with --load-format random (llama-3.2-1b, llama-3.1-8b, "
+        "llama-tiny) (default: the embedded SmolLM2-135M-Instruct, converted once into "
+        "the cache)", flag_default=None)
+    revision: str | None = setting(
+        None, "the hub revision (branch, tag or commit) of a hub id --model (default: main)")
     dtype: str = setting("auto", "weights and KV cache (auto: bf16 on CUDA and on CPUs with "
                          "native bf16 such as AVX512-BF16 or AMX, fp32 on other CPUs)",
                          choices=["auto", "float32", "bfloat16", "float16"])

@@ -5,6 +5,8 @@ then made from that context with keyword arguments, none from a half-built engin
 and none changed after it is made."""
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import time
 from dataclasses import dataclass
@@ -66,6 +68,7 @@ class EngineParts:
 
 
 def build_engine(config: EngineConfig, tokenizer=None) -> EngineParts:
+    config = _local_model(config)
     model_config = ModelConfig.from_pretrained(config.model)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
@@ -112,6 +115,16 @@ def _tokenizer(config: EngineConfig, given):
     if given is None:
         log.info("%s has no tokenizer: token ids only", config.model)
     return given
+
+
+def _local_model(config: EngineConfig) -> EngineConfig:
+    """config with a hub id --model replaced by its snapshot in the hub cache
+    (fetched if need be, once, before anything reads the model)."""
+    from kvserve.modelstore import hub
+
+    if config.model is None or not hub.is_hub_id(config.model):
+        return config
+    return dataclasses.replace(config, model=str(hub.fetch(config.model, config.revision)))
 
 
 def _eos_ids(model_config: ModelConfig, tokenizer) -> tuple[int, ...]:

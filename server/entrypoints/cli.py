@@ -53,11 +53,25 @@ def resolve_model(args) -> tuple[str, list[str]]:
 
         path, names = str(ensure_default_model()), [DEFAULT_MODEL_NAME]
     else:
-        path, names = args.model, [args.model]
+        path, names = _local_path(args), [args.model]
         _check_model_arg(path, args.load_format)
     if args.served_model_name:
         names = split_keys([args.served_model_name])
     return path, names
+
+
+def _local_path(args) -> str:
+    """--model, or for a hub id its snapshot in the Hugging Face cache (fetched if
+    need be); the served name stays the hub id, as vLLM serves it."""
+    from kvserve.modelstore import hub
+    from kvserve.modelstore.errors import ModelLoadError
+
+    if not hub.is_hub_id(args.model):
+        return args.model
+    try:
+        return str(hub.fetch(args.model, args.revision))
+    except ModelLoadError as exc:
+        raise SystemExit(f"kvserve: {exc}") from None
 
 
 def _check_model_arg(model: str, load_format: str) -> None:
@@ -68,8 +82,8 @@ def _check_model_arg(model: str, load_format: str) -> None:
             return
         if not os.path.isdir(model):
             raise SystemExit(f"kvserve: model directory not found: {model} (kvserve loads "
-                             "local Hugging Face model directories or .gguf files; it "
-                             "downloads nothing)")
+                             "local Hugging Face model directories, .gguf files, or hub "
+                             "ids such as Qwen/Qwen3-0.6B)")
         return
     try:
         resolve_model_path(model)
