@@ -17,6 +17,7 @@ from kvserve.engine.config.model_config import ModelConfig
 from kvserve.engine.platform.gguf_checkpoint import (FLOAT_TYPES, KEPT_QUANTIZED, GGUFCheckpoint,
                                                      find_gguf)
 from kvserve.engine.models.llama import LlamaForCausalLM
+from kvserve.engine.models.registry import model_class
 from kvserve.engine.models.quantized.int4 import PACK_ROWS, Int4Linear
 from kvserve.engine.models.quantized.int8 import GroupInt8Linear
 from kvserve.modelstore.errors import ModelLoadError
@@ -45,6 +46,10 @@ def load_gguf_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype,
                              "auto to serve its blocks as they are, or none to expand them")
     if cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias:
         raise ModelLoadError("GGUF loading supports Llama layers without biases")
+    if model_class(cfg) is not LlamaForCausalLM or cfg.sliding_window:
+        raise ModelLoadError(f"GGUF files load for the Llama shape only (Llama, Mistral "
+                             f"without a window, Qwen3); {cfg.architecture} loads from "
+                             "safetensors")
     ckpt = GGUFCheckpoint(find_gguf(model_dir))
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions).to(dtype)  # no storage yet

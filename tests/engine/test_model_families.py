@@ -158,3 +158,20 @@ def test_latent_attention_caches_latents_only(tiny_model_dir, caplog):
     with pytest.raises(ModelLoadError, match="fp8 is not supported for latent attention"):
         Engine(EngineConfig(model=str(tiny_model_dir("deepseekv3")), num_kv_blocks=64,
                             kv_cache_dtype="fp8"))
+
+
+@pytest.mark.parametrize("family", ["gptoss", "deepseekv3", "gemma2"], indirect=True)
+@pytest.mark.parametrize("method", ["ngram", "early-exit"])
+def test_speculative_decoding_keeps_the_tokens(family, method):
+    """Drafts verified several rows a request at a time (windows, sinks, soft-caps,
+    latents and experts over query spans of k + 1), on repetitive prompts that
+    n-gram drafts hit."""
+    from kvserve.engine.config.engine_config import SpeculativeConfig
+
+    model_dir, ref = family
+    spec = SpeculativeConfig(method, num_tokens=3, ngram_min=1, draft_layers=1)
+    engine = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=256, speculative=spec))
+    prompts = [[7, 8, 9, 10] * 8, [3, 4] * 20, [11, 12, 13] * 11]
+    params = [greedy(24)] * len(prompts)
+    assert engine.generate(prompts, params) == reference(ref, prompts, params)
+    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
