@@ -58,20 +58,7 @@ def load_adapter(name: str, path: str | Path, max_rank: int, num_layers: int,
     tensors = _tensors(path)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
-        m = _WEIGHT.search(key)
-        if m is None:
-            raise LoRAAdapterError(f"adapter {name!r}: unexpected tensor {key!r} (only "
-                                   f"LoRA A/B weights of {', '.join(TARGETS)})")
-        layer, module, which = int(m[1]), m[2], m[3]
-        if module not in TARGETS:
-            raise LoRAAdapterError(f"adapter {name!r} targets {module!r}; supported: "
-                                   f"{', '.join(TARGETS)}")
-        if layer >= num_layers:
-            raise LoRAAdapterError(f"adapter {name!r}: layer {layer} is past the model's "
-                                   f"{num_layers} layers")
-        if layer in sparse_layers and module in MLP_TARGETS:
-            raise LoRAAdapterError(f"adapter {name!r} targets {module!r} of layer {layer}, a "
-                                   "mixture-of-experts layer: LoRA reaches its attention only")
+        layer, module, which = _target(name, key, num_layers, sparse_layers)
         pairs.setdefault((layer, module), {})[which] = tensor
     weights = {}
     for (layer, module), ab in sorted(pairs.items()):
@@ -89,6 +76,27 @@ def load_adapter(name: str, path: str | Path, max_rank: int, num_layers: int,
     if not weights:
         raise LoRAAdapterError(f"adapter {name!r} has no LoRA weights")
     return LoRAAdapter(name, path, rank, weights)
+
+
+def _target(name: str, key: str, num_layers: int,
+            sparse_layers: frozenset[int]) -> tuple[int, str, str]:
+    """(layer, projection, "A" or "B") of the adapter's tensor `key`, checked against
+    what the model has."""
+    m = _WEIGHT.search(key)
+    if m is None:
+        raise LoRAAdapterError(f"adapter {name!r}: unexpected tensor {key!r} (only "
+                               f"LoRA A/B weights of {', '.join(TARGETS)})")
+    layer, module, which = int(m[1]), m[2], m[3]
+    if module not in TARGETS:
+        raise LoRAAdapterError(f"adapter {name!r} targets {module!r}; supported: "
+                               f"{', '.join(TARGETS)}")
+    if layer >= num_layers:
+        raise LoRAAdapterError(f"adapter {name!r}: layer {layer} is past the model's "
+                               f"{num_layers} layers")
+    if layer in sparse_layers and module in MLP_TARGETS:
+        raise LoRAAdapterError(f"adapter {name!r} targets {module!r} of layer {layer}, a "
+                               "mixture-of-experts layer: LoRA reaches its attention only")
+    return layer, module, which
 
 
 def _config(path: Path) -> dict:

@@ -29,11 +29,10 @@ def attend_paged(q, q_pos, kv_start, kv_end, table_ptr, k_cache_ptr, v_cache_ptr
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                  UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
                  SOFTCAP: tl.constexpr):
-    """q: [BLOCK_M, BLOCK_D]; key n is visible to row m when n <= q_pos[m] and, with
-    a sliding window (window > 0), n > q_pos[m] - window. SOFTCAP: scores capped at
-    softcap (cap * tanh(score / cap)). Returns (acc, l, m): the unnormalised output
-    [BLOCK_M, BLOCK_D] in fp32, the softmax denominators and the running maxima,
-    both in base 2."""
+    """q: [BLOCK_M, BLOCK_D]; key n is visible to row m when n <= q_pos[m] and, with a
+    window (> 0), n > q_pos[m] - window. SOFTCAP: scores capped at softcap. Returns
+    (acc, l, m): the unnormalised output [BLOCK_M, BLOCK_D] in fp32, the softmax
+    denominators and the running maxima, both in base 2."""
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     # A finite start: a row that has seen no visible key yet gets exp2(-inf) = 0
