@@ -1,11 +1,11 @@
 """The routed experts of a mixture-of-experts layer, as one op: `kvserve::fused_experts`.
 
 Each token picked top_k experts; the (token, expert) pairs are sorted by expert
-(one argsort), so each active expert gathers its tokens and runs its SwiGLU MLP as
-two GEMMs over all of them at once, and the weighted results are added back per
-token. The work is one GEMM pair per *active* expert, whatever the batch, with no
-per-token Python (transformers loops the same way over experts, but builds a
-one-hot [E, K, T] mask to find each expert's tokens).
+(one sort), so each expert's tokens are one run of rows, and two grouped GEMMs
+(torch._grouped_mm: every expert's rows times its own weights, in one call each)
+give every pair's SwiGLU MLP; the weighted results are added back per token. No
+per-token and no per-expert Python (transformers loops over the experts and builds
+a one-hot [E, K, T] mask to find each one's tokens).
 
 It is a custom op, as attention is, so that torch.compile treats the data-dependent
 loop as one opaque call and compiles the rest of the decoder around it. Under
@@ -53,21 +53,45 @@ def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     outside = (local < 0) | (local >= num_experts)
     # Pairs routed to another rank's experts sort last, under the id `num_experts`.
     sorted_ids, order = local.masked_fill(outside, num_experts).sort(stable=True)
-    counts = torch.bincount(sorted_ids, minlength=num_experts + 1)[:num_experts].tolist()
-    weights = topk_weights.reshape(-1)
-    out = torch.zeros_like(x)
-    start = 0
+    counts = torch.bincount(sorted_ids, minlength=num_experts + 1)[:num_experts]
+    pairs = order[:int(counts.sum())]
+    tokens = pairs // top_k
+    if GROUPED:
+        h = _grouped(x[tokens], w13, b13, counts)
+        y = _grouped(gated(h, activation, limit, alpha), w2, b2, counts)
+    else:
+        y = _per_expert(x, tokens, w13, w2, b13, b2, counts.tolist(), activation, limit,
+                        alpha)
+    y = y * topk_weights.reshape(-1)[pairs, None]
+    return torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))
+
+
+# torch's grouped GEMM (one call for every expert's rows; on CPU since torch 2.9),
+# reading the experts' [E, N, K] weights as they lie (transposed views): 1.3-1.4x the
+# per-expert loop at 1-32 tokens of 64 experts (1024 x 768 each, bf16, 2-core Zen 4).
+GROUPED = hasattr(torch, "_grouped_mm")
+
+
+def _grouped(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+             counts: torch.Tensor) -> torch.Tensor:
+    """Rows of x grouped by expert (counts[e] rows each, in order) times their
+    expert's w [E, N, K], plus its bias."""
+    y = torch._grouped_mm(x, w.transpose(1, 2), offs=counts.cumsum(0).to(torch.int32))
+    return y if b is None else y + b.repeat_interleave(counts, dim=0)
+
+
+def _per_expert(x, tokens, w13, w2, b13, b2, counts: list[int], activation, limit, alpha):
+    """The same, one GEMM pair per active expert (torch without _grouped_mm)."""
+    out, start = [], 0
     for expert, n in enumerate(counts):
         if n == 0:
             continue
-        pairs = order[start:start + n]
+        rows = tokens[start:start + n]
         start += n
-        tokens = pairs // top_k
-        h = gated(F.linear(x[tokens], w13[expert], None if b13 is None else b13[expert]),
+        h = gated(F.linear(x[rows], w13[expert], None if b13 is None else b13[expert]),
                   activation, limit, alpha)
-        y = F.linear(h, w2[expert], None if b2 is None else b2[expert]) * weights[pairs, None]
-        out.index_add_(0, tokens, y.to(x.dtype))
-    return out
+        out.append(F.linear(h, w2[expert], None if b2 is None else b2[expert]))
+    return torch.cat(out) if out else x.new_zeros(0, w2.shape[1])
 
 
 @fused_experts.register_fake

@@ -111,3 +111,17 @@ def test_triton_kernels_leave_other_ranks_experts_out():
     got = triton_fused_experts(*on_device([x, ids, weights, w13[4:], w2[4:]]), 4).cpu()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert BLOCK_M >= 16  # tl.dot's smallest tile on the GPU
+
+
+def test_per_expert_loop_equals_the_grouped_gemms(monkeypatch):
+    """Where torch has no _grouped_mm the op loops over the active experts."""
+    from kvserve.engine.kernels.moe import fused_experts as module
+
+    args = case(bias=True, experts=8, tokens=11, top_k=3)
+    activation = ("swiglu_oai", 1.5, 1.702)
+    grouped = fused_experts(*args[:5], 4, *args[5:], *activation)  # half on this rank
+    monkeypatch.setattr(module, "GROUPED", False)
+    looped = fused_experts(*args[:5], 4, *args[5:], *activation)
+    torch.testing.assert_close(looped, grouped, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(looped.double(), loop(*args, first=4, activation=activation),
+                               rtol=1e-5, atol=1e-5)
