@@ -1,8 +1,8 @@
 """A decoder-only transformer over a flat batch of tokens, the shape every supported
 family shares: embedding, layers of (norm, attention, norm, MLP) with residuals,
 final norm, LM head. A family (engine/models/registry.py) subclasses DecoderModel for
-what differs: its layers (`make_layer`), MLP (`make_mlp`: dense, or mixture-of-
-experts), norm (`norm_class`), embedding (`embed`), and how its checkpoint names
+what differs: its layers (`make_layer`), MLP (`make_mlp`; by default a mixture of
+experts where the config's MoE makes a layer sparse, else dense), norm (`norm_class`), embedding (`embed`), and how its checkpoint names
 and lays out tensors (`checkpoint_name`, `checkpoint_tensors`).
 
 There is no padding and no batch dimension: row i of every activation is token i of
@@ -21,6 +21,7 @@ from kvserve.engine.models.layers import RMSNorm
 from kvserve.engine.models.linear import Linear
 from kvserve.engine.models.lora_step import LoRAStep
 from kvserve.engine.models.mlp import MLP
+from kvserve.engine.models.moe import SparseMoE, expert_name
 from kvserve.engine.models.rotary import RotaryEmbedding
 from kvserve.engine.models.tp_layers import VocabParallelEmbedding
 from kvserve.engine.models.tp_shard import SINGLE, TPShard
@@ -76,7 +77,10 @@ class DecoderModel(nn.Module):
 
     @classmethod
     def make_mlp(cls, cfg: ModelConfig, layer: int, shard: TPShard) -> nn.Module:
-        """Layer `layer`'s MLP: dense by default."""
+        """Layer `layer`'s MLP: a mixture of experts where the config makes the layer
+        sparse, else dense."""
+        if cfg.moe is not None and cfg.moe.is_sparse(layer):
+            return SparseMoE(cfg, layer, shard)
         return MLP(cfg, layer, shard)
 
     def rotaries(self) -> list[RotaryEmbedding]:
@@ -94,8 +98,11 @@ class DecoderModel(nn.Module):
     @classmethod
     def checkpoint_name(cls, ckpt_name: str) -> tuple[str, object]:
         """A checkpoint tensor's name -> (our parameter's name, the shard it fills
-        within a packed parameter, or None)."""
+        within a packed parameter or the stacked experts, or None)."""
         name = ckpt_name.removeprefix("model.")
+        expert = expert_name(name)
+        if expert is not None:
+            return expert
         for frag, (packed, shard) in PACKED_MODULES.items():
             if f".{frag}." in name:
                 return name.replace(f".{frag}.", f".{packed}."), shard

@@ -10,8 +10,6 @@ from kvserve.engine.config.model_config import ModelConfig
 from kvserve.engine.models.decoder import DecoderLayer, DecoderModel
 from kvserve.engine.models.layers import RMSNorm
 from kvserve.engine.models.mla import MLAttention
-from kvserve.engine.models.moe import SparseMoE
-from kvserve.engine.models.qwen_moe import expert_name
 from kvserve.engine.models.tp_shard import TPShard
 
 
@@ -22,11 +20,6 @@ class DeepseekV3ForCausalLM(DecoderModel):
         decoder.self_attn = MLAttention(cfg, layer, shard)
         return decoder
 
-    @classmethod
-    def make_mlp(cls, cfg: ModelConfig, layer: int, shard: TPShard) -> nn.Module:
-        if cfg.moe.is_sparse(layer):
-            return SparseMoE(cfg, layer, shard)
-        return super().make_mlp(cfg, layer, shard)
 
     @classmethod
     def checkpoint_name(cls, ckpt_name: str):
@@ -34,4 +27,4 @@ class DeepseekV3ForCausalLM(DecoderModel):
         name = name.replace(".gate.e_score_correction_bias", ".e_score_correction_bias")
         if ".self_attn." in name:
             return name, None  # MLA's projections are its own, none packed
-        return expert_name(name) or super().checkpoint_name(name)
+        return super().checkpoint_name(name)

@@ -9,13 +9,7 @@ x @ W, with biases beside them; `checkpoint_tensors` turns them into per-expert
 projections in nn.Linear's layout, which the loader stacks as for other families."""
 from __future__ import annotations
 
-from torch import nn
-
-from kvserve.engine.config.model_config import ModelConfig
 from kvserve.engine.models.decoder import DecoderModel
-from kvserve.engine.models.moe import SparseMoE
-from kvserve.engine.models.qwen_moe import expert_name
-from kvserve.engine.models.tp_shard import TPShard
 
 
 def _per_expert(prefix: str, kind: str, tensor):
@@ -36,9 +30,6 @@ def _per_expert(prefix: str, kind: str, tensor):
 
 
 class GptOssForCausalLM(DecoderModel):
-    @classmethod
-    def make_mlp(cls, cfg: ModelConfig, layer: int, shard: TPShard) -> nn.Module:
-        return SparseMoE(cfg, layer, shard)
 
     def checkpoint_tensors(self, ckpt_name: str, tensor):
         prefix, _, kind = ckpt_name.rpartition(".")
@@ -50,5 +41,4 @@ class GptOssForCausalLM(DecoderModel):
 
     @classmethod
     def checkpoint_name(cls, ckpt_name: str):
-        name = ckpt_name.removeprefix("model.").replace(".mlp.router.", ".mlp.gate.")
-        return expert_name(name) or super().checkpoint_name(name)
+        return super().checkpoint_name(ckpt_name.replace(".mlp.router.", ".mlp.gate."))

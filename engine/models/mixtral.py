@@ -5,22 +5,14 @@ from __future__ import annotations
 
 import re
 
-from torch import nn
-
-from kvserve.engine.config.model_config import ModelConfig
 from kvserve.engine.models.decoder import DecoderModel
-from kvserve.engine.models.moe import SparseMoE
-from kvserve.engine.models.qwen_moe import expert_name
-from kvserve.engine.models.tp_shard import TPShard
+from kvserve.engine.models.moe import expert_name
 
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w3|w2)\.(weight)$")
 _PARTS = {"w1": ("w13", 0), "w3": ("w13", 1), "w2": ("w2", 0)}
 
 
 class MixtralForCausalLM(DecoderModel):
-    @classmethod
-    def make_mlp(cls, cfg: ModelConfig, layer: int, shard: TPShard) -> nn.Module:
-        return SparseMoE(cfg, layer, shard)
 
     @classmethod
     def checkpoint_name(cls, ckpt_name: str):

@@ -8,6 +8,8 @@ experts it holds, and one all-reduce sums the ranks' outputs. A shared expert is
 split as the dense MLP is."""
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -18,6 +20,25 @@ from kvserve.engine.models.layers import PlainWeight
 from kvserve.engine.models.linear import Linear
 from kvserve.engine.models.mlp import MLP
 from kvserve.engine.models.tp_shard import SINGLE, TPShard
+
+# A checkpoint's per-expert tensors, as transformers saves them.
+_EXPERT = re.compile(
+    r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|bias)$")
+_PARTS = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)}
+_BIASES = {"w13": "b13", "w2": "b2"}
+
+
+def expert_name(name: str, parts: dict[str, tuple[str, int]] = _PARTS,
+                pattern: re.Pattern = _EXPERT) -> tuple[str, tuple[int, int]] | None:
+    """`...experts.{e}.{projection}.{weight,bias}` -> (our stacked parameter,
+    (e, part))."""
+    m = pattern.match(name)
+    if m is None:
+        return None
+    attr, part = parts[m.group(3)]
+    if m.group(4) == "bias":
+        attr = _BIASES[attr]
+    return f"{m.group(1)}.{attr}", (int(m.group(2)), part)
 
 
 class FusedExperts(nn.Module):

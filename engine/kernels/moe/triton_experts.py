@@ -62,6 +62,17 @@ def _swiglu(gate, up, ACTIVATION: tl.constexpr, limit, alpha):
     return (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
 
 
+@triton.jit
+def _block_pairs(pairs_ptr, block_expert_ptr, num_pairs, BLOCK_M: tl.constexpr):
+    """This program's block of sorted pairs: (its expert, the rows of the sorted
+    buffer, the pairs there, which are real rather than padding)."""
+    pid_m = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(pairs_ptr + rows)
+    return expert, rows, pairs, pairs < num_pairs
+
+
 # The pair count changes from step to step: specialised (equal to 1, divisible by
 # 16), each value would be a compile of its own mid-serving.
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -72,14 +83,10 @@ def _gate_up_kernel(x_ptr, w_ptr, b_ptr, out_ptr, pairs_ptr, block_expert_ptr,
                     ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
                     UPCAST: tl.constexpr):
-    pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    if expert >= NUM_EXPERTS:
+    expert, rows, pairs, valid = _block_pairs(pairs_ptr, block_expert_ptr, num_pairs, BLOCK_M)
+    if expert >= NUM_EXPERTS:  # a block past the last expert's pairs
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(pairs_ptr + rows)
-    valid = pairs < num_pairs
     tokens = (pairs // top_k).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < inter
@@ -115,14 +122,10 @@ def _down_kernel(h_ptr, w_ptr, b_ptr, weights_ptr, out_ptr, pairs_ptr, block_exp
                  stride_o, NUM_EXPERTS: tl.constexpr, HAS_BIAS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    if expert >= NUM_EXPERTS:
+    expert, rows, pairs, valid = _block_pairs(pairs_ptr, block_expert_ptr, num_pairs, BLOCK_M)
+    if expert >= NUM_EXPERTS:  # a block past the last expert's pairs
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(pairs_ptr + rows)
-    valid = pairs < num_pairs
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
