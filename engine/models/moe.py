@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from kvserve.engine.config.model_config import ModelConfig
-from kvserve.engine.kernels.moe import fused_experts as _registers_op  # noqa: F401
+from kvserve.engine.kernels.moe.fused_experts import one_token_experts
 from kvserve.engine.models import tp_comm as comm
 from kvserve.engine.models.layers import PlainWeight
 from kvserve.engine.models.linear import Linear
@@ -76,8 +76,11 @@ class FusedExperts(nn.Module):
         target[rows].copy_(tensor)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
-        return torch.ops.kvserve.fused_experts(x, ids, weights, self.w13, self.w2, self.first,
-                                               self.b13, self.b2, *self.activation)
+        args = (x, ids, weights, self.w13, self.w2, self.first, self.b13, self.b2,
+                *self.activation)
+        if x.shape[0] == 1 and x.device.type == "cpu" and torch.compiler.is_compiling():
+            return one_token_experts(*args)  # traced into the batch-1 decode graph
+        return torch.ops.kvserve.fused_experts(*args)
 
 
 class SparseMoE(nn.Module):

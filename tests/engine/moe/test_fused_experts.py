@@ -125,3 +125,21 @@ def test_per_expert_loop_equals_the_grouped_gemms(monkeypatch):
     torch.testing.assert_close(looped, grouped, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(looped.double(), loop(*args, first=4, activation=activation),
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bias,activation", [(False, ("silu", 0.0, 0.0)),
+                                             (True, ("swiglu_oai", 1.5, 1.702))])
+def test_one_token_form_equals_the_op(bias, activation):
+    """The plain-ops form a batch-1 decode graph traces, compiled as it would be,
+    including experts held by another rank."""
+    from kvserve.engine.kernels.moe.fused_experts import one_token_experts
+
+    x, ids, weights, w13, w2, b13, b2 = case(tokens=1, experts=8, top_k=3, bias=bias)
+    for first, held in ((0, 8), (4, 4)):
+        args = (x, ids, weights, w13[first:first + held], w2[first:first + held], first,
+                None if b13 is None else b13[first:first + held],
+                None if b2 is None else b2[first:first + held], *activation)
+        want = fused_experts(*args)
+        torch.testing.assert_close(one_token_experts(*args), want, rtol=1e-5, atol=1e-5)
+        compiled = torch.compile(one_token_experts, fullgraph=True)
+        torch.testing.assert_close(compiled(*args), want, rtol=1e-4, atol=1e-4)
