@@ -1,0 +1,88 @@
+"""Where a mixture-of-experts layer's time goes on this CPU (issue 52): routing (the
+router's GEMM, softmax, top-k), the pairs' sort and gather, the experts' GEMMs and
+the weighted combine, for one layer of the race's shape (bench/moe_checkpoint.py:
+64 experts of 384, top-8, hidden 1024, bf16) at 1, 16 and 32 tokens; and the
+batch-1 decode graph's traced form (one_token_experts) beside the op.
+
+    python bench/moe_split.py [--json OUT.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvserve.engine.kernels.moe.fused_experts import (fused_experts, gated,  # noqa: E402
+                                                      one_token_experts)
+
+
+def timed(fn, repeats: int = 30) -> float:
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - t0) / repeats * 1e3
+
+
+def split(tokens: int, experts: int, top_k: int, hidden: int, inter: int,
+          dtype: torch.dtype) -> dict:
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    router = (torch.randn(experts, hidden, generator=g) * 0.02).to(dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.02).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=g) * 0.02).to(dtype)
+
+    def route():
+        w, ids = torch.softmax(F.linear(x, router), -1, dtype=torch.float32).topk(top_k)
+        return ids, (w / w.sum(-1, keepdim=True)).to(dtype)
+
+    ids, weights = route()
+    sorted_ids, order = ids.reshape(-1).sort(stable=True)
+    counts = torch.bincount(sorted_ids, minlength=experts)
+    tokens_of = order // top_k
+    offs = counts.cumsum(0).to(torch.int32)
+    xs = x[tokens_of]
+
+    def gemms():
+        h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)
+        return torch._grouped_mm(gated(h, "silu", 0.0, 0.0), w2.transpose(1, 2), offs=offs)
+
+    y = gemms()
+    out = {
+        "routing_ms": timed(route),
+        "sort_gather_ms": timed(lambda: x[ids.reshape(-1).sort(stable=True).indices
+                                         // top_k]),
+        "expert_gemms_ms": timed(gemms),
+        "combine_ms": timed(lambda: torch.zeros_like(x).index_add_(
+            0, tokens_of, (y * weights.reshape(-1)[order, None]).to(dtype))),
+        "op_total_ms": timed(lambda: fused_experts(x, ids, weights, w13, w2, 0)),
+        "active_experts": int((counts > 0).sum()),
+    }
+    if tokens == 1:
+        compiled = torch.compile(one_token_experts, fullgraph=True, dynamic=False)
+        out["traced_batch1_ms"] = timed(lambda: compiled(x, ids, weights, w13, w2, 0))
+    read = out["active_experts"] * 3 * hidden * inter * dtype.itemsize
+    out["op_weight_gb_s"] = read / out["op_total_ms"] / 1e6
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    result = {str(t): split(t, 64, 8, 1024, 384, torch.bfloat16) for t in (1, 16, 32)}
+    for t, row in result.items():
+        print(t, {k: round(v, 3) for k, v in row.items()})
+    if a.json:
+        a.json.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
