@@ -18,6 +18,8 @@ from kvserve.engine.models.tp_shard import TPShard
 
 
 class GemmaRMSNorm(nn.Module):
+    weight_offset = 1.0  # scales by (1 + weight): random weights start it at 0
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))

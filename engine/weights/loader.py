@@ -100,8 +100,9 @@ def init_random(model: nn.Module, seed: int, std: float = 0.02) -> None:
     for name, p in model.named_parameters():
         if p.device.type == "meta":
             continue  # no storage to fill
-        if name.endswith("norm.weight"):
-            p.data.fill_(1.0)
+        if name.endswith("norm.weight"):  # the identity: 1, or 0 where it scales by 1 + w
+            norm = model.get_submodule(name.rpartition(".")[0])
+            p.data.fill_(1.0 - getattr(norm, "weight_offset", 0.0))
             continue
         if p.device not in gens:
             gens[p.device] = torch.Generator(device=p.device).manual_seed(seed)

@@ -46,3 +46,18 @@ def test_moe_weight_bytes_count_every_expert(tiny_model_dir):
     held = sum(p.numel() * 4 for name, p in model.named_parameters()
                if not name.endswith("bias"))  # (biases are left out of the estimate)
     assert weight_bytes(cfg, 4) == held
+
+
+def test_random_weights_leave_every_norm_the_identity(tiny_model_dir):
+    """--load-format random: RMSNorm weights 1, Gemma's (1 + w) ones 0."""
+    import torch
+
+    from kvserve.engine.weights.loader import build_model, init_random
+
+    cfg = ModelConfig.from_pretrained(tiny_model_dir("gemma3"))
+    model = build_model(cfg, torch.float32, torch.device("cpu"), 64)
+    init_random(model, seed=0)
+    assert torch.equal(model.norm.weight, torch.zeros_like(model.norm.weight))
+    x = torch.randn(3, cfg.hidden_size)
+    torch.testing.assert_close(model.norm(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)
+                                                               + cfg.rms_norm_eps))
