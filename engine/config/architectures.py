@@ -37,6 +37,7 @@ ARCHITECTURES: dict[str, ArchitectureTraits] = {
     "Gemma3ForCausalLM": ArchitectureTraits(qk_norm=True, context_states_scaling=True),
     "GptOssForCausalLM": ArchitectureTraits(moe=moe_config.gpt_oss, attention_sinks=True),
     "Phi3ForCausalLM": ArchitectureTraits(),
+    "DeepseekV2ForCausalLM": ArchitectureTraits(moe=moe_config.deepseek_v2, mla=mla_from_hf),
     "DeepseekV3ForCausalLM": ArchitectureTraits(moe=moe_config.deepseek_v3, mla=mla_from_hf),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)

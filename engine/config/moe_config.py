@@ -26,7 +26,10 @@ class MoEConfig:
     # "topk_softmax": the top k logits, then a softmax over those k (gpt-oss);
     # "grouped_sigmoid": DeepSeek-V3's sigmoid scores, biased for the choice only,
     # the top k taken within the topk_group best of n_group expert groups, scaled by
-    # routed_scaling_factor (router logits in float32).
+    # routed_scaling_factor (router logits in float32);
+    # "grouped_softmax": DeepSeek-V2's softmax scores, the top k taken within the
+    # topk_group groups of the highest single score (group_limited_greedy; one group
+    # of all: greedy), scaled by routed_scaling_factor.
     router: str = "softmax"
     n_group: int = 1
     topk_group: int = 1
@@ -89,4 +92,19 @@ def deepseek_v3(hf) -> MoEConfig:
                          getattr(hf, "n_shared_experts", 0) or 0),
                      router="grouped_sigmoid", n_group=int(hf.n_group or 1),
                      topk_group=int(hf.topk_group or 1),
+                     routed_scaling_factor=float(hf.routed_scaling_factor or 1.0))
+
+
+def deepseek_v2(hf) -> MoEConfig:
+    greedy = getattr(hf, "topk_method", "greedy") == "greedy"
+    return MoEConfig(num_experts=hf.n_routed_experts, top_k=hf.num_experts_per_tok,
+                     intermediate_size=hf.moe_intermediate_size,
+                     sparse_layers=tuple(i >= int(hf.first_k_dense_replace or 0)
+                                         for i in range(hf.num_hidden_layers)),
+                     norm_topk_prob=False,
+                     shared_expert_intermediate_size=hf.moe_intermediate_size * int(
+                         getattr(hf, "n_shared_experts", 0) or 0),
+                     router="grouped_softmax",
+                     n_group=1 if greedy else int(hf.n_group or 1),
+                     topk_group=1 if greedy else int(hf.topk_group or 1),
                      routed_scaling_factor=float(hf.routed_scaling_factor or 1.0))

@@ -2,8 +2,9 @@
 family shares: embedding, layers of (norm, attention, norm, MLP) with residuals,
 final norm, LM head. A family (engine/models/registry.py) subclasses DecoderModel for
 what differs: its layers (`make_layer`), MLP (`make_mlp`; by default a mixture of
-experts where the config's MoE makes a layer sparse, else dense), norm (`norm_class`), embedding (`embed`), and how its checkpoint names
-and lays out tensors (`checkpoint_name`, `checkpoint_tensors`).
+experts where the config's MoE makes a layer sparse, else dense), norm
+(`norm_class`), embedding (`embed`), and how its checkpoint names and lays out
+tensors (`checkpoint_name`, `checkpoint_tensors`).
 
 There is no padding and no batch dimension: row i of every activation is token i of
 the step, whatever request it belongs to. Attention is the only place requests are

@@ -1,7 +1,10 @@
-"""DeepSeek-V3 (and Kimi-K2, its shape): latent attention (engine/models/mla.py) in
-every layer, a dense MLP in the first first_k_dense_replace layers and a mixture of
-experts after them, routed by grouped top-k over sigmoid scores with a shared
-expert beside (engine/models/moe.py)."""
+"""DeepSeek-V2 and DeepSeek-V3 (and Kimi-K2, V3's shape): latent attention
+(engine/models/mla.py) in every layer, a dense MLP in the first first_k_dense_replace
+layers and a mixture of experts after them, routed by grouped top-k with a shared
+expert beside (engine/models/moe.py): V3's over sigmoid scores with a correction
+bias, V2's over softmax scores. V2's rope rotates interleaved pairs as V3's does; it
+keeps them paired where we lay them out evens-then-odds, a permutation applied to
+queries and keys alike, so every score is the same."""
 from __future__ import annotations
 
 from torch import nn
@@ -28,3 +31,7 @@ class DeepseekV3ForCausalLM(DecoderModel):
         if ".self_attn." in name:
             return name, None  # MLA's projections are its own, none packed
         return super().checkpoint_name(name)
+
+
+class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):
+    pass

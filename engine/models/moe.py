@@ -90,7 +90,7 @@ class SparseMoE(nn.Module):
         self.moe = moe
         # The router; DeepSeek's multiplies in float32, as a plain weight.
         self.gate = (PlainWeight(moe.num_experts, cfg.hidden_size)
-                     if moe.router == "grouped_sigmoid"
+                     if moe.router.startswith("grouped_")
                      else Linear(cfg.hidden_size, moe.num_experts, bias=moe.router_bias))
         # DeepSeek-V3's per-expert bias, added to the scores to choose, not to weigh.
         self.e_score_correction_bias = (nn.Parameter(torch.zeros(moe.num_experts))
@@ -112,6 +112,8 @@ class SparseMoE(nn.Module):
         moe = self.moe
         if moe.router == "grouped_sigmoid":
             return self._grouped_sigmoid(x)
+        if moe.router == "grouped_softmax":
+            return self._grouped_softmax(x)
         logits = self.gate(x)
         if moe.router == "topk_softmax":
             top, ids = logits.topk(moe.top_k)
@@ -138,6 +140,20 @@ class SparseMoE(nn.Module):
         weights = scores.gather(1, ids)
         if moe.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, weights * moe.routed_scaling_factor
+
+    def _grouped_softmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek-V2: float32 softmax scores; with groups, only the topk_group
+        groups of the highest single scores compete; the top k weighed by their
+        scores times routed_scaling_factor (not renormalised)."""
+        moe = self.moe
+        scores = torch.nn.functional.linear(x.float(), self.gate.weight.float()).softmax(-1)
+        if moe.n_group > 1:
+            groups = scores.view(len(x), moe.n_group, -1)
+            keep = torch.zeros(len(x), moe.n_group, device=x.device).scatter_(
+                1, groups.amax(-1).topk(moe.topk_group, dim=-1).indices, 1.0)
+            scores = groups.masked_fill(keep.unsqueeze(-1) == 0, 0.0).view(len(x), -1)
+        weights, ids = scores.topk(moe.top_k, dim=-1)
         return ids, weights * moe.routed_scaling_factor
 
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kvserve.engine.config.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from kvserve.engine.models.decoder import DecoderModel
-from kvserve.engine.models.deepseek import DeepseekV3ForCausalLM
+from kvserve.engine.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from kvserve.engine.models.gemma import GemmaForCausalLM
 from kvserve.engine.models.gpt_oss import GptOssForCausalLM
 from kvserve.engine.models.llama import LlamaForCausalLM
@@ -26,6 +26,7 @@ MODEL_CLASSES: dict[str, type[DecoderModel]] = {
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 

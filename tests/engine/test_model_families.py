@@ -14,7 +14,7 @@ from tests.support.reference import (assert_same_tokens, load_reference, referen
                                      varied_prompts)
 
 FAMILIES = ["mixtral", "qwen2moe", "qwen3moe", "qwen2yarn", "mistralwin", "gemma2", "gemma3",
-            "gptoss", "phi3", "deepseekv3"]
+            "gptoss", "phi3", "deepseekv2", "deepseekv3"]
 # qwen2yarn serves 256 positions (YaRN x4 over 64): prompts and outputs fit in them,
 # and most prompts pass the original 64.
 LENGTHS = (1, 3, 17, 31, 33, 64, 100, 129, 150, 180)
@@ -78,7 +78,7 @@ def test_compiled_path_matches_transformers(family):
     assert_same_tokens(ref, prompts, got, reference(ref, prompts, params))
 
 
-@pytest.mark.parametrize("family", ["qwen2moe", "mixtral", "gptoss", "deepseekv3"],
+@pytest.mark.parametrize("family", ["qwen2moe", "mixtral", "gptoss", "deepseekv2", "deepseekv3"],
                          indirect=True)
 def test_two_ranks_split_the_experts(family):
     model_dir, ref = family

@@ -80,6 +80,15 @@ ARCHS = {
                                      "original_max_position_embeddings": 64,
                                      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
                                      "mscale_all_dim": 1.0}),
+    # DeepSeek-V2-Lite's shape: queries without the low-rank bottleneck; softmax
+    # routing limited to the best groups.
+    "deepseekv2": dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2",
+                       num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=3,
+                       n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=3,
+                       topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                       first_k_dense_replace=1, moe_intermediate_size=32, q_lora_rank=None,
+                       kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                       v_head_dim=16, routed_scaling_factor=1.5, head_dim=8),
     # Long-context RoPE: YaRN over a short original context, so prompts pass it.
     "qwen2yarn": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2",
                       max_position_embeddings=256,
