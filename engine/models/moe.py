@@ -108,7 +108,8 @@ class SparseMoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k experts [T, K] and their weights [T, K]: a softmax over
         every expert in float32, the top k kept (renormalised if the config says);
-        or (topk_softmax) the top k logits and a softmax over them."""
+        or (topk_softmax) the top k logits and a softmax over them; or DeepSeek's
+        grouped routers (_grouped_sigmoid, _grouped_softmax)."""
         moe = self.moe
         if moe.router == "grouped_sigmoid":
             return self._grouped_sigmoid(x)
