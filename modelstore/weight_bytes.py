@@ -1,4 +1,4 @@
-"""Bytes a Llama-family model's weights take, per --quantization: one arithmetic for
+"""Bytes a model's weights take, per --quantization: one arithmetic for
 the engine's memory check and for `kvserve estimate` (which runs without torch).
 
 `shape` is anything with the Hugging Face sizes under our names (engine's ModelConfig,
@@ -32,25 +32,41 @@ def projection_bytes(rows: int, cols: int, dtype_bytes: float, quantization: str
 def weight_bytes(shape, dtype_bytes: float, quantization: str = "none",
                  group_size: int = 32) -> float:
     """A mixture-of-experts shape (a `moe` with num_experts, intermediate_size,
-    shared_expert_intermediate_size and is_sparse(layer)) counts every expert."""
-    h, d = shape.hidden_size, shape.head_dim
-    q, kv = shape.num_heads * d, shape.num_kv_heads * d
+    shared_expert_intermediate_size and is_sparse(layer)) counts every expert; a
+    latent-attention one (an `mla`) its own projections."""
+    h = shape.hidden_size
 
     def size(projections) -> float:
         return sum(projection_bytes(r, c, dtype_bytes, quantization, group_size)
                    for r, c in projections)
 
-    attention = size([(q + 2 * kv, h), (h, q)]) + 2 * h * dtype_bytes  # + the two norms
+    attention = size(_attention_projections(shape)) + 2 * h * dtype_bytes  # + two norms
     moe = getattr(shape, "moe", None)
     total = 0.0
     for layer in range(shape.num_layers):
         if moe is not None and moe.is_sparse(layer):
             inter, shared = moe.intermediate_size, moe.shared_expert_intermediate_size
+            routers = moe.num_experts + bool(moe.shared_expert_gate)  # rows of h each
             mlp = moe.num_experts * size([(2 * inter, h), (h, inter)]) + size(
-                [(2 * shared, h), (h, shared)]) + (moe.num_experts + 1) * h * dtype_bytes
+                [(2 * shared, h), (h, shared)]) + routers * h * dtype_bytes
         else:
             inter = shape.intermediate_size
             mlp = size([(2 * inter, h), (h, inter)])
         total += attention + mlp
     tables = shape.vocab_size * h * (1 if shape.tie_word_embeddings else 2)
     return total + (tables + h) * dtype_bytes
+
+
+def _attention_projections(shape) -> list[tuple[int, int]]:
+    """(rows, cols) of a layer's attention projections."""
+    h, d = shape.hidden_size, shape.head_dim
+    mla = getattr(shape, "mla", None)
+    if mla is None:
+        q, kv = shape.num_heads * d, shape.num_kv_heads * d
+        return [(q + 2 * kv, h), (h, q)]
+    heads = shape.num_heads
+    query = ([(mla.q_lora_rank, h), (heads * mla.qk_head_dim, mla.q_lora_rank)]
+             if mla.q_lora_rank else [(heads * mla.qk_head_dim, h)])
+    return query + [(mla.cache_dim, h),
+                    (heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank),
+                    (h, heads * mla.v_head_dim)]

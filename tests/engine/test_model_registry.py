@@ -35,16 +35,19 @@ def test_moe_layers_follow_the_config(arch, sparse, tiny_model_dir):
     assert (moe.shared_expert_intermediate_size > 0) == (arch == "qwen2moe")
 
 
-def test_moe_weight_bytes_count_every_expert(tiny_model_dir):
+@pytest.mark.parametrize("arch", ["qwen2moe", "deepseekv3", "deepseekv2"])
+def test_weight_bytes_count_every_expert_and_projection(arch, tiny_model_dir):
+    """What the memory check counts equals what the model holds (less biases and
+    the latent attention's small norms)."""
     import torch
 
     from kvserve.engine.weights.loader import build_model
     from kvserve.modelstore.weight_bytes import weight_bytes
 
-    cfg = ModelConfig.from_pretrained(tiny_model_dir("qwen2moe"))
+    cfg = ModelConfig.from_pretrained(tiny_model_dir(arch))
     model = build_model(cfg, torch.float32, torch.device("cpu"), 64)
     held = sum(p.numel() * 4 for name, p in model.named_parameters()
-               if not name.endswith("bias"))  # (biases are left out of the estimate)
+               if not name.endswith(("bias", "a_layernorm.weight")))
     assert weight_bytes(cfg, 4) == held
 
 
