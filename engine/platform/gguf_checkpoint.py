@@ -1,6 +1,7 @@
 """A GGUF file's tensors, read through the `gguf` package (llama.cpp's own reader),
-as our layers want them: quantized blocks split into their integer values and
-float16 scales without rounding anything, or de-quantized to float32 by gguf itself.
+as our layers want them: quantized blocks split into their integer values and group
+scales without rounding anything (gguf_blocks.py), or de-quantized to float32 by
+gguf itself.
 
 llama.cpp's converter permutes the rows of Llama's query and key projections (its
 RoPE pairs neighbouring dimensions, Hugging Face's pairs the two halves); rows are
@@ -12,12 +13,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvserve.engine.platform.gguf_blocks import DECODERS, GroupQuant, decode
 from kvserve.modelstore.errors import ModelLoadError
 
-# Blocks repacked as they are, by type: the kind of layer that holds them.
-KEPT_QUANTIZED = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8"}
+# Types whose blocks are repacked as they are, never expanded to floats.
+KEPT_QUANTIZED = tuple(DECODERS)
 FLOAT_TYPES = ("F32", "F16", "BF16")
-BLOCK = 32
 
 
 def find_gguf(model_dir: Path) -> Path:
@@ -81,6 +82,10 @@ class GGUFCheckpoint:
         field = self.reader.fields.get(key)
         return default if field is None else field.contents()
 
+    def tensor_bytes(self) -> int:
+        """What the file's tensors take, as stored."""
+        return sum(int(t.n_bytes) for t in self.tensors.values())
+
     def type_name(self, name: str) -> str:
         return self.tensors[name].tensor_type.name
 
@@ -109,36 +114,10 @@ class GGUFCheckpoint:
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists ne0 first
         return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)  # a copy: the file is mapped read-only
 
-    def int4_blocks(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Q4_0 / Q4_1 -> (q [N, K] uint8 0..15, scales [K/32, N] fp16, mins
-        [K/32, N] fp16) with w = q * scale + min exactly as gguf computes it.
-        Q4_0's w = (q - 8) * d is the same with min = -8 d (both exact in fp32)."""
-        kind = self.type_name(name)
-        rows = self._rows(name)
-        n = rows.shape[0]
-        header = 4 if kind == "Q4_1" else 2
-        blocks = rows.reshape(n, -1, header + BLOCK // 2)
-        scales = blocks[..., :2].copy().view(np.float16)[..., 0]
-        if kind == "Q4_1":
-            mins = blocks[..., 2:4].copy().view(np.float16)[..., 0]
-        else:
-            mins = (scales.astype(np.float32) * -8).astype(np.float16)
-        nibbles = blocks[..., header:]  # byte j: value j (low), value j + 16 (high)
-        q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(n, -1)
-        if kind == "Q4_0" and not np.array_equal(mins.astype(np.float32),
-                                                 scales.astype(np.float32) * -8):
-            raise ModelLoadError(f"{name}: a Q4_0 scale times -8 is not a float16")
-        return (torch.from_numpy(q), torch.from_numpy(scales.T.copy()),
-                torch.from_numpy(mins.T.copy()))
-
-    def int8_blocks(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Q8_0 -> (q [N, K] int8, scales [K/32, N] fp16), w = q * scale."""
-        rows = self._rows(name)
-        n = rows.shape[0]
-        blocks = rows.reshape(n, -1, 2 + BLOCK)
-        scales = blocks[..., :2].copy().view(np.float16)[..., 0]
-        q = blocks[..., 2:].copy().view(np.int8).reshape(n, -1)
-        return torch.from_numpy(q), torch.from_numpy(scales.T.copy())
+    def group_quant(self, name: str) -> GroupQuant:
+        """A tensor of a kept type (KEPT_QUANTIZED) as integers and group scales,
+        rows un-permuted (gguf_blocks.py)."""
+        return decode(self.type_name(name), self._rows(name))
 
 
 def _decimal(value) -> float:

@@ -100,7 +100,7 @@ def pack_model(model: nn.Module, mode: str, device: torch.device, dtype: torch.d
     quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     before = model_bytes(model)
     head, table = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
-    tied = head in linears and table is not None and head.weight is table.weight
+    tied = head in linears and table is not None and head.weight is getattr(table, "weight", None)
     for linear in linears:
         linear.pack(round_to_int8=int8_head and linear is head)
     if tied:  # one copy of the table: the embedding reads the head's panels

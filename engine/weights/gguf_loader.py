@@ -1,7 +1,9 @@
-"""Build our model from a GGUF file (--load-format gguf). Its Q4_0 / Q4_1 / Q8_0
-projections become int4 / group-int8 layers holding the file's own integers and
-scales (no float copy of them is ever made); every other tensor is de-quantized by
-gguf into --dtype (F32/F16/BF16 exactly, K-quants and the rest expanded, logged).
+"""Build our model from a GGUF file (--load-format gguf). Its quantized projections
+(Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, the K-quants Q2_K..Q6_K, IQ4_NL/IQ4_XS, in any mix, as
+Q4_K_M and Q5_K_M files have them) become int4 or group-int8 layers holding the
+file's own integers and scales (no float copy of them is ever made); every other
+tensor is de-quantized by gguf into --dtype (F32/F16/BF16 exactly, the rest
+expanded, logged).
 --quantization none expands everything. The model's config and tokenizer come from
 the directory's config.json and tokenizer files, as for safetensors."""
 from __future__ import annotations
@@ -10,16 +12,20 @@ import logging
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
 from kvserve.engine.config.model_config import ModelConfig
+from kvserve.engine.platform.gguf_blocks import GroupQuant, concat_rows
 from kvserve.engine.platform.gguf_checkpoint import (FLOAT_TYPES, KEPT_QUANTIZED, GGUFCheckpoint,
                                                      find_gguf)
 from kvserve.engine.models.llama import LlamaForCausalLM
 from kvserve.engine.models.registry import model_class
 from kvserve.engine.models.quantized.int4 import PACK_ROWS, Int4Linear
 from kvserve.engine.models.quantized.int8 import GroupInt8Linear
+from kvserve.engine.models.quantized.stacked import StackedLinear
+from kvserve.engine.models.quantized.table import QuantizedEmbedding, QuantizedTable
 from kvserve.modelstore.errors import ModelLoadError
 
 log = logging.getLogger("kvserve.loader")
@@ -54,6 +60,9 @@ def load_gguf_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype,
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions).to(dtype)  # no storage yet
     names = _our_names(ckpt, cfg.num_layers)
+    tied = cfg.tie_word_embeddings or "output.weight" not in ckpt.tensors  # llama.cpp ties then
+    if tied:
+        names.pop("output.weight", None)
     kept: Counter = Counter()
     repacked: set[str] = set()
     if quantization == "auto":
@@ -64,14 +73,51 @@ def load_gguf_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype,
                 if kind is not None:
                     kept[kind] += 1
                     repacked.update(sources)
+        kept.update(_keep_vocabulary(ckpt, model, names, tied, dtype, device))
     _materialize(model, device)
-    if cfg.tie_word_embeddings or "output.weight" not in ckpt.tensors:
-        model.lm_head.weight = model.embed_tokens.weight  # as llama.cpp does without one
-        names.pop("output.weight", None)
+    if tied and hasattr(model.lm_head, "weight"):  # both float: one copy
+        model.lm_head.weight = model.embed_tokens.weight
     expanded = _fill_floats(model, ckpt, {g: n for g, n in names.items() if g not in repacked})
-    log.info("%s: %s projections kept quantized, %s", ckpt.path.name,
-             dict(kept) or "no", _expanded_summary(expanded))
+    log.info("%s: %s tensors kept quantized, %s; %.1f MiB of weights resident for %.1f MiB "
+             "in the file", ckpt.path.name, dict(kept) or "no", _expanded_summary(expanded),
+             resident_bytes(model) / 2**20, ckpt.tensor_bytes() / 2**20)
     return model.eval().requires_grad_(False)
+
+
+def _keep_vocabulary(ckpt: GGUFCheckpoint, model: LlamaForCausalLM, names: dict,
+                     tied: bool, dtype: torch.dtype, device: torch.device) -> list[str]:
+    """The LM head (the embedding table where tied) kept in its file's blocks where
+    its quantized layer has a kernel here (torch's int4 one, bf16 on CPU): a head
+    expanded every step costs more than its bytes save (the default model's Q8_0
+    table expanded a step: 9 against 48 tokens/s), so elsewhere it is read as
+    floats. The embedding table kept in its blocks too (a lookup expands only its
+    rows), unless it is the float head's own weight (one copy). What is kept leaves
+    `names` (the tensors read as floats); returns the kinds kept."""
+    kinds = []
+    embd = "token_embd.weight"
+    source = embd if tied else "output.weight"
+    head_kept = False
+    if ckpt.type_name(source) in KEPT_QUANTIZED:
+        head, kind = _quantized_layer(ckpt.group_quant(source), dtype, device)
+        if getattr(head, "kernel_scales_zeros", None) is not None:
+            model.lm_head = head
+            kinds.append(f"head {kind}")
+            names.pop("output.weight", None)
+            head_kept = True
+    if ckpt.type_name(embd) in KEPT_QUANTIZED and (head_kept or not tied):
+        table = QuantizedTable(ckpt.group_quant(embd), dtype, device)
+        model.embed_tokens = QuantizedEmbedding(table)
+        kinds.append("table int4" if table.nibbles else "table int8")
+        names.pop(embd)
+    return kinds
+
+
+def resident_bytes(model: nn.Module) -> int:
+    """The bytes of the model's weights in memory, rope tables left out (each tensor
+    counted once: a tied head is its table)."""
+    tables = {id(t) for r in model.rotaries() for t in r.buffers()}
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()] if id(t) not in tables}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def _our_names(ckpt: GGUFCheckpoint, num_layers: int) -> dict[str, tuple[str, int | None]]:
@@ -101,31 +147,49 @@ def _sources(names: dict, layer: int, proj: str) -> list[str]:
 
 def _repack(ckpt: GGUFCheckpoint, layer: nn.Module, proj: str, sources: list[str],
             dtype: torch.dtype, device: torch.device) -> str | None:
-    """Replace `proj` with a quantized layer holding the file's blocks, when all of its
-    tensors are one kept type; None leaves it to be expanded."""
-    kinds = {KEPT_QUANTIZED.get(ckpt.type_name(s)) for s in sources}
+    """Replace `proj` with quantized layers holding the file's integers and scales
+    when all of its tensors are of kept types (lossless either way): one layer where
+    the shards share a type, else one per shard (StackedLinear); None leaves it to
+    be expanded. Returns the kind of layer made."""
+    if not sources or any(ckpt.type_name(s) not in KEPT_QUANTIZED for s in sources):
+        return None
     parent_name, _, attr = proj.rpartition(".")
     parent = layer.get_submodule(parent_name)
-    expected = getattr(parent, attr).weight.shape
-    if len(kinds) != 1 or None in kinds or not sources:
-        return None
-    kind = kinds.pop()
-    if kind == "int4":
-        if expected[0] % PACK_ROWS:
-            return None  # not in the CPU kernel's row blocks: expand instead
-        parts = [ckpt.int4_blocks(s) for s in sources]
-        q, scales, mins = (torch.cat([p[j] for p in parts], dim=1 if j else 0) for j in range(3))
-        new = Int4Linear(q, scales.to(device), mins.to(device), None, dtype)
-    else:
-        parts = [ckpt.int8_blocks(s) for s in sources]
-        q = torch.cat([p[0] for p in parts]).to(device)
-        new = GroupInt8Linear(q, torch.cat([p[1] for p in parts], dim=1).to(device), None,
-                              dtype)
-    if (new.out_features, new.in_features) != tuple(expected):
-        raise ModelLoadError(f"{proj} from {sources} has shape "
-                             f"{(new.out_features, new.in_features)}, expected {tuple(expected)}")
+    expected = tuple(getattr(parent, attr).weight.shape)
+    parts = [ckpt.group_quant(s) for s in sources]
+    found = (sum(p.q.shape[0] for p in parts), parts[0].q.shape[1])
+    if found != expected or any(p.q.shape[1] != found[1] for p in parts):
+        raise ModelLoadError(f"{proj} from {sources} has shape {found}, expected {expected}")
+    if len({ckpt.type_name(s) for s in sources}) > 1:
+        shards = [_quantized_layer(p, dtype, device) for p in parts]
+        setattr(parent, attr, StackedLinear([m for m, _ in shards]))
+        return "+".join(sorted({kind for _, kind in shards}))
+    new, kind = _quantized_layer(concat_rows(parts), dtype, device)
     setattr(parent, attr, new)
     return kind
+
+
+def _quantized_layer(blocks: GroupQuant, dtype: torch.dtype,
+                     device: torch.device) -> tuple[nn.Module, str]:
+    """int4 where the codes are 16 and the rows fill the CPU kernel's blocks, else
+    a byte a weight."""
+    def tensor(values: np.ndarray | None) -> torch.Tensor | None:  # [N, g] -> [g, N]
+        return None if values is None else torch.from_numpy(
+            np.ascontiguousarray(values.T)).to(device)
+
+    if blocks.fits_int4() and blocks.q.shape[0] % PACK_ROWS == 0:
+        blocks = blocks.shifted()
+        codebook = None if blocks.codebook is None else torch.from_numpy(blocks.codebook)
+        return Int4Linear(torch.from_numpy(blocks.q.astype(np.uint8)), tensor(blocks.scales),
+                          tensor(blocks.mins), None, dtype,
+                          scale_base=tensor(blocks.scale_base),
+                          min_base=tensor(blocks.min_base),
+                          codebook=None if codebook is None else codebook.to(device)), "int4"
+    q = blocks.q if blocks.codebook is None else blocks.codebook[blocks.q]  # int8 values
+    return GroupInt8Linear(torch.from_numpy(q.astype(np.int8)).to(device),
+                           tensor(blocks.scales), None, dtype, tensor(blocks.mins),
+                           scale_base=tensor(blocks.scale_base),
+                           min_base=tensor(blocks.min_base)), "int8"
 
 
 def _materialize(model: nn.Module, device: torch.device) -> None:
@@ -167,7 +231,8 @@ def _fill_floats(model: LlamaForCausalLM, ckpt: GGUFCheckpoint, names: dict) -> 
 
 
 def _tied(model: LlamaForCausalLM, name: str) -> bool:
-    return name == "lm_head.weight" and model.lm_head.weight is model.embed_tokens.weight
+    return name == "lm_head.weight" \
+        and getattr(model.lm_head, "weight", None) is getattr(model.embed_tokens, "weight", None)
 
 
 def _expanded_summary(expanded: Counter) -> str:

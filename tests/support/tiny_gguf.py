@@ -1,6 +1,9 @@
 """A tiny model directory's weights written as a GGUF file the way llama.cpp's
 converter writes one (query/key rows permuted for its RoPE, each tensor in a chosen
-type, quantized by the gguf package), next to the directory's config and tokenizer."""
+type, quantized by the gguf package), next to the directory's config and tokenizer.
+The types the gguf package cannot quantize (the K-quants, IQ4) are written as
+synthetic blocks instead: valid random blocks whose weights are of a tiny model's
+size, in place of the checkpoint's."""
 from __future__ import annotations
 
 import shutil
@@ -18,6 +21,31 @@ LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
 # 64, inputs in groups of 32): q 128 + k 64 + v 64 rows, gate/up 256 each.
 INT4_SHAPES = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
                    num_key_value_heads=2)
+# Shapes whose every input dimension fills the K-quants' blocks of 256, and a
+# vocabulary (past the tokenizer's 400) of whole int4 row blocks.
+K_QUANT_SHAPES = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=448)
+# Each type's float16 scales: their byte offsets in a block and the largest |q * sub-
+# block scale| they multiply, so that synthetic weights stay within +-0.1.
+SYNTHETIC = {"Q2_K": ((80, 82), 45), "Q3_K": ((108,), 128), "Q4_K": ((0, 2), 945),
+             "Q5_K": ((0, 2), 1953), "Q6_K": ((208,), 4096), "IQ4_XS": ((0,), 4064),
+             "Q4_0": ((0,), 8), "Q4_1": ((0, 2), 15), "Q5_0": ((0,), 16), "Q5_1": ((0, 2), 31),
+             "Q8_0": ((0,), 128), "IQ4_NL": ((0,), 127)}
+
+
+def synthetic_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """[rows, bytes per row] uint8 of valid `kind` blocks: random bits, float16
+    scales of a size that keeps the weights near a tiny model's."""
+    import gguf
+    from gguf.constants import GGML_QUANT_SIZES
+
+    block, size = GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+    offsets, largest = SYNTHETIC[kind]
+    b = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    for at in offsets:
+        d = rng.uniform(0.3, 1.0, (rows, cols // block, 1)) * 0.1 / largest
+        b[..., at:at + 2] = d.astype(np.float16).view(np.uint8)
+    return b.reshape(rows, -1)
 
 
 def gguf_name(hf_name: str) -> str:
@@ -84,6 +112,7 @@ def write_gguf_dir(model_dir: Path, out_dir: Path, type_of, architecture: str = 
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_vocab_size(cfg.vocab_size)
     _write_tokenizer(writer, model_dir)
+    rng = np.random.default_rng(0)
     for hf_name, w in load_file(str(model_dir / "model.safetensors")).items():
         name = gguf_name(hf_name)
         if name.endswith("attn_q.weight"):
@@ -91,7 +120,10 @@ def write_gguf_dir(model_dir: Path, out_dir: Path, type_of, architecture: str = 
         elif name.endswith("attn_k.weight"):
             w = permute_rows(w, cfg.num_key_value_heads)
         kind = gguf.GGMLQuantizationType.F32 if w.ndim == 1 else type_of(name)
-        data = gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), kind)
+        if kind.name in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ4_NL"):
+            data = synthetic_blocks(kind.name, *w.shape, rng)
+        else:
+            data = gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), kind)
         writer.add_tensor(name, data, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

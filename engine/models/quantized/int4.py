@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from kvserve.engine.kernels.cpu import packing
+from kvserve.engine.models.quantized.group_scales import group_values
 from kvserve.engine.models.quantized.kernel_rows import few_rows
 from kvserve.engine.models.quantized.layer import QuantizedLinear, nonzero
 
@@ -35,6 +36,9 @@ KNOWN_LAYOUTS = ((64, True), (32, True), (32, False), (64, False), (16, True), (
 # Rows up to which the CPU kernel beats expanding the weights (bf16, SmolLM2's
 # shapes: 2.5x at 1 row, 1.3-1.8x at 16, even at 32).
 INT4PACK_MAX_ROWS = 32
+# The group sizes torch's CPU int4 kernel takes (GGUF's Q2_K/Q3_K groups of 16 are
+# expanded instead).
+INT4PACK_GROUPS = (32, 64, 128, 256)
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int
@@ -99,9 +103,16 @@ def kernel_layout() -> tuple[int, bool]:
 
 
 class Int4Linear(QuantizedLinear):
-    def __init__(self, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+    """scales and mins: [K / group, N], float16 (ours, GGUF's Q4_0/Q4_1) or float32.
+    GGUF's K-quants add scale_base / min_base [K / 256, N] float16, each group's
+    value the product of the two (group_scales.py); its IQ4 types a codebook, the
+    16 int8 values q indexes (w = codebook[q] * scale, no minimums)."""
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                  bias: torch.Tensor | None, dtype: torch.dtype,
-                 input_scales: torch.Tensor | None = None):
+                 input_scales: torch.Tensor | None = None, *,
+                 scale_base: torch.Tensor | None = None, min_base: torch.Tensor | None = None,
+                 codebook: torch.Tensor | None = None):
         super().__init__(*q.shape, None if bias is None else bias.to(dtype), input_scales)
         if self.out_features % PACK_ROWS or self.in_features % scales.shape[0]:
             raise ValueError(f"int4 needs out_features divisible by {PACK_ROWS} and whole "
@@ -112,13 +123,22 @@ class Int4Linear(QuantizedLinear):
         self.layout = kernel_layout()  # how pack_int4 laid it out in this process
         self.register_buffer("scales", scales)
         self.register_buffer("mins", mins)
+        self.register_buffer("scale_base", scale_base)
+        self.register_buffer("min_base", min_base)
+        self.register_buffer("codebook", codebook)
         # The CPU kernel's own (scale, zero) pairs, w = (q - 8) * scale + zero, in the
-        # activations' dtype: only where it is used (bf16 on CPU).
+        # activations' dtype: only where it is used (bf16 on CPU, a grid of 16 levels).
         kernel = None
-        if device.type == "cpu" and dtype == torch.bfloat16:
-            kernel = torch.stack([scales.float(), mins.float() + 8 * scales.float()],
-                                 dim=-1).to(dtype)
+        if device.type == "cpu" and dtype == torch.bfloat16 and codebook is None \
+                and mins is not None and self.group_size in INT4PACK_GROUPS:
+            scale, low = self.group_values()
+            kernel = torch.stack([scale, low + 8 * scale], dim=-1).to(dtype)
         self.register_buffer("kernel_scales_zeros", kernel)
+
+    def group_values(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each group's scale and minimum in float32, [K / group, N]."""
+        return (group_values(self.scales, self.scale_base, 0),
+                group_values(self.mins, self.min_base, 0))
 
     @classmethod
     def of(cls, linear: nn.Linear, group_size: int,
@@ -137,7 +157,11 @@ class Int4Linear(QuantizedLinear):
         own de-quantization for a repacked block)."""
         q = unpack_int4_t(self.int4pack, self.layout).view(-1, self.group_size,
                                                           self.out_features)
-        w = q.float() * self.scales.float()[:, None, :] + self.mins.float()[:, None, :]
+        values = self.codebook.float()[q.long()] if self.codebook is not None else q.float()
+        scale, low = self.group_values()
+        w = values * scale[:, None, :]
+        if low is not None:
+            w = w + low[:, None, :]
         return w.view(self.in_features, self.out_features).to(dtype)
 
     def matmul(self, x2: torch.Tensor) -> torch.Tensor:
@@ -146,9 +170,13 @@ class Int4Linear(QuantizedLinear):
                 x2, self.int4pack, self.group_size, self.kernel_scales_zeros)
         return x2 @ self.dequantized_t(x2.dtype)
 
-    def quantized_panels(self) -> packing.Packed:
+    def quantized_panels(self) -> packing.Packed | None:
+        if self.scale_base is not None or self.codebook is not None or self.mins is None \
+                or self.scales.dtype != torch.float16 or self.mins.dtype != torch.float16:
+            return None  # the panels hold one float16 scale and minimum a group
         q = unpack_int4_t(self.int4pack, self.layout).t()
         return packing.pack_int4(q, self.scales, self.mins)
 
     def drop_unpacked(self) -> None:
         self.int4pack = self.kernel_scales_zeros = self.scales = self.mins = None
+        self.scale_base = self.min_base = self.codebook = None

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from kvserve.engine.kernels.cpu import packing
+from kvserve.engine.models.quantized.group_scales import group_values
 from kvserve.engine.models.quantized.kernel_rows import few_rows
 from kvserve.engine.models.quantized.layer import QuantizedLinear, nonzero
 
@@ -75,22 +76,44 @@ class Int8Linear(Int8Weights):
 
 
 class GroupInt8Linear(Int8Weights):
-    """GGUF's Q8_0 kept as it is: int8 weights, one float16 scale per group of 32
-    along the input dimension (w = q * scale). torch has no kernel for group-wise
-    int8, so the weights are expanded per call: the bytes stay a quarter of fp32's
-    in memory, the speed is the float matmul's plus the expansion."""
+    """GGUF's group-quantized types kept as they are: int8 weights with one scale per
+    group of inputs along K (w = q * scale), and a minimum per group where the type
+    has one (w = q * scale + min: Q5_1, Q5_K, Q2_K). Q8_0 as it is; Q5_0/Q5_1, Q5_K
+    and Q6_K in a byte a weight. Scales [K / group, N] float16 (or float32); the
+    K-quants' are two factors, scale_base / min_base [K / 256, N] the second
+    (group_scales.py). torch has no kernel for group-wise int8, so the weights are
+    expanded per call: the bytes stay a quarter of fp32's in memory, the speed is the
+    float matmul's plus the expansion."""
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, mins: torch.Tensor | None = None, *,
+                 scale_base: torch.Tensor | None = None,
+                 min_base: torch.Tensor | None = None):
         super().__init__(*q.shape, None if bias is None else bias.to(dtype))
         self.group_size = self.in_features // scales.shape[0]
         self.register_buffer("qweight", q)
-        self.register_buffer("scales", scales)  # [K / group, N] float16
+        self.register_buffer("scales", scales)
+        self.register_buffer("mins", mins)
+        self.register_buffer("scale_base", scale_base)
+        self.register_buffer("min_base", min_base)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The [N, K] weights in `dtype`, computed in float32 (exactly GGUF's own
+        de-quantization)."""
         q = self.qweight.view(self.out_features, -1, self.group_size).float()
-        w = q * self.scales.t().float()[..., None]
+        w = q * group_values(self.scales, self.scale_base, 0).t()[..., None]
+        if self.mins is not None:
+            w = w + group_values(self.mins, self.min_base, 0).t()[..., None]
         return w.view(self.out_features, self.in_features).to(dtype)
 
     def matmul(self, x2: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x2, self.dequantized(x2.dtype))
+
+    def quantized_panels(self) -> packing.Packed | None:
+        if self.mins is not None or self.scale_base is not None \
+                or self.scales.dtype != torch.float16:
+            return None  # the int8 panels hold one float16 scale a group, no minimums
+        return super().quantized_panels()
+
+    def drop_unpacked(self) -> None:
+        self.qweight = self.scales = self.mins = self.scale_base = self.min_base = None
