@@ -5,7 +5,8 @@ gguf itself.
 
 llama.cpp's converter permutes the rows of Llama's query and key projections (its
 RoPE pairs neighbouring dimensions, Hugging Face's pairs the two halves); rows are
-whole blocks, so undoing it moves bytes and changes no value."""
+whole blocks, so undoing it moves bytes and changes no value. Qwen2/Qwen3 files are
+not permuted (llama.cpp rotates them the Hugging Face way)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -19,6 +20,11 @@ from kvserve.modelstore.errors import ModelLoadError
 # Types whose blocks are repacked as they are, never expanded to floats.
 KEPT_QUANTIZED = tuple(DECODERS)
 FLOAT_TYPES = ("F32", "F16", "BF16")
+# GGUF architecture -> (transformers config class, our architecture name). Qwen2's
+# q/k/v biases and Qwen3's QK-norm are tensors of their own in the file.
+ARCHITECTURES = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
+                 "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+                 "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
 
 
 def find_gguf(model_dir: Path) -> Path:
@@ -40,12 +46,16 @@ class GGUFCheckpoint:
         self.reader = GGUFReader(str(path))
         self.tensors = {t.name: t for t in self.reader.tensors}
         self.architecture = self._field("general.architecture")
-        if self.architecture != "llama":
+        if self.architecture not in ARCHITECTURES:
             raise ModelLoadError(f"{path.name}: GGUF architecture {self.architecture!r} "
-                                 "is not supported; kvserve reads llama GGUF files (or "
-                                 "serve the model's safetensors directory)")
-        self.num_heads = int(self._field("llama.attention.head_count"))
-        self.num_kv_heads = int(self._field("llama.attention.head_count_kv"))
+                                 f"is not supported; kvserve reads {', '.join(ARCHITECTURES)} "
+                                 "GGUF files (or serve the model's safetensors directory)")
+        self.num_heads = int(self._field(self._key("attention.head_count")))
+        self.num_kv_heads = int(self._field(self._key("attention.head_count_kv")))
+
+    def _key(self, name: str) -> str:
+        """A metadata key of the file's architecture (llama.embedding_length, ...)."""
+        return f"{self.architecture}.{name}"
 
     def _field(self, key: str):
         field = self.reader.fields.get(key)
@@ -56,24 +66,28 @@ class GGUFCheckpoint:
     def hf_config(self):
         """The model's Hugging Face config, from the file's metadata alone (a .gguf
         served with no config.json beside it)."""
-        from transformers import LlamaConfig
+        import transformers
 
         if "rope_freqs.weight" in self.tensors:
             raise ModelLoadError(f"{self.path.name} scales RoPE by a rope_freqs tensor "
                                  "(Llama 3.1-style); serve it from a directory holding the "
                                  "model's config.json and the file (--load-format gguf)")
-        hidden = int(self._field("llama.embedding_length"))
+        hidden = int(self._field(self._key("embedding_length")))
         tokens = self.reader.fields.get("tokenizer.ggml.tokens")
-        vocab = self._optional("llama.vocab_size", len(tokens.data) if tokens else None)
-        return LlamaConfig(
-            architectures=["LlamaForCausalLM"], vocab_size=int(vocab), hidden_size=hidden,
-            intermediate_size=int(self._field("llama.feed_forward_length")),
-            num_hidden_layers=int(self._field("llama.block_count")),
+        vocab = self._optional(self._key("vocab_size"), len(tokens.data) if tokens else None)
+        head_dim = self._optional(self._key("attention.key_length"),
+                                  self._optional(self._key("rope.dimension_count"),
+                                                 hidden // self.num_heads))
+        config_class, architecture = ARCHITECTURES[self.architecture]
+        return getattr(transformers, config_class)(
+            architectures=[architecture], vocab_size=int(vocab), hidden_size=hidden,
+            intermediate_size=int(self._field(self._key("feed_forward_length"))),
+            num_hidden_layers=int(self._field(self._key("block_count"))),
             num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
-            head_dim=int(self._optional("llama.rope.dimension_count", hidden // self.num_heads)),
-            rms_norm_eps=_decimal(self._field("llama.attention.layer_norm_rms_epsilon")),
-            max_position_embeddings=int(self._field("llama.context_length")),
-            rope_theta=_decimal(self._optional("llama.rope.freq_base", 10000.0)),
+            head_dim=int(head_dim),
+            rms_norm_eps=_decimal(self._field(self._key("attention.layer_norm_rms_epsilon"))),
+            max_position_embeddings=int(self._field(self._key("context_length"))),
+            rope_theta=_decimal(self._optional(self._key("rope.freq_base"), 10000.0)),
             tie_word_embeddings="output.weight" not in self.tensors,
             bos_token_id=self._optional("tokenizer.ggml.bos_token_id", None),
             eos_token_id=self._optional("tokenizer.ggml.eos_token_id", None))
@@ -92,6 +106,8 @@ class GGUFCheckpoint:
     def _rows(self, name: str) -> np.ndarray:
         """The tensor's raw rows (one per output channel), un-permuted."""
         data = np.asarray(self.tensors[name].data)
+        if self.architecture != "llama":  # only llama's converter permutes
+            return data
         if name.endswith("attn_q.weight"):
             return _unpermute_rows(data, self.num_heads)
         if name.endswith("attn_k.weight"):

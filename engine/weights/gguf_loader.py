@@ -1,4 +1,5 @@
-"""Build our model from a GGUF file (--load-format gguf). Its quantized projections
+"""Build our model from a GGUF file (--load-format gguf) of a llama, qwen2 or qwen3
+architecture. Its quantized projections
 (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, the K-quants Q2_K..Q6_K, IQ4_NL/IQ4_XS, in any mix, as
 Q4_K_M and Q5_K_M files have them) become int4 or group-int8 layers holding the
 file's own integers and scales (no float copy of them is ever made); every other
@@ -24,6 +25,7 @@ from kvserve.engine.models.llama import LlamaForCausalLM
 from kvserve.engine.models.registry import model_class
 from kvserve.engine.models.quantized.int4 import PACK_ROWS, Int4Linear
 from kvserve.engine.models.quantized.int8 import GroupInt8Linear
+from kvserve.engine.models.quantized.layer import QuantizedLinear
 from kvserve.engine.models.quantized.stacked import StackedLinear
 from kvserve.engine.models.quantized.table import QuantizedEmbedding, QuantizedTable
 from kvserve.modelstore.errors import ModelLoadError
@@ -39,6 +41,7 @@ LAYER_NAMES = {
     "attn_v": ("self_attn.qkv_proj", 2), "attn_output": ("self_attn.o_proj", None),
     "ffn_gate": ("mlp.gate_up_proj", 0), "ffn_up": ("mlp.gate_up_proj", 1),
     "ffn_down": ("mlp.down_proj", None),
+    "attn_q_norm": ("self_attn.q_norm", None), "attn_k_norm": ("self_attn.k_norm", None),
 }
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
@@ -50,12 +53,12 @@ def load_gguf_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype,
         raise ModelLoadError(f"--quantization {quantization} quantizes float weights at "
                              "load; a GGUF's weights are quantized already: use --quantization "
                              "auto to serve its blocks as they are, or none to expand them")
-    if cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias:
-        raise ModelLoadError("GGUF loading supports Llama layers without biases")
+    if cfg.o_bias or cfg.mlp_bias:
+        raise ModelLoadError("GGUF loading supports biases on q/k/v only (Qwen2's)")
     if model_class(cfg) is not LlamaForCausalLM or cfg.sliding_window:
         raise ModelLoadError(f"GGUF files load for the Llama shape only (Llama, Mistral "
-                             f"without a window, Qwen3); {cfg.architecture} loads from "
-                             "safetensors")
+                             f"without a window, Qwen2, Qwen3); {cfg.architecture} loads "
+                             "from safetensors")
     ckpt = GGUFCheckpoint(find_gguf(model_dir))
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions).to(dtype)  # no storage yet
@@ -68,11 +71,11 @@ def load_gguf_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype,
     if quantization == "auto":
         for i, layer in enumerate(model.layers):
             for proj in PROJECTIONS:
-                sources = _sources(names, i, proj)
-                kind = _repack(ckpt, layer, proj, sources, dtype, device)
+                sources, biases = _sources(names, i, proj), _sources(names, i, proj, "bias")
+                kind = _repack(ckpt, layer, proj, sources, biases, dtype, device)
                 if kind is not None:
                     kept[kind] += 1
-                    repacked.update(sources)
+                    repacked.update(sources + biases)
         kept.update(_keep_vocabulary(ckpt, model, names, tied, dtype, device))
     _materialize(model, device)
     if tied and hasattr(model.lm_head, "weight"):  # both float: one copy
@@ -127,26 +130,27 @@ def _our_names(ckpt: GGUFCheckpoint, num_layers: int) -> dict[str, tuple[str, in
         if gguf_name in GLOBAL_NAMES:
             names[gguf_name] = (GLOBAL_NAMES[gguf_name], None)
             continue
-        parts = gguf_name.split(".")  # blk.{i}.{name}.weight
+        parts = gguf_name.split(".")  # blk.{i}.{name}.weight (or .bias)
         if len(parts) != 4 or parts[0] != "blk" or parts[2] not in LAYER_NAMES \
-                or parts[3] != "weight" or not parts[1].isdigit() or int(parts[1]) >= num_layers:
+                or parts[3] not in ("weight", "bias") or not parts[1].isdigit() \
+                or int(parts[1]) >= num_layers:
             if "rope_freqs" in gguf_name:
                 continue  # recomputed from the config
             raise ModelLoadError(f"{ckpt.path.name}: unexpected tensor {gguf_name!r}")
         module, shard = LAYER_NAMES[parts[2]]
-        names[gguf_name] = (f"layers.{parts[1]}.{module}.weight", shard)
+        names[gguf_name] = (f"layers.{parts[1]}.{module}.{parts[3]}", shard)
     return names
 
 
-def _sources(names: dict, layer: int, proj: str) -> list[str]:
-    """The GGUF tensors of one projection, in shard order."""
-    target = f"layers.{layer}.{proj}.weight"
+def _sources(names: dict, layer: int, proj: str, kind: str = "weight") -> list[str]:
+    """The GGUF tensors of one projection's weight (or bias), in shard order."""
+    target = f"layers.{layer}.{proj}.{kind}"
     found = sorted((shard or 0, g) for g, (ours, shard) in names.items() if ours == target)
     return [g for _, g in found]
 
 
 def _repack(ckpt: GGUFCheckpoint, layer: nn.Module, proj: str, sources: list[str],
-            dtype: torch.dtype, device: torch.device) -> str | None:
+            biases: list[str], dtype: torch.dtype, device: torch.device) -> str | None:
     """Replace `proj` with quantized layers holding the file's integers and scales
     when all of its tensors are of kept types (lossless either way): one layer where
     the shards share a type, else one per shard (StackedLinear); None leaves it to
@@ -160,17 +164,19 @@ def _repack(ckpt: GGUFCheckpoint, layer: nn.Module, proj: str, sources: list[str
     found = (sum(p.q.shape[0] for p in parts), parts[0].q.shape[1])
     if found != expected or any(p.q.shape[1] != found[1] for p in parts):
         raise ModelLoadError(f"{proj} from {sources} has shape {found}, expected {expected}")
+    bias = [ckpt.float_tensor(b).to(device) for b in biases] or [None] * len(parts)
     if len({ckpt.type_name(s) for s in sources}) > 1:
-        shards = [_quantized_layer(p, dtype, device) for p in parts]
+        shards = [_quantized_layer(p, dtype, device, b) for p, b in zip(parts, bias)]
         setattr(parent, attr, StackedLinear([m for m, _ in shards]))
         return "+".join(sorted({kind for _, kind in shards}))
-    new, kind = _quantized_layer(concat_rows(parts), dtype, device)
+    new, kind = _quantized_layer(concat_rows(parts), dtype, device,
+                                 torch.cat(bias) if biases else None)
     setattr(parent, attr, new)
     return kind
 
 
-def _quantized_layer(blocks: GroupQuant, dtype: torch.dtype,
-                     device: torch.device) -> tuple[nn.Module, str]:
+def _quantized_layer(blocks: GroupQuant, dtype: torch.dtype, device: torch.device,
+                     bias: torch.Tensor | None = None) -> tuple[nn.Module, str]:
     """int4 where the codes are 16 and the rows fill the CPU kernel's blocks, else
     a byte a weight."""
     def tensor(values: np.ndarray | None) -> torch.Tensor | None:  # [N, g] -> [g, N]
@@ -181,13 +187,13 @@ def _quantized_layer(blocks: GroupQuant, dtype: torch.dtype,
         blocks = blocks.shifted()
         codebook = None if blocks.codebook is None else torch.from_numpy(blocks.codebook)
         return Int4Linear(torch.from_numpy(blocks.q.astype(np.uint8)), tensor(blocks.scales),
-                          tensor(blocks.mins), None, dtype,
+                          tensor(blocks.mins), bias, dtype,
                           scale_base=tensor(blocks.scale_base),
                           min_base=tensor(blocks.min_base),
                           codebook=None if codebook is None else codebook.to(device)), "int4"
     q = blocks.q if blocks.codebook is None else blocks.codebook[blocks.q]  # int8 values
     return GroupInt8Linear(torch.from_numpy(q.astype(np.int8)).to(device),
-                           tensor(blocks.scales), None, dtype, tensor(blocks.mins),
+                           tensor(blocks.scales), bias, dtype, tensor(blocks.mins),
                            scale_base=tensor(blocks.scale_base),
                            min_base=tensor(blocks.min_base)), "int8"
 
@@ -223,7 +229,10 @@ def _fill_floats(model: LlamaForCausalLM, ckpt: GGUFCheckpoint, names: dict) -> 
                                      f"expected {tuple(params[ours].shape)}")
             params[ours].data.copy_(tensor)
         filled.add(ours)
-    missing = {n for n in params if n not in filled and not _tied(model, n)}
+    repacked = {id(p) for m in model.modules() if isinstance(m, QuantizedLinear)
+                for p in m.parameters()}  # their biases came with their blocks
+    missing = {n for n, p in params.items()
+               if n not in filled and not _tied(model, n) and id(p) not in repacked}
     if missing:
         raise ModelLoadError(f"{ckpt.path.name} lacks {len(missing)} weights, e.g. "
                              f"{sorted(missing)[:3]}")

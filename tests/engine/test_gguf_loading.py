@@ -348,3 +348,33 @@ def test_a_k_quant_model_compiles_and_generates_as_its_expansion(k_quant_dir):
     eager = Engine(EngineConfig(model=model_dir, load_format="gguf", quantization="none",
                                 dtype="float32", num_kv_blocks=64))
     assert got == eager.generate(prompts[:1], params) + eager.generate(prompts[1:], params)
+
+
+@pytest.mark.parametrize("arch, extra", [("qwen2", {}), ("qwen3", {"head_dim": 64})])
+def test_qwen_gguf_files_serve_as_transformers_computes_them(arch, extra, tmp_path):
+    """A qwen2 (q/k/v biases) or qwen3 (QK-norm) GGUF, as llama.cpp writes them
+    (unpermuted): in F32 alone (config and tokenizer from its metadata) greedy
+    equals transformers on the checkpoint it came from; with a Q4_K_M mix its
+    projections are kept quantized, biases kept, and greedy equals its expansion."""
+    from tests.support.reference import load_reference, reference_greedy
+
+    float_dir = make_tiny_model(tmp_path / "hf", arch, **K_QUANT_SHAPES, **extra)
+    exact = write_gguf_dir(float_dir, tmp_path / "f32", lambda name: T.F32, arch)
+    prompts = [[5, 17, 42, 99, 7, 3, 250, 11] * 3, [9, 8, 7]]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    engine = Engine(EngineConfig(model=str(exact / "model.gguf"), dtype="float32",
+                                 num_kv_blocks=64, max_num_batched_tokens=16))
+    assert engine.model_config.architecture == f"{arch.capitalize()}ForCausalLM"
+    ref = load_reference(float_dir)
+    assert engine.generate(prompts, params) == [reference_greedy(ref, p, 10) for p in prompts]
+
+    mixed = write_gguf_dir(float_dir, tmp_path / "q4km", _q4_k_m, arch)
+    kept = _load(mixed, "auto")
+    qkv = kept.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, StackedLinear)
+    if arch == "qwen2":
+        assert all(part.bias is not None for part in qkv.parts)
+    outputs = [Engine(EngineConfig(model=str(mixed), load_format="gguf", quantization=q,
+                                   dtype="float32", num_kv_blocks=64)).generate(prompts, params)
+               for q in ("auto", "none")]
+    assert outputs[0] == outputs[1]

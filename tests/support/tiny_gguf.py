@@ -16,7 +16,8 @@ GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
 LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
          "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
          "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-         "mlp.down_proj": "ffn_down"}
+         "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm",
+         "self_attn.k_norm": "attn_k_norm"}
 # Shapes every projection of which the CPU int4 layout can hold (rows in blocks of
 # 64, inputs in groups of 32): q 128 + k 64 + v 64 rows, gate/up 256 each.
 INT4_SHAPES = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
@@ -51,8 +52,8 @@ def synthetic_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) 
 def gguf_name(hf_name: str) -> str:
     if hf_name in GLOBAL:
         return GLOBAL[hf_name]
-    _, _, layer, *rest = hf_name.split(".")  # model.layers.{i}.{module}.weight
-    return f"blk.{layer}.{LAYER['.'.join(rest[:-1])]}.weight"
+    _, _, layer, *rest = hf_name.split(".")  # model.layers.{i}.{module}.weight (or .bias)
+    return f"blk.{layer}.{LAYER['.'.join(rest[:-1])]}.{rest[-1]}"
 
 
 def permute_rows(w: np.ndarray, heads: int) -> np.ndarray:
@@ -108,6 +109,9 @@ def write_gguf_dir(model_dir: Path, out_dir: Path, type_of, architecture: str = 
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_vocab_size(cfg.vocab_size)
@@ -115,9 +119,9 @@ def write_gguf_dir(model_dir: Path, out_dir: Path, type_of, architecture: str = 
     rng = np.random.default_rng(0)
     for hf_name, w in load_file(str(model_dir / "model.safetensors")).items():
         name = gguf_name(hf_name)
-        if name.endswith("attn_q.weight"):
+        if architecture == "llama" and name.endswith("attn_q.weight"):  # as its converter
             w = permute_rows(w, cfg.num_attention_heads)
-        elif name.endswith("attn_k.weight"):
+        elif architecture == "llama" and name.endswith("attn_k.weight"):
             w = permute_rows(w, cfg.num_key_value_heads)
         kind = gguf.GGMLQuantizationType.F32 if w.ndim == 1 else type_of(name)
         if kind.name in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ4_NL"):
