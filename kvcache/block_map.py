@@ -31,7 +31,7 @@ def block_states(blocks: list[Block], cached: Iterable[Block],
             states[block.block_id] = CACHED
     for req in requests:
         ids = req.block_ids
-        for block_id in ids:
+        for block_id in req.held:
             states[block_id] = USED if blocks[block_id].ref_count == 1 else SHARED
         last = req.num_tokens // block_size  # the partly filled block, if any
         if req.num_tokens % block_size and last < len(ids) and blocks[ids[last]].ref_count > 1:

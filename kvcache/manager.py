@@ -18,7 +18,7 @@ from .block_pool import BlockPool
 from .events import KVCacheEvent, KVEventLog
 from .records import BlockCopy, CacheStats
 from .block_writes import BlockWrites
-from .request_blocks import RequestBlocks
+from .request_blocks import DROPPED_BLOCK, RequestBlocks
 
 
 class KVCacheManager(BlockWrites):
@@ -31,11 +31,15 @@ class KVCacheManager(BlockWrites):
         enable_prefix_caching: bool = True,
         model_key: str = "",
         kv_events: bool = False,
+        sliding_window: int = 0,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        # Every layer attends to at most this many latest tokens (0: some layer sees
+        # the whole context): blocks the window has passed are let go of.
+        self.sliding_window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching
         self.model_key = model_key
         self.stats = CacheStats()
@@ -180,6 +184,8 @@ class KVCacheManager(BlockWrites):
                 or num_pending_tokens < 0 or end > known:
             raise _bad_range(num_computed_tokens, num_new_tokens, known)
         reach = end + num_lookahead_tokens
+        if self.sliding_window and req is not None:
+            self._drop_outside_window(req, num_computed_tokens)
         ids = req.block_ids if req is not None else ()
         grow = max(0, -(-reach // self.block_size) - len(ids))
         shared = self._shared_writes(req, ids, num_computed_tokens, num_new_tokens, reach)
@@ -195,6 +201,26 @@ class KVCacheManager(BlockWrites):
             req.num_tokens = end
         self._hash_known(req, token_ids, end)
         return True
+
+    def _drop_outside_window(self, req: RequestBlocks, num_computed_tokens: int) -> None:
+        """Let go of the leading blocks no query will read again: every query from
+        now on is at a position >= num_computed_tokens and sees keys after
+        position - window, so a block ending before num_computed_tokens - window
+        is out of every layer's reach. Called where a step needs a new block (once
+        a block's worth of tokens), not on the decode fast path. The blocks stay
+        in the prefix cache (cached and free) until evicted: a later request's hit
+        on them is as good as before."""
+        keep_from = (num_computed_tokens - self.sliding_window) // self.block_size
+        if self.enable_prefix_caching:  # a block still to be hashed (tokens pending) stays
+            keep_from = min(keep_from, len(req.hashes))
+        if keep_from <= req.num_dropped:
+            return
+        dropped = req.block_ids[req.num_dropped:keep_from]
+        blocks = self._blocks
+        self._pool.release([blocks[i] for i in reversed(dropped)])
+        req.block_ids[req.num_dropped:keep_from] = [DROPPED_BLOCK] * len(dropped)
+        req.num_dropped = keep_from
+        self.stats.window_dropped += len(dropped)
 
     # ------------------------------------------------------ fork and free
 
@@ -229,7 +255,7 @@ class KVCacheManager(BlockWrites):
             raise ValueError(f"fork target {child_id!r} already holds blocks")
         child = parent.clone()
         touch = self._pool.touch
-        for block_id in child.block_ids:
+        for block_id in child.held:
             touch(self._blocks[block_id])
         self._requests[child_id] = child
 
@@ -250,7 +276,7 @@ class KVCacheManager(BlockWrites):
         # Reverse order: chain tails reach the free queue first, so they are
         # evicted before the parents other prompts are more likely to share.
         blocks = self._blocks
-        self._pool.release([blocks[i] for i in reversed(req.block_ids)])
+        self._pool.release([blocks[i] for i in reversed(req.held)])
 
     def uncache(self, request_id: str, num_computed_tokens: int) -> None:
         """The request's blocks past its first num_computed_tokens tokens hold no
@@ -261,7 +287,8 @@ class KVCacheManager(BlockWrites):
             self._unregister_from(req, num_computed_tokens)
 
     def _unregister_from(self, req: RequestBlocks, num_computed_tokens: int) -> None:
-        for i in range(num_computed_tokens // self.block_size, len(req.hashes)):
+        for i in range(max(num_computed_tokens // self.block_size, req.num_dropped),
+                       len(req.hashes)):
             block = self._blocks[req.block_ids[i]]
             if block.block_hash == req.hashes[i]:  # this request registered it
                 self._pool.unregister(block)

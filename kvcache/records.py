@@ -25,6 +25,7 @@ class CacheStats:
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hits: int = 0  # of those, tokens served from cached blocks
     evictions: int = 0  # free blocks whose cached hash was dropped on reuse
+    window_dropped: int = 0  # blocks let go of mid-request: every window had passed them
 
     @property
     def hit_rate(self) -> float:

@@ -27,3 +27,6 @@ class KVCacheConfig:
     # Record what enters and leaves the prefix cache (vLLM's KV cache events), for
     # routers that place requests by the prefixes each replica holds.
     kv_events: bool = False
+    # Where every layer of the model attends to at most this many latest tokens:
+    # blocks all windows have passed go back to the pool as a request grows.
+    sliding_window: int = 0

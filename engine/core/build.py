@@ -91,8 +91,7 @@ def build_engine(config: EngineConfig, tokenizer=None) -> EngineParts:
         config=config, model_config=model_config, device=device, dtype=dtype,
         tokenizer=tokenizer, eos_token_ids=_eos_ids(model_config, tokenizer),
         kv_format=kv_format, num_blocks=num_blocks,
-        # A request longer than the whole cache could never run.
-        max_model_len=min(max_model_len, num_blocks * config.block_size))
+        max_model_len=min(max_model_len, _cache_context(config, model_config, num_blocks)))
     matchers = Matchers(model_config.vocab_size) if tokenizer is not None else None
     runner = _runner(ctx, model, lora, tp, matchers)
     _start_compiling(ctx, runner, tp)
@@ -210,4 +209,23 @@ def _scheduler(ctx: EngineContext, kv_events: bool) -> Scheduler:
                         max_loras=config.lora.max_loras if config.lora is not None else 0),
         KVCacheConfig(num_blocks=ctx.num_blocks, block_size=config.block_size,
                       enable_prefix_caching=config.enable_prefix_caching,
-                      model_key=str(config.model), kv_events=kv_events))
+                      model_key=str(config.model), kv_events=kv_events,
+                      sliding_window=_every_layers_window(ctx.model_config)))
+
+
+def _cache_context(config: EngineConfig, model_config: ModelConfig, num_blocks: int) -> int:
+    """The longest request the cache can run: one wholly in it, or, where every
+    layer has a window (its blocks let go of as it grows), any length once the
+    window, a step's tokens and a block either side fit."""
+    capacity = num_blocks * config.block_size
+    window = _every_layers_window(model_config)
+    if window and window + config.max_num_batched_tokens + 2 * config.block_size <= capacity:
+        return model_config.max_model_len
+    return capacity
+
+
+def _every_layers_window(cfg: ModelConfig) -> int:
+    """The widest window where every layer has one (Mistral, Phi-3), else 0: a
+    hybrid model's full layers (Gemma 2/3, gpt-oss) read every block."""
+    windows = [cfg.window(layer) for layer in range(cfg.num_layers)]
+    return max(windows) if all(windows) else 0

@@ -45,13 +45,19 @@ def test_greedy_matches_transformers_chunked_and_batched(family):
     assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
 
 
+# Families whose every layer has a window let go of the blocks it has passed: a
+# smaller cache still makes them preempt.
+CACHE_BLOCKS = {"mistralwin": 9, "phi3": 10}
+
+
 @pytest.mark.parametrize("family", FAMILIES, indirect=True)
-def test_prefix_hits_and_preemption_keep_the_tokens(family):
+def test_prefix_hits_and_preemption_keep_the_tokens(family, request):
     """Pairs of prompts sharing 40 tokens (the second of each hits the cache), in a
     cache too small for all of them at once (requests are preempted and resumed)."""
     model_dir, ref = family
-    engine = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=24, block_size=16,
-                                 max_num_batched_tokens=64, max_num_seqs=16))
+    name = request.node.callspec.params["family"]
+    engine = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=CACHE_BLOCKS.get(name, 24),
+                                 block_size=16, max_num_batched_tokens=64, max_num_seqs=16))
     vocab = engine.model_config.vocab_size
     shared = varied_prompts(vocab, count=4, seed=7, lengths=(40,))
     tails = varied_prompts(vocab, count=8, seed=8, lengths=(5, 19, 33, 2))
@@ -60,6 +66,7 @@ def test_prefix_hits_and_preemption_keep_the_tokens(family):
     assert engine.generate(prompts, params) == reference(ref, prompts, params)
     assert engine.scheduler.num_preemptions > 0
     assert engine.scheduler.kv.stats.prefix_hits > 0
+    assert (engine.scheduler.kv.stats.window_dropped > 0) == (name in CACHE_BLOCKS)
     assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
 
 
@@ -174,4 +181,21 @@ def test_speculative_decoding_keeps_the_tokens(family, method):
     prompts = [[7, 8, 9, 10] * 8, [3, 4] * 20, [11, 12, 13] * 11]
     params = [greedy(24)] * len(prompts)
     assert engine.generate(prompts, params) == reference(ref, prompts, params)
+    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
+
+
+def test_a_windowed_model_serves_requests_longer_than_its_cache(tiny_model_dir):
+    """Every layer windowed (24 tokens): blocks the window has passed go back to
+    the pool, so 10 blocks (160 tokens) serve 300-token requests, still equal to
+    transformers, and every block comes back at the end."""
+    model_dir = tiny_model_dir("mistralwin")
+    engine = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=10, block_size=16,
+                                 max_num_batched_tokens=32))
+    assert engine.max_model_len > 10 * 16
+    prompts = varied_prompts(engine.model_config.vocab_size, count=2, seed=11,
+                             lengths=(250, 190))
+    params = [greedy(50)] * 2
+    ref = load_reference(model_dir)
+    assert engine.generate(prompts, params) == reference(ref, prompts, params)
+    assert engine.scheduler.kv.stats.window_dropped > 0
     assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
