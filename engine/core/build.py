@@ -210,7 +210,7 @@ def _scheduler(ctx: EngineContext, kv_events: bool) -> Scheduler:
         KVCacheConfig(num_blocks=ctx.num_blocks, block_size=config.block_size,
                       enable_prefix_caching=config.enable_prefix_caching,
                       model_key=str(config.model), kv_events=kv_events,
-                      sliding_window=_every_layers_window(ctx.model_config)))
+                      sliding_window=_droppable_window(config, ctx.model_config)))
 
 
 def _cache_context(config: EngineConfig, model_config: ModelConfig, num_blocks: int) -> int:
@@ -218,10 +218,21 @@ def _cache_context(config: EngineConfig, model_config: ModelConfig, num_blocks: 
     layer has a window (its blocks let go of as it grows), any length once the
     window, a step's tokens and a block either side fit."""
     capacity = num_blocks * config.block_size
-    window = _every_layers_window(model_config)
+    window = _droppable_window(config, model_config)
     if window and window + config.max_num_batched_tokens + 2 * config.block_size <= capacity:
         return model_config.max_model_len
     return capacity
+
+
+def _droppable_window(config: EngineConfig, model_config: ModelConfig) -> int:
+    """The window past which blocks are let go of: the model's, and a draft model's
+    too where one reads the same block tables (0 where either sees everything)."""
+    window = _every_layers_window(model_config)
+    spec = config.speculative
+    if window and spec is not None and spec.method == "draft":
+        draft = _every_layers_window(ModelConfig.from_pretrained(spec.model))
+        window = max(window, draft) if draft else 0
+    return window
 
 
 def _every_layers_window(cfg: ModelConfig) -> int:

@@ -199,3 +199,16 @@ def test_a_windowed_model_serves_requests_longer_than_its_cache(tiny_model_dir):
     assert engine.generate(prompts, params) == reference(ref, prompts, params)
     assert engine.scheduler.kv.stats.window_dropped > 0
     assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
+
+
+def test_a_draft_model_that_sees_everything_keeps_every_block(tiny_model_dir):
+    """A full-attention draft model reads the same block tables: nothing is let go
+    of (its drafts would read blocks the window dropped), and the cache caps the
+    context again."""
+    from kvserve.engine.config.engine_config import SpeculativeConfig
+
+    spec = SpeculativeConfig(method="draft", model=str(tiny_model_dir("llama")), num_tokens=2)
+    engine = Engine(EngineConfig(model=str(tiny_model_dir("mistralwin")), num_kv_blocks=10,
+                                 block_size=16, max_num_batched_tokens=32, speculative=spec))
+    assert engine.scheduler.kv.sliding_window == 0
+    assert engine.max_model_len == 10 * 16
