@@ -75,7 +75,7 @@ def measure(kind: str, path: Path) -> dict:
     from kvserve.engine.config.engine_config import EngineConfig
     from kvserve.engine.core.engine import Engine
     from kvserve.engine.platform.gguf_checkpoint import GGUFCheckpoint
-    from kvserve.engine.weights.gguf_loader import resident_bytes
+    from kvserve.engine.weights.quantization import resident_bytes
     from kvserve.scheduler.sampling_params import SamplingParams
 
     types = Counter(t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors)

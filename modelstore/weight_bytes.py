@@ -36,9 +36,12 @@ def weight_bytes(shape, dtype_bytes: float, quantization: str = "none",
     latent-attention one (an `mla`) its own projections."""
     h = shape.hidden_size
 
-    def size(projections) -> float:
+    def size(projections, quantization: str = quantization) -> float:
         return sum(projection_bytes(r, c, dtype_bytes, quantization, group_size)
                    for r, c in projections)
+
+    # Routed experts are quantized by int8 only (on CPU); other modes keep them.
+    experts = quantization if quantization in ("none", "int8") else "none"
 
     attention = size(_attention_projections(shape)) + 2 * h * dtype_bytes  # + two norms
     moe = getattr(shape, "moe", None)
@@ -47,7 +50,7 @@ def weight_bytes(shape, dtype_bytes: float, quantization: str = "none",
         if moe is not None and moe.is_sparse(layer):
             inter, shared = moe.intermediate_size, moe.shared_expert_intermediate_size
             routers = moe.num_experts + bool(moe.shared_expert_gate)  # rows of h each
-            mlp = moe.num_experts * size([(2 * inter, h), (h, inter)]) + size(
+            mlp = moe.num_experts * size([(2 * inter, h), (h, inter)], experts) + size(
                 [(2 * shared, h), (h, shared)]) + routers * h * dtype_bytes
         else:
             inter = shape.intermediate_size

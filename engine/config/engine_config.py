@@ -157,9 +157,10 @@ class EngineConfig:
     # engine/weights/quantization/: weights quantized at load (online quantization), or a
     # GGUF's quantized blocks kept as they are (engine/weights/gguf_loader.py).
     quantization: str = setting(
-        "auto", "quantized weights: auto = the checkpoint's own (a GGUF's Q4_0/Q4_1/Q8_0 "
-        "blocks served as they are, float weights as floats); none = every weight in "
-        "--dtype; int8 = weight-only int8, per-channel scales; int4 = weight-only int4, "
+        "auto", "quantized weights: auto = the checkpoint's own (a GGUF's quantized "
+        "blocks, K-quants included, served as they are, float weights as floats); none = "
+        "every weight in --dtype; int8 = weight-only int8, per-channel scales (a "
+        "mixture-of-experts model's routed experts too, on CPU); int4 = weight-only int4, "
         "a scale and minimum per --quantization-group-size inputs; -awq = with "
         "activation-aware scales searched on a calibration text at load; fp8 = e4m3 "
         "weights and per-token activations (GPUs of compute capability 8.9+). They "

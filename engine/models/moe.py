@@ -19,6 +19,7 @@ from kvserve.engine.models import tp_comm as comm
 from kvserve.engine.models.layers import PlainWeight
 from kvserve.engine.models.linear import Linear
 from kvserve.engine.models.mlp import MLP
+from kvserve.engine.models.quantized.int8 import quantize_int8
 from kvserve.engine.models.tp_shard import SINGLE, TPShard
 
 # A checkpoint's per-expert tensors, as transformers saves them.
@@ -56,6 +57,20 @@ class FusedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.b13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate)) if bias else None
         self.b2 = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
+        # int8 experts' scales per output row (quantize_int8); None while float.
+        self.register_buffer("w13_scale", None)
+        self.register_buffer("w2_scale", None)
+
+    def quantize_int8(self) -> None:
+        """Each expert's rows rounded to int8 with a scale per output row, as
+        Int8Linear rounds a projection (--quantization int8): half of bf16's bytes,
+        and read as int8 by the batch-1 decode graph."""
+        for name in ("w13", "w2"):
+            w = getattr(self, name).data
+            q, scales = quantize_int8(w.reshape(-1, w.shape[-1]), w.dtype)
+            delattr(self, name)
+            self.register_buffer(name, q.view(w.shape))
+            self.register_buffer(f"{name}_scale", scales.view(w.shape[:2]))
 
     def expected_shards(self, attr: str) -> list[tuple[int, int]]:
         experts = range(self.first, self.first + self.w13.shape[0])
@@ -77,7 +92,7 @@ class FusedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
         args = (x, ids, weights, self.w13, self.w2, self.first, self.b13, self.b2,
-                *self.activation)
+                *self.activation, self.w13_scale, self.w2_scale)
         if x.shape[0] == 1 and x.device.type == "cpu" and torch.compiler.is_compiling():
             return one_token_experts(*args)  # traced into the batch-1 decode graph
         return torch.ops.kvserve.fused_experts(*args)

@@ -281,7 +281,7 @@ def test_resident_weights_stay_near_the_files_tensor_bytes(k_quant_dir, mix, mos
     (4-bit codes two to a byte with float16 group scales, the K-quants' as two
     factors; 5- and 6-bit codes a byte each), where bfloat16 takes 2.8-3.5 times."""
     from kvserve.engine.platform.gguf_checkpoint import GGUFCheckpoint
-    from kvserve.engine.weights.gguf_loader import resident_bytes
+    from kvserve.engine.weights.quantization import resident_bytes
 
     model_dir = k_quant_dir(mix)
     ckpt = GGUFCheckpoint(model_dir / "model.gguf")

@@ -34,15 +34,20 @@ def gated(gate_up: torch.Tensor, activation: str, limit: float, alpha: float):
 def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                   w13: torch.Tensor, w2: torch.Tensor, first_expert: int,
                   b13: Optional[torch.Tensor] = None, b2: Optional[torch.Tensor] = None,
-                  activation: str = "silu", limit: float = 0.0,
-                  alpha: float = 0.0) -> torch.Tensor:
+                  activation: str = "silu", limit: float = 0.0, alpha: float = 0.0,
+                  w13_scale: Optional[torch.Tensor] = None,
+                  w2_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [T, H]; topk_ids [T, K] (global expert ids) and topk_weights [T, K] (any
     float dtype: the product is taken in it, then cast to x's); w13 [E, 2I, H] (gate
     rows, then up rows), w2 [E, H, I]; b13 [E, 2I], b2 [E, H]: biases, if any;
-    activation, limit, alpha: `gated`'s. Returns sum_k weight_k * expert_k(x): [T, H].
-    On CUDA: the Triton grouped GEMMs (triton_experts.py), which a CUDA graph can
-    capture; here the pairs' counts are read on the host."""
+    activation, limit, alpha: `gated`'s; w13_scale [E, 2I], w2_scale [E, H]: int8
+    experts' scales per output row (w = q * scale), None for float experts.
+    Returns sum_k weight_k * expert_k(x): [T, H]. On CUDA: the Triton grouped GEMMs
+    (triton_experts.py), which a CUDA graph can capture; here the pairs' counts are
+    read on the host."""
     if x.device.type == "cuda":
+        if w13_scale is not None:
+            raise NotImplementedError("int8 experts run on CPU; CUDA's stay bf16")
         from kvserve.engine.kernels.moe.triton_experts import triton_fused_experts
 
         return triton_fused_experts(x, topk_ids, topk_weights, w13, w2, first_expert, b13,
@@ -56,12 +61,12 @@ def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     counts = torch.bincount(sorted_ids, minlength=num_experts + 1)[:num_experts]
     pairs = order[:int(counts.sum())]
     tokens = pairs // top_k
-    if GROUPED:
+    if GROUPED and w13_scale is None:
         h = _grouped(x[tokens], w13, b13, counts)
         y = _grouped(gated(h, activation, limit, alpha), w2, b2, counts)
-    else:
+    else:  # (int8 experts: each read as int8 where few rows meet it, see _int8_linear)
         y = _per_expert(x, tokens, w13, w2, b13, b2, counts.tolist(), activation, limit,
-                        alpha)
+                        alpha, w13_scale, w2_scale)
     y = y * topk_weights.reshape(-1)[pairs, None]
     return torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))
 
@@ -80,44 +85,72 @@ def _grouped(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
     return y if b is None else y + b.repeat_interleave(counts, dim=0)
 
 
-def _per_expert(x, tokens, w13, w2, b13, b2, counts: list[int], activation, limit, alpha):
-    """The same, one GEMM pair per active expert (torch without _grouped_mm)."""
+# Rows up to which torch's int8 CPU kernel (bf16/fp16 activations, int8 weights read
+# as they lie) beats widening the expert's weights for a float GEMM: as for
+# Int8Linear (bench/results/cpu_int8_kernels_2026-11-24.md).
+INT8PACK_MAX_ROWS = 8
+
+
+def _int8_linear(rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """rows [M, K] times one int8 expert's q [N, K] (w = q * scale per row)."""
+    if rows.dtype in (torch.bfloat16, torch.float16) and rows.shape[0] <= INT8PACK_MAX_ROWS:
+        return torch.ops.aten._weight_int8pack_mm(rows, q, scale.to(rows.dtype))
+    return F.linear(rows, q.to(rows.dtype)) * scale.to(rows.dtype)
+
+
+def _per_expert(x, tokens, w13, w2, b13, b2, counts: list[int], activation, limit, alpha,
+                w13_scale=None, w2_scale=None):
+    """The same, one GEMM pair per active expert (torch without _grouped_mm, and
+    int8 experts: no grouped GEMM reads int8, and widening every active expert for
+    one cost 3.5x bf16's bytes)."""
+    def linear(rows, w, b, scale, expert):
+        if scale is None:
+            return F.linear(rows, w[expert], None if b is None else b[expert])
+        y = _int8_linear(rows, w[expert], scale[expert])
+        return y if b is None else y + b[expert]
+
     out, start = [], 0
     for expert, n in enumerate(counts):
         if n == 0:
             continue
         rows = tokens[start:start + n]
         start += n
-        h = gated(F.linear(x[rows], w13[expert], None if b13 is None else b13[expert]),
-                  activation, limit, alpha)
-        out.append(F.linear(h, w2[expert], None if b2 is None else b2[expert]))
+        h = gated(linear(x[rows], w13, b13, w13_scale, expert), activation, limit, alpha)
+        out.append(linear(h, w2, b2, w2_scale, expert))
     return torch.cat(out) if out else x.new_zeros(0, w2.shape[1])
 
 
 @fused_experts.register_fake
 def _fused_experts_shape(x, topk_ids, topk_weights, w13, w2, first_expert, b13=None,
-                         b2=None, activation="silu", limit=0.0, alpha=0.0):
+                         b2=None, activation="silu", limit=0.0, alpha=0.0, w13_scale=None,
+                         w2_scale=None):
     return torch.empty_like(x)
 
 
 def one_token_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                       w13: torch.Tensor, w2: torch.Tensor, first_expert: int,
                       b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
-                      activation: str = "silu", limit: float = 0.0,
-                      alpha: float = 0.0) -> torch.Tensor:
+                      activation: str = "silu", limit: float = 0.0, alpha: float = 0.0,
+                      w13_scale: torch.Tensor | None = None,
+                      w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """fused_experts for one token (x [1, H]) as plain ops, for a compiled batch-1
     decode graph: each chosen expert's rows indexed where they lie and reduced
     against the token (Inductor fuses the indexing into its loops, as for the paged
     decode attention), in float32. 0.66 ms against the op's 2.29 for 8 of 64 experts
-    of 1024 x 384 in bf16 on a 2-core Zen 4 (29 against 8 GB/s of weights)."""
+    of 1024 x 384 in bf16 on a 2-core Zen 4 (29 against 8 GB/s of weights). int8
+    experts are read as int8 there, their scales applied to the row sums."""
     local = topk_ids[0] - first_expert  # [K]
     held = (local >= 0) & (local < w13.shape[0])  # other ranks' experts weigh 0
     local = local.clamp(0, w13.shape[0] - 1)
     h = (x[0].float() * w13[local].float()).sum(-1)  # [K, 2I]
+    if w13_scale is not None:
+        h = h * w13_scale[local].float()
     if b13 is not None:
         h = h + b13[local].float()
     a = gated(h, activation, limit, alpha)  # [K, I]
     y = (a.unsqueeze(1) * w2[local].float()).sum(-1)  # [K, H]
+    if w2_scale is not None:
+        y = y * w2_scale[local].float()
     if b2 is not None:
         y = y + b2[local].float()
     weights = topk_weights[0].float() * held

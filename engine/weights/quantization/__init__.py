@@ -1,7 +1,8 @@
 """Quantized weights: which layers are quantized, and how (--quantization).
 
 Online quantization (as vLLM's --quantization fp8) rounds a float checkpoint's
-decoder projections at load: int8 (int8.py, one scale per output channel), int4
+decoder projections at load (a mixture-of-experts model's routed experts too, in
+int8 on CPU; never its router): int8 (int8.py, one scale per output channel), int4
 (int4.py, a scale and a minimum per group of 32 inputs) or, on Ada/Hopper GPUs, fp8
 (fp8.py: e4m3 weights and per-token e4m3 activations); the layer kinds live in
 engine/models/quantized/. A GGUF checkpoint's own
@@ -12,17 +13,21 @@ GGUF's Q8_0 as it is packed (engine/weights/cpu_packing.py: pack_model's int8_he
 measured to cost no perplexity."""
 from __future__ import annotations
 
+import logging
 from functools import partial
 from typing import Callable
 
 import torch
 from torch import nn
 
+from kvserve.engine.models.moe import FusedExperts, SparseMoE
 from kvserve.engine.models.quantized.fp8 import Fp8Linear, check_fp8_device, check_fp8_shapes
 from kvserve.engine.models.quantized.int4 import PACK_ROWS, Int4Linear, fake_quantize_int4
 from kvserve.engine.models.quantized.int8 import Int8Linear, fake_quantize_int8
 from kvserve.engine.weights.quantization.awq import decoder_linears, search_scales
 from kvserve.modelstore.errors import ModelLoadError
+
+log = logging.getLogger("kvserve.loader")
 
 # auto: the checkpoint's own (a GGUF's quantized blocks stay quantized, float
 # weights stay float); none: every weight in --dtype; -awq: activation-aware scales.
@@ -45,11 +50,29 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = 32,
     fake = fake_quantize_int8 if kind == "int8" else partial(fake_quantize_int4,
                                                               group_size=group_size)
     for name, parent, attr, linear in decoder_linears(model):
+        if isinstance(parent, SparseMoE):
+            continue  # the router (and a shared expert's gate): choices stay exact
         scales = None
         if name in inputs:
             scales = search_scales(linear.weight, inputs[name], fake, linear.weight.dtype)
         setattr(parent, attr, Int8Linear.of(linear, scales) if kind == "int8"
                 else Int4Linear.of(linear, group_size, scales))
+    quantize_experts(model, kind)
+
+
+def quantize_experts(model: nn.Module, kind: str) -> None:
+    """A mixture-of-experts model's routed experts in int8 (int8 modes: on CPU, where
+    the fused-experts op reads them; CUDA's Triton kernels read bf16, so they stay
+    so there, logged). int4 modes leave them in the model dtype (logged)."""
+    experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
+    if not experts:
+        return
+    if kind != "int8" or experts[0].w13.device.type != "cpu":
+        log.info("--quantization %s: the routed experts stay in the model dtype (int8 "
+                 "experts run on CPU)", kind)
+        return
+    for module in experts:
+        module.quantize_int8()
 
 
 def quantize_fp8_model(model: nn.Module) -> None:
@@ -79,4 +102,12 @@ def check_int4_shapes(model: nn.Module, group_size: int) -> None:
 def model_bytes(model: nn.Module) -> int:
     """What the model's weights hold in memory (a tied weight counted once)."""
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def resident_bytes(model: nn.Module) -> int:
+    """The bytes of the model's weights in memory, rope tables left out (each tensor
+    counted once: a tied head is its table)."""
+    tables = {id(t) for r in model.rotaries() for t in r.buffers()}
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()] if id(t) not in tables}
     return sum(t.numel() * t.element_size() for t in tensors.values())

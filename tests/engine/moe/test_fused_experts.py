@@ -143,3 +143,43 @@ def test_one_token_form_equals_the_op(bias, activation):
         torch.testing.assert_close(one_token_experts(*args), want, rtol=1e-5, atol=1e-5)
         compiled = torch.compile(one_token_experts, fullgraph=True)
         torch.testing.assert_close(compiled(*args), want, rtol=1e-4, atol=1e-4)
+
+
+def _int8_experts(w13, w2):
+    """Rows rounded as FusedExperts.quantize_int8 does: (q13, s13, q2, s2) and the
+    float weights they stand for."""
+    from kvserve.engine.models.quantized.int8 import quantize_int8
+
+    out = []
+    for w in (w13, w2):
+        q, s = quantize_int8(w.reshape(-1, w.shape[-1]), w.dtype)
+        out += [q.view(w.shape), s.view(w.shape[:2])]
+    q13, s13, q2, s2 = out
+    return (q13, s13, q2, s2), (q13.float() * s13[..., None], q2.float() * s2[..., None])
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+@pytest.mark.parametrize("bias,activation", [(False, ("silu", 0.0, 0.0)),
+                                             (True, ("swiglu_oai", 1.5, 1.702))])
+def test_int8_experts_equal_float_experts_of_their_values(monkeypatch, grouped, bias,
+                                                          activation):
+    """int8 experts (scales per output row) give what float experts holding q * scale
+    give, through the grouped GEMMs, the per-expert loop, across ranks, and in the
+    one-token form a batch-1 graph compiles."""
+    from kvserve.engine.kernels.moe import fused_experts as module
+    from kvserve.engine.kernels.moe.fused_experts import one_token_experts
+
+    monkeypatch.setattr(module, "GROUPED", grouped and module.GROUPED)
+    x, ids, weights, w13, w2, b13, b2 = case(tokens=9, experts=8, top_k=3, bias=bias)
+    (q13, s13, q2, s2), (f13, f2) = _int8_experts(w13, w2)
+    for first, held in ((0, 8), (4, 4)):
+        part = slice(first, first + held)
+        extra = (first, None if b13 is None else b13[part], None if b2 is None else b2[part],
+                 *activation)
+        want = fused_experts(x, ids, weights, f13[part], f2[part], *extra)
+        got = fused_experts(x, ids, weights, q13[part], q2[part], *extra, s13[part], s2[part])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        one = (x[:1], ids[:1], weights[:1])
+        torch.testing.assert_close(
+            one_token_experts(*one, q13[part], q2[part], *extra, s13[part], s2[part]),
+            fused_experts(*one, f13[part], f2[part], *extra), rtol=1e-5, atol=1e-5)
