@@ -18,7 +18,6 @@ import argparse
 import json
 import logging
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -100,31 +99,22 @@ def measure(kind: str, path: Path) -> dict:
     return row
 
 
-def cpu_flags() -> str:
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    except OSError:
-        return platform.processor()
-    lines = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-    flags = set(lines.get("Flags", "").split())
-    keep = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni",
-                        "amx_tile") if f in flags]
-    return f"{lines.get('Model name', '').strip()}; {' '.join(keep)}"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--llama-cpp", type=Path, required=True)
     parser.add_argument("--types", nargs="+", default=list(TYPES))
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    from kvserve.benchmarks.provenance import simd_flags
+    from kvserve.engine.platform.device import cpu_flags
+
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         make_checkpoint(work / "hf")
         files = convert(args.llama_cpp, work / "hf", work, args.types)
         rows = [measure(kind, path) for kind, path in files.items()]
-    result = {"cpu": cpu_flags(), "rows": rows}
+    result = {"cpu_flags": simd_flags(cpu_flags()), "rows": rows}
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

@@ -83,9 +83,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    from bench.gguf_kquants import cpu_flags
+    from kvserve.benchmarks.provenance import simd_flags
+    from kvserve.engine.platform.device import cpu_flags
 
-    result = {"cpu": cpu_flags(), "context": args.context, "batch": args.batch}
+    result = {"cpu_flags": simd_flags(cpu_flags()), "context": args.context,
+              "batch": args.batch}
     with tempfile.TemporaryDirectory() as tmp:
         for name, model_type, fields in (("mla", "deepseek_v3", MLA), ("gqa", "llama", GQA)):
             path = Path(tmp) / name
