@@ -160,9 +160,8 @@ class KVCacheManager(BlockWrites):
     ) -> bool:
         """Cover num_computed_tokens + num_new_tokens tokens; all or nothing.
 
-        Shared blocks that this step writes into are first swapped for private
-        copies (BlockCopy queued for the runner). Blocks that become full are
-        hashed and registered for prefix sharing.
+        Shared blocks this step writes into are first swapped for private copies
+        (BlockCopy queued for the runner); blocks that become full are hashed and shared.
 
         num_lookahead_tokens: slots past the known tokens for speculative drafts.
         They get blocks (private ones) but never hashes: a draft may be rejected,
@@ -184,8 +183,7 @@ class KVCacheManager(BlockWrites):
                 or num_pending_tokens < 0 or end > known:
             raise _bad_range(num_computed_tokens, num_new_tokens, known)
         reach = end + num_lookahead_tokens
-        if self.sliding_window and req is not None:
-            self._drop_outside_window(req, num_computed_tokens)
+        self._drop_outside_window(req, num_computed_tokens)
         ids = req.block_ids if req is not None else ()
         grow = max(0, -(-reach // self.block_size) - len(ids))
         shared = self._shared_writes(req, ids, num_computed_tokens, num_new_tokens, reach)
@@ -202,7 +200,7 @@ class KVCacheManager(BlockWrites):
         self._hash_known(req, token_ids, end)
         return True
 
-    def _drop_outside_window(self, req: RequestBlocks, num_computed_tokens: int) -> None:
+    def _drop_outside_window(self, req: RequestBlocks | None, num_computed_tokens: int) -> None:
         """Let go of the leading blocks no query will read again: every query from
         now on is at a position >= num_computed_tokens and sees keys after
         position - window, so a block ending before num_computed_tokens - window
@@ -210,6 +208,8 @@ class KVCacheManager(BlockWrites):
         a block's worth of tokens), not on the decode fast path. The blocks stay
         in the prefix cache (cached and free) until evicted: a later request's hit
         on them is as good as before."""
+        if not self.sliding_window or req is None:
+            return
         keep_from = (num_computed_tokens - self.sliding_window) // self.block_size
         if self.enable_prefix_caching:  # a block still to be hashed (tokens pending) stays
             keep_from = min(keep_from, len(req.hashes))

@@ -3,22 +3,46 @@ live, the background builds still running at exit (which cannot be stopped), and
 many graphs Dynamo has built."""
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
+from pathlib import Path
 
 log = logging.getLogger("kvserve.compile")
 
 
+# The sources that declare kvserve's custom ops (the Python ones and the CPU
+# library's). A compiled graph calls an op through the schema it was compiled
+# against, and Inductor's cache key does not cover our schemas: a graph cached
+# before an op gained an argument segfaults when loaded after (seen: a warm cache
+# from before fused_experts took int8 scales). So the cache is per version of them.
+OP_SOURCES = ("kernels/attention/context.py", "kernels/moe/fused_experts.py",
+              "models/lora_step.py", "kernels/cpu/packed_gemm.cpp",
+              "kernels/cpu/paged_decode.cpp", "kernels/cpu/paged_prefill.cpp")
+
+
+def ops_key() -> str:
+    """A short hash of OP_SOURCES as they are in this installation."""
+    engine = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for name in OP_SOURCES:
+        digest.update(name.encode())
+        digest.update((engine / name).read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def use_cache_dir(root: str) -> None:
-    """Inductor's and Triton's on-disk caches under `root`, unless the user chose
-    (torch itself sets TORCHINDUCTOR_CACHE_DIR to its default the first time it
-    looks: that one is replaced)."""
+    """Inductor's and Triton's on-disk caches under `root`, Inductor's per version
+    of kvserve's op schemas (ops_key), unless the user chose (torch itself sets
+    TORCHINDUCTOR_CACHE_DIR to its default the first time it looks: that one is
+    replaced)."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if not inductor or inductor == default_cache_dir():
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "inductor")
+    if not inductor or inductor == default_cache_dir() \
+            or Path(inductor).parent == Path(root, "inductor"):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "inductor", ops_key())
     if not os.environ.get("TRITON_CACHE_DIR"):
         os.environ["TRITON_CACHE_DIR"] = os.path.join(root, "triton")
 

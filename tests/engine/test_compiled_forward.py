@@ -11,7 +11,9 @@ closer than float32 rounding can tell apart; the compiled GEMMs sum in another o
 than eager's (and Inductor's autotuning may pick another kernel from run to run)."""
 from __future__ import annotations
 
+import os
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -366,3 +368,23 @@ def test_warm_up_steps_touch_only_the_spare_block(tiny_engine_factory, decode):
         assert torch.equal(k0[live], k1[live]) and torch.equal(v0[live], v1[live])
     assert any(not torch.equal(k0[runner.spare_block], k1[runner.spare_block])
                for (k0, _), (k1, _) in zip(before, runner.kv_caches))
+
+
+def test_compiled_graphs_are_cached_per_version_of_kvserves_op_schemas(tmp_path, monkeypatch):
+    """A graph calls kvserve's ops through the schemas it was compiled against, and
+    Inductor's key does not cover them: a graph cached before an op changed
+    segfaulted when loaded after. The cache directory is keyed by their sources."""
+    from kvserve.engine.runner import compile_process
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    compile_process.use_cache_dir(str(tmp_path))
+    first = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    assert first == str(tmp_path / "inductor" / compile_process.ops_key())
+    sources = tmp_path / "engine"
+    for name in compile_process.OP_SOURCES:  # a copy of the sources, one op changed
+        (sources / name).parent.mkdir(parents=True, exist_ok=True)
+        text = (Path(compile_process.__file__).parents[1] / name).read_bytes()
+        (sources / name).write_bytes(text + (b"# changed\n" if "moe" in name else b""))
+    monkeypatch.setattr(compile_process, "__file__", str(sources / "runner" / "x.py"))
+    compile_process.use_cache_dir(str(tmp_path))
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] != first

@@ -103,10 +103,11 @@ def kernel_layout() -> tuple[int, bool]:
 
 
 class Int4Linear(QuantizedLinear):
-    """scales and mins: [K / group, N], float16 (ours, GGUF's Q4_0/Q4_1) or float32.
-    GGUF's K-quants add scale_base / min_base [K / 256, N] float16, each group's
-    value the product of the two (group_scales.py); its IQ4 types a codebook, the
-    16 int8 values q indexes (w = codebook[q] * scale, no minimums)."""
+    """scales and mins: [K / group, N], float16 (ours, GGUF's Q4_0/Q4_1, the
+    K-quants' sub-block factors) or float32. GGUF's K-quants add scale_base /
+    min_base [K / 256, N] float16, each group's value the product of the two
+    (group_scales.py); its IQ4 types a codebook, the 16 int8 values q indexes
+    (w = codebook[q] * scale, no minimums)."""
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                  bias: torch.Tensor | None, dtype: torch.dtype,
@@ -131,11 +132,11 @@ class Int4Linear(QuantizedLinear):
         kernel = None
         if device.type == "cpu" and dtype == torch.bfloat16 and codebook is None \
                 and mins is not None and self.group_size in INT4PACK_GROUPS:
-            scale, low = self.group_values()
+            scale, low = self.scale_and_min()
             kernel = torch.stack([scale, low + 8 * scale], dim=-1).to(dtype)
         self.register_buffer("kernel_scales_zeros", kernel)
 
-    def group_values(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def scale_and_min(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Each group's scale and minimum in float32, [K / group, N]."""
         return (group_values(self.scales, self.scale_base, 0),
                 group_values(self.mins, self.min_base, 0))
@@ -158,7 +159,7 @@ class Int4Linear(QuantizedLinear):
         q = unpack_int4_t(self.int4pack, self.layout).view(-1, self.group_size,
                                                           self.out_features)
         values = self.codebook.float()[q.long()] if self.codebook is not None else q.float()
-        scale, low = self.group_values()
+        scale, low = self.scale_and_min()
         w = values * scale[:, None, :]
         if low is not None:
             w = w + low[:, None, :]
