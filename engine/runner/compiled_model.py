@@ -30,7 +30,7 @@ compiling the default model's three graphs took 140 s on two cores with a cold c
 and 17 s with a warm one (AVX-512), 285-314 s either way on a 2-core AVX2 CPU. Where
 every linear layer is packed for kvserve's CPU GEMM (engine/kernels/cpu), there is
 nothing to prepack and the weights stay graph inputs: the graphs then come from
-$KVSERVE_CACHE/inductor on a warm start (the default model's three: 174 s with an
+$KVSERVE_CACHE/inductor/<ops key> on a warm start (the default model's three: 174 s with an
 empty cache, 35 s warm, on a 2-core AVX2 CPU; decode steps as fast as frozen ones).
 Either way the graphs are built on a thread of their own by default while steps run
 eagerly."""
