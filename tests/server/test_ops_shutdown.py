@@ -107,7 +107,9 @@ async def _signal_while_busy(proc, url: str, sig: int, n: int, max_tokens: int):
         async def all_running():
             return await _running(c) == n
 
-        await _poll(all_running)
+        # A deadline, not a speed check: under the suite's load (the other worker's
+        # compiles) a process-mode engine took over 30 s to admit them all once.
+        await _poll(all_running, timeout=90)
         proc.send_signal(sig)
         await _poll(lambda: _draining(c), timeout=10)
         late = await c.post("/v1/completions", json=_body(99, 4, stream=False))
