@@ -47,6 +47,11 @@ def parse_args(argv=None):
                     help="no compiled forward pass and no CUDA graphs")
     ap.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "fp8"])
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="plan each step while the previous one runs on the device")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="then record this many decode steps with torch.profiler "
+                    "(kvserve/benchmarks/in_process/device_profile.py)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     if args.decode_tokens < 2 or args.split_decode_tokens < 2 or args.repeats < 1:

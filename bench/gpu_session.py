@@ -16,17 +16,20 @@ call at most 600 s: in practice one call. So:
 Stages (`ONLY` picks some, in this order):
   tests             the CUDA paths' test files: Triton attention and the KV store,
                     CUDA graphs, the fp8 cache, the LoRA kernels, parity with
-                    transformers in float32
+                    transformers in float32, the fused-MoE kernels (8 processes)
+  families          every model family through the engine on the GPU (families.log)
+  profile_1b        the 1B preset's batch-1 step under torch.profiler, synchronous
+                    and async: device busy time, the host's share, top kernels
+  step_overhead_1b  one step at 256 running requests and the scheduler's share,
+                    synchronous and with async scheduling
+  quant_8b          the 8B preset: bf16, fp8, int8, int4 weights, then the fp8 KV
+                    cache against bf16 at a 4k context
+  forward_1b        the 1B preset's batch-1 decode: eager, CUDA graphs, int8 and
+                    int4 weights (graphs), then the Inductor-compiled forward pass
+  lora_1b           16 requests over 4 rank-16 adapters against the base model
   bench_1b          bench/gpu_decode.py on the 1B preset: batch-1 decode tok/s and
                     MBU, TTFT, the prefill/decode split, transformers beside it
   bench_8b          the same on the 8B preset
-  forward_1b        the 1B preset's batch-1 decode: eager, CUDA graphs, int8 and
-                    int4 weights (graphs), then the Inductor-compiled forward pass
-  quant_8b          the 8B preset: bf16, fp8, int8, int4 weights, then the fp8 KV
-                    cache against bf16 at a 4k context
-  step_overhead_1b  one step at 256 running requests and the scheduler's share,
-                    synchronous and with async scheduling
-  lora_1b           16 requests over 4 rank-16 adapters against the base model
 
 KVSERVE_GPU_DRY_RUN=1: the same stages on this CPU with the tiny preset and small
 workloads, each command importing as the GPU image would (bench/gpu_image_check.py
@@ -144,8 +147,13 @@ def stages(s: Settings) -> list[Stage]:
         return [decode(preset, f"{stage}-{i}", label, *common, *shlex.split(label))
                 for i, label in enumerate(labels)]
 
+    # On the GPU host (16 cores) the tests run in 8 processes: the first call's
+    # tests stage spent its 150 s compiling Triton kernels one after another and ran
+    # a third of them. A file stays in one process (its engines are built once).
+    xdist = [] if s.dry else ["-n", "8", "--dist", "loadfile"]
     pytest_args = [*py, "-m", "pytest", "-v", "-rfE", "--tb=short", "-p", "no:cacheprovider",
-                   "--maxfail=20", "--continue-on-collection-errors", "-m", "not slow"]
+                   "--maxfail=20", "--continue-on-collection-errors", "-m", "not slow",
+                   "--durations=15", *xdist]
     pytest = [*pytest_args, *(["-k", DRY_TESTS] if s.dry else []), *s.tests]
     families = [*pytest_args, *(["-k", DRY_FAMILY_TESTS] if s.dry else []), *FAMILY_TESTS]
     forward = ["--transformers", "off", "--prompt-len", "256", "--decode-tokens", "64",
@@ -159,26 +167,35 @@ def stages(s: Settings) -> list[Stage]:
                 else ["--running", "256", "--steps", "20"])
     lora = (["--requests", "4", "--output-len", "8", "--rounds", "1"] if s.dry
             else ["--rounds", "2"])
+    # Where a batch-1 step's time goes (device_profile.py), synchronous and async: the
+    # first call measured 2.68 ms a 1B step, 0.82 ms of bytes at the copy bandwidth.
+    profiled = ["--transformers", "off", "--prompt-len", "1024", "--decode-tokens", "128",
+                "--split-decode-tokens", "128", "--repeats", "2", "--profile-steps", "20"]
+    # Ordered by what no call has measured yet (2026-11-28's, bench/results/
+    # gpu_h100_2026-11-28.md, ran tests partly, bench_1b, bench_8b, forward_1b but its
+    # --compile wait): correctness first, then the step's profile.
     return [
         Stage("tests", 150, [Run("", pytest)], min_s=40, log="tests.log"),
-        Stage("bench_1b", 90, [decode(s.preset_1b, "bench_1b")]),
-        Stage("bench_8b", 140, [decode(s.preset_8b, "bench_8b")], min_s=60),
-        Stage("forward_1b", 150, modes(s.preset_1b, "forward_1b", forward, [
-            "--enforce-eager", "--compile off", "--compile off --quantization int8",
-            "--compile off --quantization int4", "--compile wait"])),
-        Stage("quant_8b", 300, modes(s.preset_8b, "quant_8b", quant, [
-            "", *fp8, "--quantization int8", "--quantization int4",
-            f"{long_ctx} --kv-cache-dtype auto", f"{long_ctx} --kv-cache-dtype fp8"]),
-              min_s=60),
+        Stage("families", 120, [Run("", families)], min_s=40, log="families.log"),
+        Stage("profile_1b", 90, modes(s.preset_1b, "profile_1b", profiled, [
+            "", "--async-scheduling"])),
         Stage("step_overhead_1b", 110, [Run("", [
             *py, "bench/step_overhead.py", "--model", f"preset:{s.preset_1b}",
             "--load-format", "random", *overhead, "--async-scheduling", "both",
             "--json", str(tmp / "step_overhead.json")], tmp / "step_overhead.json")]),
+        Stage("quant_8b", 300, modes(s.preset_8b, "quant_8b", quant, [
+            "", *fp8, "--quantization int8", "--quantization int4",
+            f"{long_ctx} --kv-cache-dtype auto", f"{long_ctx} --kv-cache-dtype fp8"]),
+              min_s=60),
+        Stage("forward_1b", 150, modes(s.preset_1b, "forward_1b", forward, [
+            "--enforce-eager", "--compile off", "--compile off --quantization int8",
+            "--compile off --quantization int4", "--compile wait"])),
         Stage("lora_1b", 150, [Run("", [
             *py, "bench/lora_overhead.py", "--model", f"preset:{s.preset_1b}",
             "--load-format", "random", "--compile", "off", *lora,
             "--json", str(tmp / "lora.json")], tmp / "lora.json")]),
-        Stage("families", 150, [Run("", families)], min_s=40, log="families.log"),
+        Stage("bench_1b", 90, [decode(s.preset_1b, "bench_1b")]),
+        Stage("bench_8b", 140, [decode(s.preset_8b, "bench_8b")], min_s=60),
     ]
 
 

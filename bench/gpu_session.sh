@@ -13,22 +13,26 @@
 # and one call at most 600 s. The stages, in order of value, share one deadline
 # (DEADLINE_S=570 s from this script's start): each gets min(its limit, time left
 # - 20 s), one that would get less than its minimum is not started, and the
-# summary names it for the next call. The first call's stages and limits (s):
+# summary names it for the next call. The stages and limits (s), what no call has
+# measured yet first (the first call, 2026-11-28: bench/results/gpu_h100_2026-11-28.md):
 #
-#   tests 150            the CUDA paths' test files (Triton attention, KV store,
-#                        CUDA graphs, fp8 cache, LoRA kernels, parity in float32)
+#   tests 150            the CUDA paths' test files in 8 processes (Triton attention,
+#                        KV store, CUDA graphs, fp8 cache, LoRA and fused-MoE
+#                        kernels, parity in float32)
+#   families 120         every model family through the engine on CUDA (Triton
+#                        windows, soft-caps, sinks, fused-MoE kernels, CUDA graphs),
+#                        float32 parity with transformers; log in families.log
+#   profile_1b 90        the 1B batch-1 step under torch.profiler, sync and async:
+#                        GPU busy time, the host's share, the costliest kernels
+#   step_overhead_1b 110 a step at 256 running, scheduler share, sync and async
+#   ------------------   (470 s of limits: what follows runs if the above ended early)
+#   quant_8b 300         8B: bf16, fp8, int8, int4 weights; fp8 KV cache at 4k context
+#   forward_1b 150       1B batch-1 decode: eager, CUDA graphs, int8, int4, compiled
+#   lora_1b 150          16 requests over 4 adapters against the base model
 #   bench_1b 90          bench/gpu_decode.py, Llama-3.2-1B shape: batch-1 tok/s, MBU
 #                        against the copy bandwidth measured in the run, TTFT of 1,024
 #                        tokens, the 1,024 + 512 split, transformers in the same run
 #   bench_8b 140         the same, Llama-3.1-8B shape
-#   forward_1b 150       1B batch-1 decode: eager, CUDA graphs, int8, int4, compiled
-#   ------------------   (530 s of limits: what follows runs if the above ended early)
-#   quant_8b 300         8B: bf16, fp8, int8, int4 weights; fp8 KV cache at 4k context
-#   step_overhead_1b 110 a step at 256 running, scheduler share, sync and async
-#   lora_1b 150          16 requests over 4 adapters against the base model
-#   families 150         every model family through the engine on CUDA (Triton
-#                        windows, soft-caps, sinks, fused-MoE kernels, CUDA graphs),
-#                        float32 parity with transformers; log in families.log
 #
 # The device tool cuts a command at timeout_s, or sooner when less device time is left
 # (a failed start or a fall-back to another GPU kind costs 1-2 minutes of it): read

@@ -28,7 +28,12 @@ COLUMNS = [  # (header, path into the result, scale)
     ("hf batch tok/s", "transformers.generate_batch.tok_s", 1),
     ("x decode", "ratios_kvserve_over_transformers.decode_tok_s", 1),
     ("x TTFT", "ratios_kvserve_over_transformers.ttft", 1),
+    ("profiled ms/step", "kvserve.profile.wall_ms_per_step", 1),
+    ("GPU busy ms", "kvserve.profile.device_busy_ms", 1),
+    ("host share", "kvserve.profile.host_share", 1),
+    ("kernels/step", "kvserve.profile.kernels_per_step", 1),
 ]
+TOP_KERNELS = 3  # a profiled result's costliest kernels, a line each
 
 
 SCALARS = 12  # a result of another benchmark: its first numbers, on one line
@@ -57,7 +62,10 @@ def result_lines(result: dict, title: str | None = None, compact: bool = True) -
     cells = [(h, lookup(result, p, s)) for h, p, s in COLUMNS]
     if compact:
         cells = [(h, c) for h, c in cells if c != "-"]
-    return [head, "  " + " | ".join(f"{h}: {c}" for h, c in cells)]
+    kernels = result.get("kvserve", {}).get("profile", {}).get("top_kernels", [])
+    return [head, "  " + " | ".join(f"{h}: {c}" for h, c in cells)] + [
+        f"    {k['ms_per_step']:.3f} ms x{k['calls_per_step']:.3g} {k['name'][:90]}"
+        for k in kernels[:TOP_KERNELS]]
 
 
 def main(paths: list[str]) -> None:

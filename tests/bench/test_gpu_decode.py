@@ -84,3 +84,38 @@ def test_a_cut_run_keeps_its_phases(tmp_path, monkeypatch):
     first = seen[0]
     assert first["kvserve"]["decode"]["tok_s"] > 0 and first["kvserve"]["decode"]["mbu"] > 0
     assert "ttft" not in first["kvserve"] and first["copy_bandwidth"]["gbps"] > 0
+
+
+def test_async_scheduling_and_a_profiled_phase_on_cpu(tmp_path):
+    """--async-scheduling: one more step drains the last token, the first token is
+    timed when a step first returns it; --profile-steps adds the profiled steps'
+    wall time (no device timeline on the CPU, so no kernel rows)."""
+    r = run_bench(tmp_path, "--transformers", "off", "--async-scheduling",
+                  "--profile-steps", "3")
+    k = r["kvserve"]
+    positive(k["decode"], "tok_s", "step_ms")
+    positive(k["ttft"], "median_s")
+    assert k["profile"]["steps"] == 3 and k["profile"]["wall_ms_per_step"] > 0
+    assert "device_busy_ms" not in k["profile"]
+
+
+def test_kernel_summary_counts_overlapping_kernels_once():
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from kvserve.benchmarks.in_process.device_profile import kernel_summary, union_length
+
+    def event(name, start, end, device=DeviceType.CUDA):
+        span = SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start)
+        return SimpleNamespace(name=name, device_type=device, time_range=span)
+
+    assert union_length([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17
+    events = [event("gemv", 0, 600), event("attn", 500, 800), event("gemv", 1000, 1600),
+              event("aten::mm", 0, 5000, DeviceType.CPU)]  # host ops are not kernels
+    row = kernel_summary(events, steps=2, wall_s=4e-3)
+    assert row["device_busy_ms"] == 0.7  # (800 + 600) us over 2 steps
+    assert abs(row["host_share"] - (1 - 1.4 / 4)) < 1e-9
+    assert row["kernels_per_step"] == 1.5
+    assert [k["name"] for k in row["top_kernels"]] == ["gemv", "attn"]
+    assert row["top_kernels"][0] == {"name": "gemv", "ms_per_step": 0.6, "calls_per_step": 1.0}

@@ -50,6 +50,8 @@ def test_dry_run_ends_every_stage_ok(tmp_path):
     for name in ("bench_1b", "bench_8b", "forward_1b", "quant_8b"):
         for label, run in results["stages"][name]["runs"].items():
             assert run["result"]["kvserve"]["decode"]["tok_s"] > 0, (name, label)
+    for label, run in results["stages"]["profile_1b"]["runs"].items():
+        assert run["result"]["kvserve"]["profile"]["wall_ms_per_step"] > 0, label
     assert results["stages"]["step_overhead_1b"]["runs"][""]["result"]["step_ms"] > 0
     assert results["stages"]["lora_1b"]["runs"][""]["result"]["lora_tok_s"]
     summary = (tmp_path / "summary.txt").read_text()

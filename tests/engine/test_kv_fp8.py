@@ -34,7 +34,10 @@ def test_scales_put_the_calibration_texts_largest_values_at_half_the_range(
     assert all(k.dtype == FP8 for k, _ in fp8.runner.kv_caches)
     # The same text as a prompt through a float cache: its largest |K| (turned as the
     # fp8 cache holds keys) and |V| per layer are what the scales were taken from.
-    plain = tiny_engine_factory(dtype="float32")
+    # As the calibration pass computes it: one chunk, the torch backend (on a GPU the
+    # Triton kernels and a chunked prefill round differently from it).
+    plain = tiny_engine_factory(dtype="float32", attention_backend="torch",
+                                max_num_batched_tokens=1024)
     plain.generate([calibration_tokens(plain.tokenizer, "test")],
                    SamplingParams(max_tokens=1, temperature=0.0))
     rotation = key_rotation(plain.model_config.head_dim)
@@ -42,8 +45,9 @@ def test_scales_put_the_calibration_texts_largest_values_at_half_the_range(
         k_scale, v_scale = layer.self_attn.kv_scales
         torch.testing.assert_close(layer.self_attn.key_rotation, rotation)
         for scale, cache in ((k_scale, k @ rotation), (v_scale, v)):
+            # cuBLAS picks its kernels by shape, and the engine pads its steps.
             torch.testing.assert_close(scale * FP8_MAX / HEADROOM, cache.abs().amax(),
-                                       rtol=1e-5, atol=0)
+                                       rtol=1e-5 if cache.is_cpu else 1e-4, atol=0)
 
 
 @pytest.mark.parametrize("head_dim", [64, 80])

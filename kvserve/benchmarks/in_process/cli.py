@@ -63,6 +63,11 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
                    help="also run the workloads through transformers' generate")
     p.add_argument("--generate-batch", default="auto", choices=["auto", "on", "off"],
                    help="with --transformers on, time generate_batch (auto: CUDA only)")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="plan each step while the previous one runs on the device")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="then record this many decode steps with torch.profiler: the "
+                   "device's busy time, the host's share, the costliest kernels")
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:

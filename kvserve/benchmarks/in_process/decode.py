@@ -66,22 +66,26 @@ def build_engine(args, device: torch.device) -> Engine:
         compile=bench_compile(args) if hasattr(args, "compile") else "off",
         quantization=getattr(args, "quantization", "none"),
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+        async_scheduling=bool(getattr(args, "async_scheduling", False)),
         cpu_kernels=getattr(args, "cpu_kernels", "auto")))
 
 
 def run_request(engine: Engine, clock: Clock, prompt: list[int], new_tokens: int) -> dict:
-    """One request alone: (first step: prefill + first token, then the decode steps)."""
+    """One request alone: (first step: prefill + first token, then the decode steps).
+    Under async scheduling a step returns the one before it's tokens: the first token
+    is out when a step first returns output, and one more step drains the last."""
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     t0 = clock.now()
     engine.add_request(f"bench-{time.monotonic_ns()}", prompt, params)
     steps, first = 0, None
     while engine.has_unfinished_requests():
-        engine.step()
+        outputs = engine.step()
         steps += 1
-        if first is None:
+        if first is None and outputs:
             first = clock.now()
     end = clock.now()
-    assert steps == new_tokens, f"{steps} steps for {new_tokens} tokens"
+    expected = new_tokens + (1 if engine.config.async_scheduling else 0)
+    assert steps == expected, f"{steps} steps for {new_tokens} tokens"
     return {"first_token_s": first - t0, "decode_s": end - first}
 
 
@@ -125,6 +129,11 @@ def run_ours(args, device: torch.device, dtype: torch.dtype,
                            ("ttft", lambda: ours_ttft(engine, clock, args)),
                            ("split", lambda: ours_split(engine, clock, args))):
         row[phase] = measure()
+        on_phase(row)
+    if getattr(args, "profile_steps", 0):
+        from kvserve.benchmarks.in_process.device_profile import profile_decode
+
+        row["profile"] = profile_decode(engine, clock, args.profile_steps)
         on_phase(row)
     del engine
     free_device_memory(device)

@@ -87,9 +87,12 @@ def test_torch_backend(name, in_place):
 def test_triton_kernels(name, dtype):
     b, mods = batch_and_mods(name, dtype)
     got = run(TritonBackend(), b, mods)
+    # The same batch (same seed) built on the CPU, upcast: the reference's metadata
+    # must live where its tensors do.
+    c, _ = batch_and_mods(name, dtype, device="cpu")
     want = run(TorchBackend(), PagedBatch(
-        b.q.float().cpu(), b.k.float().cpu(), b.v.float().cpu(), b.k_cache.float().cpu(),
-        b.v_cache.float().cpu(), b.meta, b.scale), mods)
+        c.q.float(), c.k.float(), c.v.float(), c.k_cache.float(), c.v_cache.float(), c.meta,
+        c.scale), mods)
     assert_close(got.cpu(), want.to(dtype))
 
 
