@@ -93,10 +93,11 @@ class ModelConfig:
             raise ModelConfigError(str(exc)) from exc
         if path.suffix == ".gguf" and path.is_file():
             from kvserve.engine.platform.gguf_checkpoint import GGUFCheckpoint
+            from kvserve.engine.platform.gguf_config import hf_config
             from kvserve.modelstore.errors import ModelLoadError
 
             try:
-                return ModelConfig.from_hf(GGUFCheckpoint(path).hf_config())
+                return ModelConfig.from_hf(hf_config(GGUFCheckpoint(path)))
             except ModelLoadError as exc:
                 raise ModelConfigError(str(exc)) from exc
         if not (path / "config.json").is_file():

@@ -57,9 +57,12 @@ class FusedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.b13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate)) if bias else None
         self.b2 = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
-        # int8 experts' scales per output row (quantize_int8); None while float.
+        # int8 experts' scales per output row (quantize_int8), or per group of
+        # inputs with minimums (a GGUF's blocks, keep_groups); None while float.
         self.register_buffer("w13_scale", None)
         self.register_buffer("w2_scale", None)
+        self.register_buffer("w13_min", None)
+        self.register_buffer("w2_min", None)
 
     def quantize_int8(self) -> None:
         """Each expert's rows rounded to int8 with a scale per output row, as
@@ -71,6 +74,22 @@ class FusedExperts(nn.Module):
             delattr(self, name)
             self.register_buffer(name, q.view(w.shape))
             self.register_buffer(f"{name}_scale", scales.view(w.shape[:2]))
+
+    def keep_groups(self, name: str, q: torch.Tensor, scale: torch.Tensor,
+                    low: torch.Tensor | None) -> None:
+        """`name` (w13 or w2) as int8 values q [E, N, K] (or uint8 [E, N, K / 2], two
+        4-bit codes a byte) with a float32 scale (and minimum) [E, N, G] per group of
+        K / G inputs: a GGUF's expert blocks as they are (engine/weights/
+        gguf_experts.py), w = q * scale + min."""
+        shape = getattr(self, name).shape
+        width = q.shape[-1] * (2 if q.dtype == torch.uint8 else 1)
+        if (*q.shape[:2], width) != shape or scale.shape[:2] != q.shape[:2]:
+            raise ValueError(f"{name}: codes {tuple(q.shape)} ({q.dtype}) with scales "
+                             f"{tuple(scale.shape)}, expected {tuple(shape)}")
+        delattr(self, name)
+        self.register_buffer(name, q)
+        setattr(self, f"{name}_scale", scale)
+        setattr(self, f"{name}_min", low)
 
     def expected_shards(self, attr: str) -> list[tuple[int, int]]:
         experts = range(self.first, self.first + self.w13.shape[0])
@@ -92,7 +111,7 @@ class FusedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
         args = (x, ids, weights, self.w13, self.w2, self.first, self.b13, self.b2,
-                *self.activation, self.w13_scale, self.w2_scale)
+                *self.activation, self.w13_scale, self.w2_scale, self.w13_min, self.w2_min)
         if x.shape[0] == 1 and x.device.type == "cpu" and torch.compiler.is_compiling():
             return one_token_experts(*args)  # traced into the batch-1 decode graph
         return torch.ops.kvserve.fused_experts(*args)

@@ -20,11 +20,9 @@ from kvserve.modelstore.errors import ModelLoadError
 # Types whose blocks are repacked as they are, never expanded to floats.
 KEPT_QUANTIZED = tuple(DECODERS)
 FLOAT_TYPES = ("F32", "F16", "BF16")
-# GGUF architecture -> (transformers config class, our architecture name). Qwen2's
-# q/k/v biases and Qwen3's QK-norm are tensors of their own in the file.
-ARCHITECTURES = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
-                 "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-                 "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+# The GGUF architectures read (their configs: gguf_config.py).
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma2", "gemma3",
+                 "phi3")
 
 
 def find_gguf(model_dir: Path) -> Path:
@@ -45,54 +43,25 @@ class GGUFCheckpoint:
         self.path = path
         self.reader = GGUFReader(str(path))
         self.tensors = {t.name: t for t in self.reader.tensors}
-        self.architecture = self._field("general.architecture")
+        self.architecture = self.field("general.architecture")
         if self.architecture not in ARCHITECTURES:
             raise ModelLoadError(f"{path.name}: GGUF architecture {self.architecture!r} "
                                  f"is not supported; kvserve reads {', '.join(ARCHITECTURES)} "
                                  "GGUF files (or serve the model's safetensors directory)")
-        self.num_heads = int(self._field(self._key("attention.head_count")))
-        self.num_kv_heads = int(self._field(self._key("attention.head_count_kv")))
+        self.num_heads = int(self.field(self.key("attention.head_count")))
+        self.num_kv_heads = int(self.field(self.key("attention.head_count_kv")))
 
-    def _key(self, name: str) -> str:
+    def key(self, name: str) -> str:
         """A metadata key of the file's architecture (llama.embedding_length, ...)."""
         return f"{self.architecture}.{name}"
 
-    def _field(self, key: str):
+    def field(self, key: str):
         field = self.reader.fields.get(key)
         if field is None:
             raise ModelLoadError(f"{self.path.name} lacks the GGUF field {key!r}")
         return field.contents()
 
-    def hf_config(self):
-        """The model's Hugging Face config, from the file's metadata alone (a .gguf
-        served with no config.json beside it)."""
-        import transformers
-
-        if "rope_freqs.weight" in self.tensors:
-            raise ModelLoadError(f"{self.path.name} scales RoPE by a rope_freqs tensor "
-                                 "(Llama 3.1-style); serve it from a directory holding the "
-                                 "model's config.json and the file (--load-format gguf)")
-        hidden = int(self._field(self._key("embedding_length")))
-        tokens = self.reader.fields.get("tokenizer.ggml.tokens")
-        vocab = self._optional(self._key("vocab_size"), len(tokens.data) if tokens else None)
-        head_dim = self._optional(self._key("attention.key_length"),
-                                  self._optional(self._key("rope.dimension_count"),
-                                                 hidden // self.num_heads))
-        config_class, architecture = ARCHITECTURES[self.architecture]
-        return getattr(transformers, config_class)(
-            architectures=[architecture], vocab_size=int(vocab), hidden_size=hidden,
-            intermediate_size=int(self._field(self._key("feed_forward_length"))),
-            num_hidden_layers=int(self._field(self._key("block_count"))),
-            num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
-            head_dim=int(head_dim),
-            rms_norm_eps=_decimal(self._field(self._key("attention.layer_norm_rms_epsilon"))),
-            max_position_embeddings=int(self._field(self._key("context_length"))),
-            rope_theta=_decimal(self._optional(self._key("rope.freq_base"), 10000.0)),
-            tie_word_embeddings="output.weight" not in self.tensors,
-            bos_token_id=self._optional("tokenizer.ggml.bos_token_id", None),
-            eos_token_id=self._optional("tokenizer.ggml.eos_token_id", None))
-
-    def _optional(self, key: str, default):
+    def optional(self, key: str, default):
         field = self.reader.fields.get(key)
         return default if field is None else field.contents()
 
@@ -134,12 +103,6 @@ class GGUFCheckpoint:
         """A tensor of a kept type (KEPT_QUANTIZED) as integers and group scales,
         rows un-permuted (gguf_blocks.py)."""
         return decode(self.type_name(name), self._rows(name))
-
-
-def _decimal(value) -> float:
-    """A float32 from the file as the decimal it was written from (1e-05, not
-    9.999999747378752e-06), so the config matches the model's own config.json."""
-    return float(str(np.float32(value)))
 
 
 def _unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:

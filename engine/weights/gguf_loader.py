@@ -1,10 +1,11 @@
-"""Build our model from a GGUF file (--load-format gguf) of a llama, qwen2 or qwen3
+"""Build our model from a GGUF file (--load-format gguf) of a llama (Mixtral's too:
+llama with experts), qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3 or phi3
 architecture. Its quantized projections
 (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, the K-quants Q2_K..Q6_K, IQ4_NL/IQ4_XS, in any mix, as
 Q4_K_M and Q5_K_M files have them) become int4 or group-int8 layers holding the
 file's own integers and scales (no float copy of them is ever made); every other
 tensor is de-quantized by gguf into --dtype (F32/F16/BF16 exactly, the rest
-expanded, logged).
+expanded, logged). The routed experts' [E, N, K] tensors likewise (gguf_experts.py).
 --quantization none expands everything. The model's config and tokenizer come from
 the directory's config.json and tokenizer files, as for safetensors."""
 from __future__ import annotations
@@ -18,46 +19,37 @@ from torch import nn
 
 from kvserve.engine.config.model_config import ModelConfig
 from kvserve.engine.platform.gguf_checkpoint import FLOAT_TYPES, GGUFCheckpoint, find_gguf
-from kvserve.engine.models.llama import LlamaForCausalLM
+from kvserve.engine.models.decoder import DecoderModel
+from kvserve.engine.models.moe import SparseMoE
 from kvserve.engine.models.registry import model_class
 from kvserve.engine.models.quantized.layer import QuantizedLinear
+from kvserve.engine.weights.gguf_experts import expand_experts, expert_names, keep_experts
+from kvserve.engine.weights.gguf_names import CLASS_NAMES, LAYER_NAMES, PROJECTIONS, our_names
+from kvserve.engine.weights.gguf_names import sources
 from kvserve.engine.weights.gguf_layers import keep_vocabulary, repack
 from kvserve.engine.weights.quantization import resident_bytes
 from kvserve.modelstore.errors import ModelLoadError
 
 log = logging.getLogger("kvserve.loader")
 
-GLOBAL_NAMES = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
-                "output.weight": "lm_head.weight"}
-# GGUF's per-layer name -> (our module under layers.i, shard of a packed module)
-LAYER_NAMES = {
-    "attn_norm": ("input_layernorm", None), "ffn_norm": ("post_attention_layernorm", None),
-    "attn_q": ("self_attn.qkv_proj", 0), "attn_k": ("self_attn.qkv_proj", 1),
-    "attn_v": ("self_attn.qkv_proj", 2), "attn_output": ("self_attn.o_proj", None),
-    "ffn_gate": ("mlp.gate_up_proj", 0), "ffn_up": ("mlp.gate_up_proj", 1),
-    "ffn_down": ("mlp.down_proj", None),
-    "attn_q_norm": ("self_attn.q_norm", None), "attn_k_norm": ("self_attn.k_norm", None),
-}
-PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
-
-
 def load_gguf_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype,
                     device: torch.device, max_positions: int,
-                    quantization: str) -> LlamaForCausalLM:
+                    quantization: str) -> DecoderModel:
     if quantization not in ("auto", "none"):
         raise ModelLoadError(f"--quantization {quantization} quantizes float weights at "
                              "load; a GGUF's weights are quantized already: use --quantization "
                              "auto to serve its blocks as they are, or none to expand them")
     if cfg.o_bias or cfg.mlp_bias:
         raise ModelLoadError("GGUF loading supports biases on q/k/v only (Qwen2's)")
-    if model_class(cfg) is not LlamaForCausalLM or cfg.sliding_window:
-        raise ModelLoadError(f"GGUF files load for the Llama shape only (Llama, Mistral "
-                             f"without a window, Qwen2, Qwen3); {cfg.architecture} loads "
-                             "from safetensors")
+    cls = model_class(cfg)
+    if cls not in CLASS_NAMES:
+        raise ModelLoadError(f"GGUF files load for Llama, Mistral, Qwen2, Qwen3, Mixtral, "
+                             f"Qwen2-MoE, Qwen3-MoE, Gemma 2, Gemma 3 and Phi-3; "
+                             f"{cfg.architecture} loads from safetensors")
     ckpt = GGUFCheckpoint(find_gguf(model_dir))
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_positions).to(dtype)  # no storage yet
-    names = _our_names(ckpt, cfg.num_layers)
+        model = cls(cfg, max_positions).to(dtype)  # no storage yet
+    names = our_names(ckpt, cfg.num_layers, {**LAYER_NAMES, **CLASS_NAMES[cls]})
     tied = cfg.tie_word_embeddings or "output.weight" not in ckpt.tensors  # llama.cpp ties then
     if tied:
         names.pop("output.weight", None)
@@ -66,46 +58,48 @@ def load_gguf_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype,
     if quantization == "auto":
         for i, layer in enumerate(model.layers):
             for proj in PROJECTIONS:
-                sources, biases = _sources(names, i, proj), _sources(names, i, proj, "bias")
-                kind = repack(ckpt, layer, proj, sources, biases, dtype, device)
+                weights, biases = sources(names, i, proj), sources(names, i, proj, "bias")
+                kind = repack(ckpt, layer, proj, weights, biases, dtype, device)
                 if kind is not None:
                     kept[kind] += 1
-                    repacked.update(sources + biases)
+                    repacked.update(weights + biases)
         kept.update(keep_vocabulary(ckpt, model, names, tied, dtype, device))
+    experts = {i: layer.mlp.experts for i, layer in enumerate(model.layers)
+               if isinstance(layer.mlp, SparseMoE)}
+    # Kept experts run on CPU only: CUDA's Triton grouped GEMMs read float experts.
+    # Those kept hold their blocks before _materialize gives the rest storage.
+    expanded_experts = _keep_experts(ckpt, experts, kept, device) \
+        if quantization == "auto" and device.type == "cpu" else list(experts)
     _materialize(model, device)
+    for i in expanded_experts:
+        expand_experts(ckpt, experts[i], i)
     if tied and hasattr(model.lm_head, "weight"):  # both float: one copy
         model.lm_head.weight = model.embed_tokens.weight
-    expanded = _fill_floats(model, ckpt, {g: n for g, n in names.items() if g not in repacked})
+    expert_tensors = {n for i in experts for n in expert_names(i).values()}
+    expanded = _fill_floats(model, ckpt, {g: n for g, n in names.items()
+                                          if g not in repacked and g not in expert_tensors},
+                            {f"layers.{i}.mlp.experts.{w}" for i in expanded_experts
+                             for w in ("w13", "w2")})
+    expanded.update(ckpt.type_name(n) for i in expanded_experts
+                    for n in expert_names(i).values() if ckpt.type_name(n) not in FLOAT_TYPES)
     log.info("%s: %s tensors kept quantized, %s; %.1f MiB of weights resident for %.1f MiB "
              "in the file", ckpt.path.name, dict(kept) or "no", _expanded_summary(expanded),
              resident_bytes(model) / 2**20, ckpt.tensor_bytes() / 2**20)
     return model.eval().requires_grad_(False)
 
 
-def _our_names(ckpt: GGUFCheckpoint, num_layers: int) -> dict[str, tuple[str, int | None]]:
-    """GGUF tensor name -> (our module or parameter name, shard)."""
-    names: dict[str, tuple[str, int | None]] = {}
-    for gguf_name in ckpt.tensors:
-        if gguf_name in GLOBAL_NAMES:
-            names[gguf_name] = (GLOBAL_NAMES[gguf_name], None)
-            continue
-        parts = gguf_name.split(".")  # blk.{i}.{name}.weight (or .bias)
-        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in LAYER_NAMES \
-                or parts[3] not in ("weight", "bias") or not parts[1].isdigit() \
-                or int(parts[1]) >= num_layers:
-            if "rope_freqs" in gguf_name:
-                continue  # recomputed from the config
-            raise ModelLoadError(f"{ckpt.path.name}: unexpected tensor {gguf_name!r}")
-        module, shard = LAYER_NAMES[parts[2]]
-        names[gguf_name] = (f"layers.{parts[1]}.{module}.{parts[3]}", shard)
-    return names
-
-
-def _sources(names: dict, layer: int, proj: str, kind: str = "weight") -> list[str]:
-    """The GGUF tensors of one projection's weight (or bias), in shard order."""
-    target = f"layers.{layer}.{proj}.{kind}"
-    found = sorted((shard or 0, g) for g, (ours, shard) in names.items() if ours == target)
-    return [g for _, g in found]
+def _keep_experts(ckpt: GGUFCheckpoint, experts: dict, kept: Counter,
+                  device: torch.device) -> list[int]:
+    """Each layer's experts kept in their blocks where its tensors' types allow
+    (counted in `kept`); returns the layers left to expand."""
+    expanded = []
+    for i, module in experts.items():
+        kind = keep_experts(ckpt, module, i, device)
+        if kind is None:
+            expanded.append(i)
+        else:
+            kept[f"experts {kind}"] += 1
+    return expanded
 
 
 def _materialize(model: nn.Module, device: torch.device) -> None:
@@ -119,12 +113,14 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
         rotary.materialize(device)
 
 
-def _fill_floats(model: LlamaForCausalLM, ckpt: GGUFCheckpoint, names: dict) -> Counter:
+def _fill_floats(model: DecoderModel, ckpt: GGUFCheckpoint, names: dict,
+                 filled_already: set[str] = frozenset()) -> Counter:
     """Copy the tensors `names` maps (those not repacked) into the model's float
-    parameters; returns the counts of quantized types expanded."""
+    parameters (`filled_already`: ones the caller filled); returns the counts of
+    quantized types expanded."""
     params = dict(model.named_parameters(remove_duplicate=False))
     expanded: Counter = Counter()
-    filled = set()
+    filled = set(filled_already)
     for gguf_name, (ours, shard) in names.items():
         kind = ckpt.type_name(gguf_name)
         if kind not in FLOAT_TYPES:
@@ -134,6 +130,12 @@ def _fill_floats(model: LlamaForCausalLM, ckpt: GGUFCheckpoint, names: dict) -> 
             module_name, _, attr = ours.rpartition(".")
             model.get_submodule(module_name).load_shard(attr, shard, tensor)
         else:
+            if tensor.dim() == 1 and params[ours].shape == (1, len(tensor)):
+                tensor = tensor[None]  # a one-row matrix written as a vector
+            # Gemma's norms scale by (1 + w): llama.cpp's converter writes 1 + w.
+            offset = getattr(model.get_submodule(ours.rpartition(".")[0]), "weight_offset", 0)
+            if offset:
+                tensor = tensor - offset
             if params[ours].shape != tensor.shape:
                 raise ModelLoadError(f"{gguf_name} has shape {tuple(tensor.shape)}, "
                                      f"expected {tuple(params[ours].shape)}")
@@ -149,7 +151,7 @@ def _fill_floats(model: LlamaForCausalLM, ckpt: GGUFCheckpoint, names: dict) -> 
     return expanded
 
 
-def _tied(model: LlamaForCausalLM, name: str) -> bool:
+def _tied(model: DecoderModel, name: str) -> bool:
     return name == "lm_head.weight" \
         and getattr(model.lm_head, "weight", None) is getattr(model.embed_tokens, "weight", None)
 

@@ -17,7 +17,15 @@ LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
          "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
          "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
          "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm",
-         "self_attn.k_norm": "attn_k_norm"}
+         "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
+         "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+         "mlp.shared_expert.up_proj": "ffn_up_shexp",
+         "mlp.shared_expert.down_proj": "ffn_down_shexp",
+         "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+         "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}  # (Phi-3's)
+# Each expert's projections, stacked over the experts as llama.cpp's converter does.
+EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+           "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}  # (Mixtral's)
 # Shapes every projection of which the CPU int4 layout can hold (rows in blocks of
 # 64, inputs in groups of 32): q 128 + k 64 + v 64 rows, gate/up 256 each.
 INT4_SHAPES = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
@@ -49,11 +57,50 @@ def synthetic_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) 
     return b.reshape(rows, -1)
 
 
-def gguf_name(hf_name: str) -> str:
+GEMMA_ARCHS = ("gemma2", "gemma3")
+# Gemma's four norms a layer (llama.cpp's ffn_norm is the one before the MLP there).
+GEMMA_LAYER = {"post_attention_layernorm": "post_attention_norm",
+               "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def gguf_name(hf_name: str, architecture: str = "llama") -> str:
     if hf_name in GLOBAL:
         return GLOBAL[hf_name]
     _, _, layer, *rest = hf_name.split(".")  # model.layers.{i}.{module}.weight (or .bias)
-    return f"blk.{layer}.{LAYER['.'.join(rest[:-1])]}.{rest[-1]}"
+    names = {**LAYER, **GEMMA_LAYER} if architecture in GEMMA_ARCHS else LAYER
+    return f"blk.{layer}.{names['.'.join(rest[:-1])]}.{rest[-1]}"
+
+
+def _write_phi3_metadata(writer, cfg, head_dim: int) -> None:
+    """Phi-3's keys and its longrope factors as tensors, as llama.cpp writes them."""
+    rope = cfg.rope_parameters
+    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    writer.add_rope_scaling_orig_ctx_len(rope.get("original_max_position_embeddings")
+                                         or cfg.original_max_position_embeddings)
+    writer.add_sliding_window(cfg.sliding_window or 0)
+    if rope.get("rope_type") == "longrope":
+        for kind in ("long", "short"):
+            writer.add_tensor(f"rope_factors_{kind}.weight",
+                              np.array(rope[f"{kind}_factor"], dtype=np.float32))
+
+
+def _write_gemma_metadata(writer, cfg) -> None:
+    """Gemma 2/3's keys, as llama.cpp's converter writes them."""
+    writer.add_sliding_window(cfg.sliding_window)
+    if getattr(cfg, "attn_logit_softcapping", None):
+        writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+    if getattr(cfg, "final_logit_softcapping", None):
+        writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    if cfg.model_type == "gemma3_text":
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
+        writer.add_rope_freq_base_swa(cfg.rope_parameters["sliding_attention"]["rope_theta"])
+        full = cfg.rope_parameters["full_attention"]
+        if full.get("rope_type") == "linear":
+            import gguf
+
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(full["factor"])
 
 
 def permute_rows(w: np.ndarray, heads: int) -> np.ndarray:
@@ -113,19 +160,35 @@ def write_gguf_dir(model_dir: Path, out_dir: Path, type_of, architecture: str = 
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    rope = cfg.rope_parameters
+    writer.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
+    if architecture in GEMMA_ARCHS:
+        _write_gemma_metadata(writer, cfg)
+    if architecture == "phi3":
+        _write_phi3_metadata(writer, cfg, head_dim)
     writer.add_vocab_size(cfg.vocab_size)
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    if experts:  # Mixtral's experts are as wide as its intermediate_size
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(getattr(cfg, "moe_intermediate_size", None)
+                                              or cfg.intermediate_size)
+        if getattr(cfg, "shared_expert_intermediate_size", None):
+            writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     _write_tokenizer(writer, model_dir)
     rng = np.random.default_rng(0)
-    for hf_name, w in load_file(str(model_dir / "model.safetensors")).items():
-        name = gguf_name(hf_name)
+    for name, w in _gguf_tensors(load_file(str(model_dir / "model.safetensors")), architecture):
+        if architecture in GEMMA_ARCHS and name.endswith("norm.weight"):
+            w = w + 1  # llama.cpp writes Gemma's (1 + w) norms' scales
         if architecture == "llama" and name.endswith("attn_q.weight"):  # as its converter
             w = permute_rows(w, cfg.num_attention_heads)
         elif architecture == "llama" and name.endswith("attn_k.weight"):
             w = permute_rows(w, cfg.num_key_value_heads)
         kind = gguf.GGMLQuantizationType.F32 if w.ndim == 1 else type_of(name)
         if kind.name in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ4_NL"):
-            data = synthetic_blocks(kind.name, *w.shape, rng)
+            rows = int(np.prod(w.shape[:-1]))
+            data = synthetic_blocks(kind.name, rows, w.shape[-1], rng).reshape(
+                *w.shape[:-1], -1)
         else:
             data = gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), kind)
         writer.add_tensor(name, data, raw_dtype=kind)
@@ -134,3 +197,20 @@ def write_gguf_dir(model_dir: Path, out_dir: Path, type_of, architecture: str = 
     writer.write_tensors_to_file()
     writer.close()
     return out_dir
+
+
+def _gguf_tensors(tensors: dict[str, np.ndarray], architecture: str):
+    """(GGUF name, array) for every tensor; each layer's experts stacked into one
+    [E, N, K] tensor per projection."""
+    import re
+
+    experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    for hf_name, w in tensors.items():
+        hf_name = hf_name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's
+        m = re.match(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight$", hf_name)
+        if m is None:
+            yield gguf_name(hf_name, architecture), w
+        else:
+            experts.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = w
+    for (layer, proj), by_id in sorted(experts.items()):
+        yield f"blk.{layer}.{EXPERTS[proj]}.weight", np.stack([by_id[e] for e in sorted(by_id)])

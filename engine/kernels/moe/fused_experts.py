@@ -36,12 +36,17 @@ def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
                   b13: Optional[torch.Tensor] = None, b2: Optional[torch.Tensor] = None,
                   activation: str = "silu", limit: float = 0.0, alpha: float = 0.0,
                   w13_scale: Optional[torch.Tensor] = None,
-                  w2_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  w2_scale: Optional[torch.Tensor] = None,
+                  w13_min: Optional[torch.Tensor] = None,
+                  w2_min: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [T, H]; topk_ids [T, K] (global expert ids) and topk_weights [T, K] (any
     float dtype: the product is taken in it, then cast to x's); w13 [E, 2I, H] (gate
     rows, then up rows), w2 [E, H, I]; b13 [E, 2I], b2 [E, H]: biases, if any;
     activation, limit, alpha: `gated`'s; w13_scale [E, 2I], w2_scale [E, H]: int8
-    experts' scales per output row (w = q * scale), None for float experts.
+    experts' scales per output row (w = q * scale), None for float experts; or
+    [E, N, G] float32, a scale per group of K / G inputs (a GGUF's blocks, read as
+    w = q * scale + min), with w13_min / w2_min [E, N, G] where the type has
+    minimums, and 4-bit codes two to a byte where w13 / w2 are uint8 (code_values).
     Returns sum_k weight_k * expert_k(x): [T, H]. On CUDA: the Triton grouped GEMMs
     (triton_experts.py), which a CUDA graph can capture; here the pairs' counts are
     read on the host."""
@@ -66,7 +71,7 @@ def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
         y = _grouped(gated(h, activation, limit, alpha), w2, b2, counts)
     else:  # (int8 experts: each read as int8 where few rows meet it, see _int8_linear)
         y = _per_expert(x, tokens, w13, w2, b13, b2, counts.tolist(), activation, limit,
-                        alpha, w13_scale, w2_scale)
+                        alpha, (w13_scale, w13_min), (w2_scale, w2_min))
     y = y * topk_weights.reshape(-1)[pairs, None]
     return torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))
 
@@ -91,22 +96,48 @@ def _grouped(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
 INT8PACK_MAX_ROWS = 8
 
 
-def _int8_linear(rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """rows [M, K] times one int8 expert's q [N, K] (w = q * scale per row)."""
+def _int8_linear(rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                 low: torch.Tensor | None = None) -> torch.Tensor:
+    """rows [M, K] times one int8 expert's q [N, K]: w = q * scale per row, or per
+    group (scale, low [N, G]: expanded for the call, as GroupInt8Linear does)."""
+    if scale.dim() == 2:
+        return F.linear(rows, group_weights(q, scale, low, rows.dtype))
     if rows.dtype in (torch.bfloat16, torch.float16) and rows.shape[0] <= INT8PACK_MAX_ROWS:
         return torch.ops.aten._weight_int8pack_mm(rows, q, scale.to(rows.dtype))
     return F.linear(rows, q.to(rows.dtype)) * scale.to(rows.dtype)
 
 
+def code_values(q: torch.Tensor) -> torch.Tensor:
+    """Group-quantized experts' codes as float32 [.., K]: int8 values as they are, or
+    uint8 bytes each holding two 4-bit codes (input 2j in the low nibble, 2j + 1 in
+    the high), [.., K / 2]."""
+    if q.dtype == torch.uint8:
+        q = torch.stack((q & 15, q >> 4), dim=-1).flatten(-2)
+    return q.float()
+
+
+def group_weights(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """q [N, K] int8 (or [N, K / 2] nibble pairs, code_values) with a float32 scale
+    (and minimum) [N, G] per group of K / G inputs -> w [N, K] in `dtype`, computed
+    in float32 (GGUF's own arithmetic)."""
+    w = code_values(q).unflatten(-1, (scale.shape[-1], -1)) * scale[..., None]
+    if low is not None:
+        w = w + low[..., None]
+    return w.flatten(-2).to(dtype)
+
+
 def _per_expert(x, tokens, w13, w2, b13, b2, counts: list[int], activation, limit, alpha,
-                w13_scale=None, w2_scale=None):
+                w13_quant=(None, None), w2_quant=(None, None)):
     """The same, one GEMM pair per active expert (torch without _grouped_mm, and
     int8 experts: no grouped GEMM reads int8, and widening every active expert for
-    one cost 3.5x bf16's bytes)."""
-    def linear(rows, w, b, scale, expert):
+    one cost 3.5x bf16's bytes). *_quant: (scale, min) of int8 experts."""
+    def linear(rows, w, b, quant, expert):
+        scale, low = quant
         if scale is None:
             return F.linear(rows, w[expert], None if b is None else b[expert])
-        y = _int8_linear(rows, w[expert], scale[expert])
+        y = _int8_linear(rows, w[expert], scale[expert],
+                         None if low is None else low[expert])
         return y if b is None else y + b[expert]
 
     out, start = [], 0
@@ -115,15 +146,15 @@ def _per_expert(x, tokens, w13, w2, b13, b2, counts: list[int], activation, limi
             continue
         rows = tokens[start:start + n]
         start += n
-        h = gated(linear(x[rows], w13, b13, w13_scale, expert), activation, limit, alpha)
-        out.append(linear(h, w2, b2, w2_scale, expert))
+        h = gated(linear(x[rows], w13, b13, w13_quant, expert), activation, limit, alpha)
+        out.append(linear(h, w2, b2, w2_quant, expert))
     return torch.cat(out) if out else x.new_zeros(0, w2.shape[1])
 
 
 @fused_experts.register_fake
 def _fused_experts_shape(x, topk_ids, topk_weights, w13, w2, first_expert, b13=None,
                          b2=None, activation="silu", limit=0.0, alpha=0.0, w13_scale=None,
-                         w2_scale=None):
+                         w2_scale=None, w13_min=None, w2_min=None):
     return torch.empty_like(x)
 
 
@@ -132,26 +163,43 @@ def one_token_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
                       b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
                       activation: str = "silu", limit: float = 0.0, alpha: float = 0.0,
                       w13_scale: torch.Tensor | None = None,
-                      w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+                      w2_scale: torch.Tensor | None = None,
+                      w13_min: torch.Tensor | None = None,
+                      w2_min: torch.Tensor | None = None) -> torch.Tensor:
     """fused_experts for one token (x [1, H]) as plain ops, for a compiled batch-1
     decode graph: each chosen expert's rows indexed where they lie and reduced
     against the token (Inductor fuses the indexing into its loops, as for the paged
     decode attention), in float32. 0.66 ms against the op's 2.29 for 8 of 64 experts
     of 1024 x 384 in bf16 on a 2-core Zen 4 (29 against 8 GB/s of weights). int8
-    experts are read as int8 there, their scales applied to the row sums."""
+    experts are read as int8 there, their scales applied to the row sums (or to
+    each group's sum, with the minimums times the group's inputs)."""
     local = topk_ids[0] - first_expert  # [K]
     held = (local >= 0) & (local < w13.shape[0])  # other ranks' experts weigh 0
     local = local.clamp(0, w13.shape[0] - 1)
-    h = (x[0].float() * w13[local].float()).sum(-1)  # [K, 2I]
-    if w13_scale is not None:
-        h = h * w13_scale[local].float()
+
+    def picked(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[local].float()
+
+    h = _rows_dot(x[0].float(), w13[local], picked(w13_scale), picked(w13_min))  # [K, 2I]
     if b13 is not None:
         h = h + b13[local].float()
     a = gated(h, activation, limit, alpha)  # [K, I]
-    y = (a.unsqueeze(1) * w2[local].float()).sum(-1)  # [K, H]
-    if w2_scale is not None:
-        y = y * w2_scale[local].float()
+    y = _rows_dot(a.unsqueeze(1), w2[local], picked(w2_scale), picked(w2_min))  # [K, H]
     if b2 is not None:
         y = y + b2[local].float()
     weights = topk_weights[0].float() * held
     return (y * weights[:, None]).sum(0, keepdim=True).to(x.dtype)
+
+
+def _rows_dot(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
+              low: torch.Tensor | None) -> torch.Tensor:
+    """x [.., K] (float32) against each row of w [k, N, K]: [k, N], in float32. int8
+    rows: scale [k, N] per row, or [k, N, G] per group of K / G inputs (with low,
+    the group's minimum, times the group's input sum)."""
+    if scale is None or scale.dim() == 2:
+        y = (x * w.float()).sum(-1)
+        return y if scale is None else y * scale
+    groups = x.unflatten(-1, (scale.shape[-1], -1))  # [.., G, K / G]
+    y = ((groups * code_values(w).unflatten(-1, (scale.shape[-1], -1))).sum(-1)
+         * scale).sum(-1)
+    return y if low is None else y + (low * groups.sum(-1)).sum(-1)

@@ -1,0 +1,211 @@
+"""GGUF files of the families past Llama/Qwen2/Qwen3, laid out as llama.cpp's
+converter writes them: mixtures of experts (qwen2moe, qwen3moe, Mixtral's `llama`
+with experts: each layer's experts stacked into [E, N, K] tensors, the router,
+Qwen2-MoE's shared expert and its gate) and Gemma 2 / 3 (four norms a layer written
+as 1 + w, windows, soft-caps, Gemma 3's pattern of sliding layers and two rope
+bases in the metadata) and Phi-3 (q/k/v and gate/up fused, longrope factors as
+tensors). In F32 a file alone (config from its metadata) computes what
+transformers computes on the checkpoint it came from; with a K-quant mix the
+projections and experts stay in their blocks (experts: int8 values or 4-bit codes,
+group scales and minimums) value for value, and the engine generates what their
+expansion does, eagerly and compiled."""
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+
+from kvserve.engine.config.engine_config import EngineConfig
+from kvserve.engine.config.model_config import ModelConfig
+from kvserve.engine.core.engine import Engine
+from kvserve.engine.kernels.moe.fused_experts import group_weights
+from kvserve.engine.models.moe import FusedExperts
+from kvserve.engine.weights.loader import load_model
+from kvserve.engine.weights.quantization import resident_bytes
+from kvserve.scheduler.sampling_params import SamplingParams
+from tests.support.tiny_gguf import K_QUANT_SHAPES, write_gguf_dir
+from tests.support.tiny_models import make_tiny_model
+
+T = gguf.GGMLQuantizationType
+CPU = torch.device("cpu")
+# Every projection's inputs fill the K-quants' blocks of 256; every MoE layer sparse
+# (a GGUF has no key for dense layers among sparse ones); windows shorter than the
+# prompts.
+SHAPES = {"qwen3moe": dict(K_QUANT_SHAPES, head_dim=64, moe_intermediate_size=256,
+                           num_experts=6, decoder_sparse_step=1, num_hidden_layers=2),
+          "qwen2moe": dict(K_QUANT_SHAPES, moe_intermediate_size=256, num_experts=6,
+                           shared_expert_intermediate_size=256, mlp_only_layers=[],
+                           num_hidden_layers=2),
+          "mixtral": dict(K_QUANT_SHAPES, intermediate_size=256, num_local_experts=6,
+                          num_hidden_layers=2),
+          "gemma2": dict(K_QUANT_SHAPES, head_dim=64, query_pre_attn_scalar=64,
+                         sliding_window=12),
+          "gemma3": dict(K_QUANT_SHAPES, head_dim=64, query_pre_attn_scalar=64,
+                         sliding_window=12),
+          "phi3": dict(K_QUANT_SHAPES, sliding_window=12, rope_scaling={
+              "rope_type": "longrope", "short_factor": [1.0 + i / 64 for i in range(32)],
+              "long_factor": [2.0 + i / 16 for i in range(32)]})}
+MOE = ("qwen3moe", "qwen2moe", "mixtral")
+# llama.cpp's architecture names (Mixtral is a `llama` file with experts).
+GGUF_ARCH = {"qwen3moe": "qwen3moe", "qwen2moe": "qwen2moe", "mixtral": "llama",
+             "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3"}
+ARCHITECTURES = {"qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
+                 "mixtral": "MixtralForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                 "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+PROMPTS = [[5, 17, 42, 99, 7, 3, 250, 11] * 4, [5, 17, 42, 99, 7, 3, 250, 11] * 3 + [9]]
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+def q4_k_m(name: str):
+    """llama-quantize's Q4_K_M, roughly: 4-bit projections and experts, 6-bit down
+    projections, values and head, the router in F32."""
+    if "ffn_gate_inp" in name:
+        return T.F32
+    if "ffn_down" in name or "attn_v" in name or name == "output.weight":
+        return T.Q6_K
+    return T.Q4_K
+
+
+_made: dict = {}
+
+
+def _family(arch: str, tmp_path_factory):
+    """(architecture, float checkpoint, its GGUF in F32, its GGUF as Q4_K_M)."""
+    if arch not in _made:
+        root = tmp_path_factory.mktemp(arch)
+        float_dir = make_tiny_model(root / "hf", arch, **SHAPES[arch])
+        _made[arch] = (arch, float_dir,
+                       write_gguf_dir(float_dir, root / "f32", lambda n: T.F32, GGUF_ARCH[arch]),
+                       write_gguf_dir(float_dir, root / "q4km", q4_k_m, GGUF_ARCH[arch]))
+    return _made[arch]
+
+
+@pytest.fixture(scope="module", params=sorted(SHAPES))
+def family(request, tmp_path_factory):
+    return _family(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=MOE)
+def moe(request, tmp_path_factory):
+    return _family(request.param, tmp_path_factory)
+
+
+def _load(model_dir, quantization):
+    cfg = ModelConfig.from_pretrained(model_dir)
+    return load_model(model_dir, cfg, torch.float32, CPU, 256, "gguf", 0, quantization)
+
+
+def test_a_gguf_alone_computes_what_transformers_does(family):
+    """Chunked prefill over prompts longer than the windows, a prefix hit."""
+    from tests.support.reference import load_reference, reference_greedy
+
+    arch, float_dir, exact, _ = family
+    engine = Engine(EngineConfig(model=str(exact / "model.gguf"), dtype="float32",
+                                 num_kv_blocks=64, max_num_batched_tokens=16))
+    cfg = engine.model_config
+    assert cfg.architecture == ARCHITECTURES[arch]
+    if arch in MOE:
+        assert cfg.moe.num_experts == 6
+        assert cfg.moe.norm_topk_prob == (arch != "qwen2moe")  # llama.cpp's norm_w
+    ref = load_reference(float_dir)
+    assert engine.generate(PROMPTS, GREEDY) == [reference_greedy(ref, p, 10) for p in PROMPTS]
+
+
+def test_a_gguf_beside_its_config_is_the_same_model(family):
+    """A directory holding config.json, the tokenizer and the file: the config
+    read from the metadata is the checkpoint's own, for what the model computes."""
+    from dataclasses import replace
+
+    _, _, exact, _ = family
+    from_file = ModelConfig.from_pretrained(exact / "model.gguf")
+    from_dir = ModelConfig.from_pretrained(exact)
+    # (a GGUF does not say which dtype its float tensors came from)
+    assert replace(from_file, torch_dtype=None) == replace(from_dir, torch_dtype=None)
+
+
+def test_k_quant_experts_stay_in_their_blocks_value_for_value(moe, caplog):
+    caplog.set_level("INFO", logger="kvserve.loader")
+    _, _, _, mixed = moe
+    kept, expanded = _load(mixed, "auto"), _load(mixed, "none")
+    floats = dict(expanded.named_modules())
+    experts = [(a, floats[n]) for n, a in kept.named_modules() if isinstance(a, FusedExperts)]
+    assert len(experts) == 2
+    for a, b in experts:
+        # Q4_K's codes two to a byte, Q6_K's a byte each
+        assert (a.w13.dtype, a.w2.dtype) == (torch.uint8, torch.int8)
+        assert a.w13.shape[-1] * 2 == b.w13.shape[-1] and a.w2.shape == b.w2.shape
+        # Q4_K's 32-input groups (gate, up), Q6_K's 16 (down); 4-bit codes have minimums
+        assert a.w13_scale.shape[-1] == 256 // 32 and a.w2_scale.shape[-1] == 256 // 16
+        assert a.w13_min is not None and a.w2_min is None
+        for name in ("w13", "w2"):
+            q, scale, low = (getattr(a, f"{name}{s}") for s in ("", "_scale", "_min"))
+            assert torch.equal(group_weights(q, scale, low, torch.float32),
+                               getattr(b, name)), name
+    assert "experts Q4_K+Q6_K" in caplog.text
+    # Half a byte or a byte a weight and a float32 scale (and minimum) per group,
+    # against 4 bytes.
+    assert resident_bytes(kept) < 0.35 * resident_bytes(expanded)
+
+
+def test_kept_blocks_generate_as_their_expansion(family):
+    """Chunked prefill, a prefix hit (the second prompt shares the first's start),
+    eager and compiled: the same greedy tokens as the expansion."""
+    _, _, _, mixed = family
+    runs = {}
+    for name, q, compile_mode in (("kept", "auto", "off"), ("compiled", "auto", "wait"),
+                                  ("expanded", "none", "off")):
+        engine = Engine(EngineConfig(model=str(mixed), load_format="gguf", quantization=q,
+                                     dtype="float32", num_kv_blocks=64, compile=compile_mode,
+                                     max_num_batched_tokens=16))
+        runs[name] = engine.generate(PROMPTS[:1], GREEDY) + engine.generate(PROMPTS[1:], GREEDY)
+    assert runs["kept"] == runs["expanded"] == runs["compiled"]
+
+
+def test_a_windowed_mistral_gguf_takes_its_window_from_the_config_beside_it(tmp_path):
+    """llama.cpp writes Mistral as a `llama` file with no window: beside its
+    config.json the window holds, and greedy equals transformers over prompts
+    longer than it (with its blocks dropped as the window passes them)."""
+    from tests.support.reference import load_reference, reference_greedy
+
+    float_dir = make_tiny_model(tmp_path / "hf", "mistralwin", **K_QUANT_SHAPES)
+    gguf_dir = write_gguf_dir(float_dir, tmp_path / "f32", lambda n: T.F32, "llama")
+    engine = Engine(EngineConfig(model=str(gguf_dir), load_format="gguf", dtype="float32",
+                                 num_kv_blocks=64, max_num_batched_tokens=16))
+    assert engine.model_config.sliding_window == 24
+    ref = load_reference(float_dir)
+    assert engine.generate(PROMPTS, GREEDY) == [reference_greedy(ref, p, 10) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("packed", [False, True], ids=["bytes", "nibbles"])
+def test_group_quantized_experts_equal_their_float_expansion(tokens, packed):
+    """The op (and, for one token, the compiled graph's plain-ops form) on group
+    scales and minimums, codes a byte each or two to a byte: what float experts
+    holding the expanded weights compute."""
+    from kvserve.engine.kernels.moe.fused_experts import fused_experts, one_token_experts
+
+    g = torch.Generator().manual_seed(0)
+    E, H, I, G = 4, 64, 32, 4  # noqa: N806
+    x = torch.randn(tokens, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(tokens)])
+    weights = torch.rand(tokens, 2, generator=g)
+
+    def codes(n, k):
+        q = torch.randint(0, 16, (E, n, k), generator=g, dtype=torch.uint8)
+        return (q[..., 0::2] | (q[..., 1::2] << 4)) if packed else q.to(torch.int8)
+
+    def groups(n, groups_of):
+        return torch.rand(E, n, groups_of, generator=g) * 0.05
+
+    w13, w2 = codes(2 * I, H), codes(H, I)
+    s13, m13, s2, m2 = groups(2 * I, G), -groups(2 * I, G), groups(H, G // 2), None
+    floats = (group_weights(w13, s13, m13, torch.float32), group_weights(w2, s2, m2,
+                                                                         torch.float32))
+    want = fused_experts(x, ids, weights, *floats, 0)
+    got = fused_experts(x, ids, weights, w13, w2, 0, w13_scale=s13, w2_scale=s2,
+                        w13_min=m13, w2_min=m2)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if tokens == 1:
+        plain = one_token_experts(x, ids, weights, w13, w2, 0, w13_scale=s13, w2_scale=s2,
+                                  w13_min=m13, w2_min=m2)
+        torch.testing.assert_close(plain, want, rtol=1e-4, atol=1e-5)
