@@ -1,5 +1,5 @@
 """Real llama.cpp K-quant files through kvserve (issue 52): a random-weight Llama (or
-Qwen3-MoE, Qwen2-MoE, Gemma 3: --arch) of widths that fill the K-quants' 256-input blocks, with the default model's tokenizer,
+Qwen3-MoE, Qwen2-MoE, Gemma 3, gpt-oss: --arch) of widths that fill the K-quants' 256-input blocks, with the default model's tokenizer,
 converted by llama.cpp's own convert_hf_to_gguf.py and quantized by its
 llama-quantize into each type; each file loaded by kvserve as it is (--model
 FILE.gguf) with its blocks kept (--quantization auto) and expanded (none):
@@ -43,7 +43,9 @@ ARCHS = {"llama": ("LlamaConfig", {}),
          # six layers: llama.cpp takes Gemma 3's five sliding layers to a full one as given
          "gemma3": ("Gemma3TextConfig", dict(head_dim=64, query_pre_attn_scalar=64,
                                              sliding_window=16, num_hidden_layers=6,
-                                             tie_word_embeddings=True))}
+                                             tie_word_embeddings=True)),
+         "gpt-oss": ("GptOssConfig", dict(head_dim=64, num_local_experts=8, num_experts_per_tok=2,
+                                          intermediate_size=256, sliding_window=16))}
 
 
 def make_checkpoint(out: Path, arch: str = "llama") -> None:

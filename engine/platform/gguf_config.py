@@ -19,7 +19,8 @@ CONFIGS = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
            "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
            "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
            "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
-           "phi3": ("Phi3Config", "Phi3ForCausalLM")}
+           "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+           "gpt-oss": ("GptOssConfig", "GptOssForCausalLM")}
 # llama.cpp writes Mixtral as a `llama` file with experts (llama.expert_count).
 MIXTRAL = ("MixtralConfig", "MixtralForCausalLM")
 # llama.cpp renormalises the top-k routing weights for these (its build_moe_ffn's
@@ -60,6 +61,8 @@ def hf_config(ckpt: GGUFCheckpoint):
         fields.update(_gemma_fields(ckpt, fields))
     if ckpt.architecture == "phi3":
         fields.update(_phi3_fields(ckpt, fields))
+    if ckpt.architecture == "gpt-oss":
+        fields.update(_gpt_oss_fields(ckpt, fields))
     return getattr(transformers, config_class)(**fields)
 
 
@@ -76,6 +79,10 @@ def _feed_forward_fields(ckpt: GGUFCheckpoint) -> dict:
             ckpt.key("expert_feed_forward_length"), dense)), sliding_window=None,
             num_local_experts=int(ckpt.field(ckpt.key("expert_count"))),
             num_experts_per_tok=int(ckpt.field(ckpt.key("expert_used_count"))))
+    if ckpt.architecture == "gpt-oss":  # (no dense MLP: its experts' width)
+        return dict(intermediate_size=int(ckpt.field(ckpt.key("expert_feed_forward_length"))),
+                    num_local_experts=int(ckpt.field(ckpt.key("expert_count"))),
+                    num_experts_per_tok=int(ckpt.field(ckpt.key("expert_used_count"))))
     if ckpt.architecture not in NORM_TOPK:
         return {"intermediate_size": int(ckpt.field(ckpt.key("feed_forward_length")))}
     fields = {} if dense is None else {"intermediate_size": int(dense)}
@@ -138,6 +145,23 @@ def _phi3_fields(ckpt: GGUFCheckpoint, fields: dict) -> dict:
         out["rope_parameters"] = {"rope_type": "longrope", "rope_theta": fields.pop("rope_theta"),
                                   "original_max_position_embeddings": int(original),
                                   "partial_rotary_factor": rotated / head_dim, **factors}
+    return out
+
+
+def _gpt_oss_fields(ckpt: GGUFCheckpoint, fields: dict) -> dict:
+    """gpt-oss: sliding and full layers alternating (the config's default), its
+    window, and YaRN as its config states it (llama.cpp writes the factor, the
+    original context and the betas; the corrections are not truncated)."""
+    out = dict(sliding_window=int(ckpt.field(ckpt.key("attention.sliding_window"))))
+    if ckpt.optional(ckpt.key("rope.scaling.type"), None) == "yarn":
+        out["rope_parameters"] = {
+            "rope_type": "yarn", "rope_theta": fields.pop("rope_theta"),
+            "factor": decimal(ckpt.field(ckpt.key("rope.scaling.factor"))),
+            "original_max_position_embeddings": int(ckpt.field(
+                ckpt.key("rope.scaling.original_context_length"))),
+            "beta_fast": decimal(ckpt.optional(ckpt.key("rope.scaling.yarn_beta_fast"), 32.0)),
+            "beta_slow": decimal(ckpt.optional(ckpt.key("rope.scaling.yarn_beta_slow"), 1.0)),
+            "truncate": False}
     return out
 
 

@@ -7,7 +7,7 @@ one, per group of inputs, the K-quants' two float16 factors multiplied (exact in
 float32), and 4-bit grids' codes two to a byte. The fused-experts op expands only the
 experts a step uses. Any other type is expanded to the model's dtype (logged by the
 caller). The experts' resident bytes against the file's, llama.cpp's own files of a
-random Qwen3-MoE: bench/results/gguf_kquants_qwen3moe_2026-11-28.md."""
+random Qwen3-MoE and gpt-oss: bench/results/gguf_families_2026-11-28.md."""
 from __future__ import annotations
 
 import numpy as np
@@ -25,8 +25,24 @@ EXPERT_TENSORS = {"ffn_gate_exps": ("w13", 0), "ffn_up_exps": ("w13", 1),
                   "ffn_down_exps": ("w2", 0)}
 
 
-def expert_names(layer: int) -> dict[str, str]:
-    return {part: f"blk.{layer}.{part}.weight" for part in EXPERT_TENSORS}
+def expert_names(layer: int, kind: str = "weight") -> dict[str, str]:
+    return {part: f"blk.{layer}.{part}.{kind}" for part in EXPERT_TENSORS}
+
+
+def fill_expert_biases(ckpt: GGUFCheckpoint, experts: FusedExperts, layer: int) -> None:
+    """gpt-oss's experts' biases ([E, I] gate and up, [E, H] down) into b13 / b2,
+    which must have storage."""
+    if experts.b13 is None:
+        return
+    half = experts.intermediate
+    for part, (attr, which) in EXPERT_TENSORS.items():
+        name = f"blk.{layer}.{part}.bias"
+        if name not in ckpt.tensors:
+            raise ModelLoadError(f"{ckpt.path.name} lacks the experts' {name}")
+        target = getattr(experts, "b13" if attr == "w13" else "b2").data
+        if attr == "w13":
+            target = target[:, which * half:(which + 1) * half]
+        target.copy_(ckpt.float_tensor(name).view(target.shape))
 
 
 def _names(ckpt: GGUFCheckpoint, layer: int) -> dict[str, str]:

@@ -1,6 +1,6 @@
 """Build our model from a GGUF file (--load-format gguf) of a llama (Mixtral's too:
-llama with experts), qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3 or phi3
-architecture. Its quantized projections
+llama with experts), qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3, phi3 or
+gpt-oss architecture. Its quantized projections
 (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, the K-quants Q2_K..Q6_K, IQ4_NL/IQ4_XS, in any mix, as
 Q4_K_M and Q5_K_M files have them) become int4 or group-int8 layers holding the
 file's own integers and scales (no float copy of them is ever made); every other
@@ -23,7 +23,8 @@ from kvserve.engine.models.decoder import DecoderModel
 from kvserve.engine.models.moe import SparseMoE
 from kvserve.engine.models.registry import model_class
 from kvserve.engine.models.quantized.layer import QuantizedLinear
-from kvserve.engine.weights.gguf_experts import expand_experts, expert_names, keep_experts
+from kvserve.engine.weights.gguf_experts import (expand_experts, expert_names,
+                                                 fill_expert_biases, keep_experts)
 from kvserve.engine.weights.gguf_names import CLASS_NAMES, LAYER_NAMES, PROJECTIONS, our_names
 from kvserve.engine.weights.gguf_names import sources
 from kvserve.engine.weights.gguf_layers import keep_vocabulary, repack
@@ -39,12 +40,10 @@ def load_gguf_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype,
         raise ModelLoadError(f"--quantization {quantization} quantizes float weights at "
                              "load; a GGUF's weights are quantized already: use --quantization "
                              "auto to serve its blocks as they are, or none to expand them")
-    if cfg.o_bias or cfg.mlp_bias:
-        raise ModelLoadError("GGUF loading supports biases on q/k/v only (Qwen2's)")
     cls = model_class(cfg)
     if cls not in CLASS_NAMES:
         raise ModelLoadError(f"GGUF files load for Llama, Mistral, Qwen2, Qwen3, Mixtral, "
-                             f"Qwen2-MoE, Qwen3-MoE, Gemma 2, Gemma 3 and Phi-3; "
+                             f"Qwen2-MoE, Qwen3-MoE, Gemma 2, Gemma 3, Phi-3 and gpt-oss; "
                              f"{cfg.architecture} loads from safetensors")
     ckpt = GGUFCheckpoint(find_gguf(model_dir))
     with torch.device("meta"):
@@ -73,13 +72,17 @@ def load_gguf_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype,
     _materialize(model, device)
     for i in expanded_experts:
         expand_experts(ckpt, experts[i], i)
+    for i, module in experts.items():
+        fill_expert_biases(ckpt, module, i)
     if tied and hasattr(model.lm_head, "weight"):  # both float: one copy
         model.lm_head.weight = model.embed_tokens.weight
-    expert_tensors = {n for i in experts for n in expert_names(i).values()}
+    expert_tensors = {n for i in experts for kind in ("weight", "bias")
+                      for n in expert_names(i, kind).values()}
     expanded = _fill_floats(model, ckpt, {g: n for g, n in names.items()
                                           if g not in repacked and g not in expert_tensors},
                             {f"layers.{i}.mlp.experts.{w}" for i in expanded_experts
-                             for w in ("w13", "w2")})
+                             for w in ("w13", "w2")} |
+                            {f"layers.{i}.mlp.experts.{b}" for i in experts for b in ("b13", "b2")})
     expanded.update(ckpt.type_name(n) for i in expanded_experts
                     for n in expert_names(i).values() if ckpt.type_name(n) not in FLOAT_TYPES)
     log.info("%s: %s tensors kept quantized, %s; %.1f MiB of weights resident for %.1f MiB "
@@ -104,11 +107,16 @@ def _keep_experts(ckpt: GGUFCheckpoint, experts: dict, kept: Counter,
 
 def _materialize(model: nn.Module, device: torch.device) -> None:
     """Storage on `device` for every tensor still on the meta device (the float
-    ones); the quantized layers hold theirs already."""
+    ones), each alone: a module may hold kept blocks beside float tensors (gpt-oss's
+    experts: their biases), which to_empty would replace too."""
     for module in model.modules():
-        tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-        if any(t.is_meta for t in tensors):
-            module.to_empty(device=device, recurse=False)
+        for name, param in module.named_parameters(recurse=False):
+            if param.is_meta:
+                setattr(module, name, nn.Parameter(torch.empty_like(param, device=device),
+                                                   requires_grad=param.requires_grad))
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer.is_meta:
+                setattr(module, name, torch.empty_like(buffer, device=device))
     for rotary in model.rotaries():
         rotary.materialize(device)
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from kvserve.engine.models.gemma import GemmaForCausalLM
+from kvserve.engine.models.gpt_oss import GptOssForCausalLM
 from kvserve.engine.models.llama import LlamaForCausalLM
 from kvserve.engine.models.mixtral import MixtralForCausalLM
 from kvserve.engine.models.phi3 import Phi3ForCausalLM
@@ -37,9 +38,14 @@ GEMMA_NAMES = {"post_attention_norm": ("post_attention_layernorm", None),
 PHI3_NAMES = {"attn_qkv": ("self_attn.qkv_proj", None), "ffn_up": ("mlp.gate_up_proj", None)}
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj",
                "mlp.shared_expert.gate_up_proj", "mlp.shared_expert.down_proj")
+# gpt-oss: the MLP's norm is llama.cpp's post_attention_norm, as Hugging Face names it.
+GPT_OSS_NAMES = {"post_attention_norm": ("post_attention_layernorm", None)}
+# GGUF names (under blk.i, with .weight) of parameters that are no module's weight.
+PARAMETERS = {"attn_sinks": "self_attn.sinks"}
 # The model classes whose every tensor has a GGUF name here, and their own names.
 CLASS_NAMES = {LlamaForCausalLM: {}, MixtralForCausalLM: {}, QwenMoeForCausalLM: {},
-               GemmaForCausalLM: GEMMA_NAMES, Phi3ForCausalLM: PHI3_NAMES}
+               GemmaForCausalLM: GEMMA_NAMES, Phi3ForCausalLM: PHI3_NAMES,
+               GptOssForCausalLM: GPT_OSS_NAMES}
 
 
 
@@ -53,6 +59,9 @@ def our_names(ckpt: GGUFCheckpoint, num_layers: int,
             names[gguf_name] = (GLOBAL_NAMES[gguf_name], None)
             continue
         parts = gguf_name.split(".")  # blk.{i}.{name}.weight (or .bias)
+        if len(parts) == 4 and parts[2] in PARAMETERS and parts[3] == "weight":
+            names[gguf_name] = (f"layers.{parts[1]}.{PARAMETERS[parts[2]]}", None)
+            continue
         if len(parts) != 4 or parts[0] != "blk" or parts[2] not in layer_names \
                 or parts[3] not in ("weight", "bias") or not parts[1].isdigit() \
                 or int(parts[1]) >= num_layers:

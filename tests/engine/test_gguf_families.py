@@ -42,16 +42,19 @@ SHAPES = {"qwen3moe": dict(K_QUANT_SHAPES, head_dim=64, moe_intermediate_size=25
                          sliding_window=12),
           "gemma3": dict(K_QUANT_SHAPES, head_dim=64, query_pre_attn_scalar=64,
                          sliding_window=12),
+          "gptoss": dict(K_QUANT_SHAPES, head_dim=64, intermediate_size=256,
+                         sliding_window=12),
           "phi3": dict(K_QUANT_SHAPES, sliding_window=12, rope_scaling={
               "rope_type": "longrope", "short_factor": [1.0 + i / 64 for i in range(32)],
               "long_factor": [2.0 + i / 16 for i in range(32)]})}
-MOE = ("qwen3moe", "qwen2moe", "mixtral")
+MOE = ("qwen3moe", "qwen2moe", "mixtral", "gptoss")
 # llama.cpp's architecture names (Mixtral is a `llama` file with experts).
 GGUF_ARCH = {"qwen3moe": "qwen3moe", "qwen2moe": "qwen2moe", "mixtral": "llama",
-             "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3"}
+             "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "gptoss": "gpt-oss"}
 ARCHITECTURES = {"qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
                  "mixtral": "MixtralForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                 "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                 "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                 "gptoss": "GptOssForCausalLM"}
 PROMPTS = [[5, 17, 42, 99, 7, 3, 250, 11] * 4, [5, 17, 42, 99, 7, 3, 250, 11] * 3 + [9]]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
@@ -66,6 +69,12 @@ def q4_k_m(name: str):
     return T.Q4_K
 
 
+def gpt_oss_mix(name: str):
+    """gpt-oss's experts in MXFP4, as its checkpoints and GGUF files hold them."""
+    return T.MXFP4 if "_exps" in name else q4_k_m(name)
+
+
+MIXES = {"gptoss": gpt_oss_mix}
 _made: dict = {}
 
 
@@ -76,7 +85,8 @@ def _family(arch: str, tmp_path_factory):
         float_dir = make_tiny_model(root / "hf", arch, **SHAPES[arch])
         _made[arch] = (arch, float_dir,
                        write_gguf_dir(float_dir, root / "f32", lambda n: T.F32, GGUF_ARCH[arch]),
-                       write_gguf_dir(float_dir, root / "q4km", q4_k_m, GGUF_ARCH[arch]))
+                       write_gguf_dir(float_dir, root / "q4km", MIXES.get(arch, q4_k_m),
+                                      GGUF_ARCH[arch]))
     return _made[arch]
 
 
@@ -124,41 +134,56 @@ def test_a_gguf_beside_its_config_is_the_same_model(family):
 
 
 def test_k_quant_experts_stay_in_their_blocks_value_for_value(moe, caplog):
+    """Q4_K gate/up experts: codes two to a byte, a scale and minimum per 32 inputs;
+    Q6_K down experts: a byte each, a scale per 16; gpt-oss's MXFP4: codebook values
+    a byte each, a power of two per 32 (and its experts' biases as they were)."""
     caplog.set_level("INFO", logger="kvserve.loader")
-    _, _, _, mixed = moe
+    arch, _, _, mixed = moe
     kept, expanded = _load(mixed, "auto"), _load(mixed, "none")
     floats = dict(expanded.named_modules())
     experts = [(a, floats[n]) for n, a in kept.named_modules() if isinstance(a, FusedExperts)]
-    assert len(experts) == 2
+    assert len(experts) == kept.config.num_layers
+    mxfp4 = arch == "gptoss"
     for a, b in experts:
-        # Q4_K's codes two to a byte, Q6_K's a byte each
-        assert (a.w13.dtype, a.w2.dtype) == (torch.uint8, torch.int8)
-        assert a.w13.shape[-1] * 2 == b.w13.shape[-1] and a.w2.shape == b.w2.shape
-        # Q4_K's 32-input groups (gate, up), Q6_K's 16 (down); 4-bit codes have minimums
-        assert a.w13_scale.shape[-1] == 256 // 32 and a.w2_scale.shape[-1] == 256 // 16
-        assert a.w13_min is not None and a.w2_min is None
+        assert (a.w13.dtype, a.w2.dtype) == ((torch.int8, torch.int8) if mxfp4
+                                             else (torch.uint8, torch.int8))
+        assert a.w13.shape[-1] * (1 if mxfp4 else 2) == b.w13.shape[-1]
+        assert a.w2.shape == b.w2.shape
+        assert a.w13_scale.shape[-1] == 256 // 32
+        assert a.w2_scale.shape[-1] == 256 // (32 if mxfp4 else 16)
+        assert (a.w13_min is None) == mxfp4 and a.w2_min is None
         for name in ("w13", "w2"):
             q, scale, low = (getattr(a, f"{name}{s}") for s in ("", "_scale", "_min"))
             assert torch.equal(group_weights(q, scale, low, torch.float32),
                                getattr(b, name)), name
-    assert "experts Q4_K+Q6_K" in caplog.text
+        if mxfp4:
+            assert torch.equal(a.b13, b.b13) and torch.equal(a.b2, b.b2)
+    assert ("experts MXFP4" if mxfp4 else "experts Q4_K+Q6_K") in caplog.text
     # Half a byte or a byte a weight and a float32 scale (and minimum) per group,
     # against 4 bytes.
     assert resident_bytes(kept) < 0.35 * resident_bytes(expanded)
 
 
+# Families whose kept layers also run compiled here: the experts' group-quantized
+# one-token path (4-bit codes; MXFP4 with biases). The rest's layers are the same
+# classes as Llama's, compiled in test_gguf_loading.py (a compile is ~25 s a family).
+COMPILED = ("qwen3moe", "gptoss")
+
+
 def test_kept_blocks_generate_as_their_expansion(family):
     """Chunked prefill, a prefix hit (the second prompt shares the first's start),
-    eager and compiled: the same greedy tokens as the expansion."""
-    _, _, _, mixed = family
+    eager (and compiled): the same greedy tokens as the expansion."""
+    arch, _, _, mixed = family
     runs = {}
-    for name, q, compile_mode in (("kept", "auto", "off"), ("compiled", "auto", "wait"),
-                                  ("expanded", "none", "off")):
+    modes = [("kept", "auto", "off"), ("expanded", "none", "off")]
+    if arch in COMPILED:
+        modes.append(("compiled", "auto", "wait"))
+    for name, q, compile_mode in modes:
         engine = Engine(EngineConfig(model=str(mixed), load_format="gguf", quantization=q,
                                      dtype="float32", num_kv_blocks=64, compile=compile_mode,
                                      max_num_batched_tokens=16))
         runs[name] = engine.generate(PROMPTS[:1], GREEDY) + engine.generate(PROMPTS[1:], GREEDY)
-    assert runs["kept"] == runs["expanded"] == runs["compiled"]
+    assert all(tokens == runs["expanded"] for tokens in runs.values()), runs
 
 
 def test_a_windowed_mistral_gguf_takes_its_window_from_the_config_beside_it(tmp_path):

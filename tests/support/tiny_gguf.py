@@ -22,7 +22,8 @@ LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
          "mlp.shared_expert.up_proj": "ffn_up_shexp",
          "mlp.shared_expert.down_proj": "ffn_down_shexp",
          "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
-         "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}  # (Phi-3's)
+         "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # (Phi-3's)
+         "mlp.router": "ffn_gate_inp"}  # (gpt-oss's)
 # Each expert's projections, stacked over the experts as llama.cpp's converter does.
 EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
            "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}  # (Mixtral's)
@@ -67,9 +68,26 @@ GEMMA_LAYER = {"post_attention_layernorm": "post_attention_norm",
 def gguf_name(hf_name: str, architecture: str = "llama") -> str:
     if hf_name in GLOBAL:
         return GLOBAL[hf_name]
+    if hf_name.endswith(".self_attn.sinks"):  # gpt-oss's (llama.cpp adds .weight)
+        return f"blk.{hf_name.split('.')[2]}.attn_sinks.weight"
     _, _, layer, *rest = hf_name.split(".")  # model.layers.{i}.{module}.weight (or .bias)
     names = {**LAYER, **GEMMA_LAYER} if architecture in GEMMA_ARCHS else LAYER
+    if architecture == "gpt-oss":
+        names = {**LAYER, "post_attention_layernorm": "post_attention_norm"}
     return f"blk.{layer}.{names['.'.join(rest[:-1])]}.{rest[-1]}"
+
+
+def _write_gpt_oss_metadata(writer, cfg) -> None:
+    import gguf
+
+    writer.add_sliding_window(cfg.sliding_window)
+    rope = cfg.rope_parameters
+    if rope.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
 
 
 def _write_phi3_metadata(writer, cfg, head_dim: int) -> None:
@@ -166,9 +184,11 @@ def write_gguf_dir(model_dir: Path, out_dir: Path, type_of, architecture: str = 
         _write_gemma_metadata(writer, cfg)
     if architecture == "phi3":
         _write_phi3_metadata(writer, cfg, head_dim)
+    if architecture == "gpt-oss":
+        _write_gpt_oss_metadata(writer, cfg)
     writer.add_vocab_size(cfg.vocab_size)
     experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
-    if experts:  # Mixtral's experts are as wide as its intermediate_size
+    if experts:  # Mixtral's and gpt-oss's experts are as wide as their intermediate_size
         writer.add_expert_count(experts)
         writer.add_expert_used_count(cfg.num_experts_per_tok)
         writer.add_expert_feed_forward_length(getattr(cfg, "moe_intermediate_size", None)
@@ -184,7 +204,8 @@ def write_gguf_dir(model_dir: Path, out_dir: Path, type_of, architecture: str = 
             w = permute_rows(w, cfg.num_attention_heads)
         elif architecture == "llama" and name.endswith("attn_k.weight"):
             w = permute_rows(w, cfg.num_key_value_heads)
-        kind = gguf.GGMLQuantizationType.F32 if w.ndim == 1 else type_of(name)
+        kind = (gguf.GGMLQuantizationType.F32 if w.ndim == 1 or name.endswith(".bias")
+                else type_of(name))
         if kind.name in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ4_NL"):
             rows = int(np.prod(w.shape[:-1]))
             data = synthetic_blocks(kind.name, rows, w.shape[-1], rng).reshape(
@@ -207,6 +228,10 @@ def _gguf_tensors(tensors: dict[str, np.ndarray], architecture: str):
     experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
     for hf_name, w in tensors.items():
         hf_name = hf_name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's
+        if ".mlp.experts." in hf_name and hf_name.split(".")[-1] in (
+                "gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
+            yield from _fused_experts(hf_name, w)
+            continue
         m = re.match(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight$", hf_name)
         if m is None:
             yield gguf_name(hf_name, architecture), w
@@ -214,3 +239,22 @@ def _gguf_tensors(tensors: dict[str, np.ndarray], architecture: str):
             experts.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = w
     for (layer, proj), by_id in sorted(experts.items()):
         yield f"blk.{layer}.{EXPERTS[proj]}.weight", np.stack([by_id[e] for e in sorted(by_id)])
+
+
+def _fused_experts(hf_name: str, w: np.ndarray):
+    """gpt-oss's fused experts as llama.cpp's converter splits them: gate_up [E, H, 2I]
+    (gate at even columns) -> gate and up [E, I, H]; down [E, I, H] -> [E, H, I];
+    their biases likewise."""
+    prefix, _, kind = hf_name.rpartition(".")
+    layer = prefix.split(".")[2]
+    if kind == "gate_up_proj":
+        t = np.swapaxes(w, -1, -2)
+        yield f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(t[:, 0::2])
+        yield f"blk.{layer}.ffn_up_exps.weight", np.ascontiguousarray(t[:, 1::2])
+    elif kind == "gate_up_proj_bias":
+        yield f"blk.{layer}.ffn_gate_exps.bias", np.ascontiguousarray(w[:, 0::2])
+        yield f"blk.{layer}.ffn_up_exps.bias", np.ascontiguousarray(w[:, 1::2])
+    elif kind == "down_proj":
+        yield f"blk.{layer}.ffn_down_exps.weight", np.ascontiguousarray(np.swapaxes(w, -1, -2))
+    else:
+        yield f"blk.{layer}.ffn_down_exps.bias", w
