@@ -57,12 +57,9 @@ def hf_config(ckpt: GGUFCheckpoint):
         bos_token_id=ckpt.optional("tokenizer.ggml.bos_token_id", None),
         eos_token_id=ckpt.optional("tokenizer.ggml.eos_token_id", None))
     fields.update(_feed_forward_fields(ckpt))
-    if ckpt.architecture in GEMMA_27B_LAYERS:
-        fields.update(_gemma_fields(ckpt, fields))
-    if ckpt.architecture == "phi3":
-        fields.update(_phi3_fields(ckpt, fields))
-    if ckpt.architecture == "gpt-oss":
-        fields.update(_gpt_oss_fields(ckpt, fields))
+    family = FAMILY_FIELDS.get(ckpt.architecture)
+    if family is not None:
+        fields.update(family(ckpt, fields))
     return getattr(transformers, config_class)(**fields)
 
 
@@ -163,6 +160,11 @@ def _gpt_oss_fields(ckpt: GGUFCheckpoint, fields: dict) -> dict:
             "beta_slow": decimal(ckpt.optional(ckpt.key("rope.scaling.yarn_beta_slow"), 1.0)),
             "truncate": False}
     return out
+
+
+# A family's own fields (they may take the generic rope_theta into rope_parameters).
+FAMILY_FIELDS = {"gemma2": _gemma_fields, "gemma3": _gemma_fields, "phi3": _phi3_fields,
+                 "gpt-oss": _gpt_oss_fields}
 
 
 def _float_or_none(value) -> float | None:

@@ -7,7 +7,8 @@ file's own integers and scales (no float copy of them is ever made); every other
 tensor is de-quantized by gguf into --dtype (F32/F16/BF16 exactly, the rest
 expanded, logged). The routed experts' [E, N, K] tensors likewise (gguf_experts.py).
 --quantization none expands everything. The model's config and tokenizer come from
-the directory's config.json and tokenizer files, as for safetensors."""
+the directory's config.json and tokenizer files, as for safetensors, or from the
+file's metadata (engine/platform/gguf_config.py)."""
 from __future__ import annotations
 
 import logging
@@ -63,27 +64,19 @@ def load_gguf_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype,
                     kept[kind] += 1
                     repacked.update(weights + biases)
         kept.update(keep_vocabulary(ckpt, model, names, tied, dtype, device))
-    experts = {i: layer.mlp.experts for i, layer in enumerate(model.layers)
-               if isinstance(layer.mlp, SparseMoE)}
     # Kept experts run on CPU only: CUDA's Triton grouped GEMMs read float experts.
-    # Those kept hold their blocks before _materialize gives the rest storage.
-    expanded_experts = _keep_experts(ckpt, experts, kept, device) \
-        if quantization == "auto" and device.type == "cpu" else list(experts)
-    _materialize(model, device)
-    for i in expanded_experts:
-        expand_experts(ckpt, experts[i], i)
-    for i, module in experts.items():
-        fill_expert_biases(ckpt, module, i)
+    experts = _place_experts(ckpt, model, quantization == "auto" and device.type == "cpu",
+                             kept, device)  # (and gives every float tensor storage)
     if tied and hasattr(model.lm_head, "weight"):  # both float: one copy
         model.lm_head.weight = model.embed_tokens.weight
     expert_tensors = {n for i in experts for kind in ("weight", "bias")
                       for n in expert_names(i, kind).values()}
     expanded = _fill_floats(model, ckpt, {g: n for g, n in names.items()
                                           if g not in repacked and g not in expert_tensors},
-                            {f"layers.{i}.mlp.experts.{w}" for i in expanded_experts
-                             for w in ("w13", "w2")} |
-                            {f"layers.{i}.mlp.experts.{b}" for i in experts for b in ("b13", "b2")})
-    expanded.update(ckpt.type_name(n) for i in expanded_experts
+                            {f"layers.{i}.mlp.experts.{w}" for i, held in experts.items()
+                             for w, filled in (("w13", not held), ("w2", not held),
+                                               ("b13", True), ("b2", True)) if filled})
+    expanded.update(ckpt.type_name(n) for i, held in experts.items() if not held
                     for n in expert_names(i).values() if ckpt.type_name(n) not in FLOAT_TYPES)
     log.info("%s: %s tensors kept quantized, %s; %.1f MiB of weights resident for %.1f MiB "
              "in the file", ckpt.path.name, dict(kept) or "no", _expanded_summary(expanded),
@@ -91,18 +84,26 @@ def load_gguf_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype,
     return model.eval().requires_grad_(False)
 
 
-def _keep_experts(ckpt: GGUFCheckpoint, experts: dict, kept: Counter,
-                  device: torch.device) -> list[int]:
-    """Each layer's experts kept in their blocks where its tensors' types allow
-    (counted in `kept`); returns the layers left to expand."""
-    expanded = []
+def _place_experts(ckpt: GGUFCheckpoint, model: DecoderModel, keep: bool, kept: Counter,
+                   device: torch.device) -> dict[int, bool]:
+    """Each mixture-of-experts layer's experts kept in their blocks where `keep` and
+    its tensors' types allow (counted in `kept`), before every other tensor gets
+    storage (_materialize); then the rest expanded and the experts' biases filled.
+    Returns {layer: kept}."""
+    experts = {i: layer.mlp.experts for i, layer in enumerate(model.layers)
+               if isinstance(layer.mlp, SparseMoE)}
+    held = {}
     for i, module in experts.items():
-        kind = keep_experts(ckpt, module, i, device)
-        if kind is None:
-            expanded.append(i)
-        else:
+        kind = keep_experts(ckpt, module, i, device) if keep else None
+        held[i] = kind is not None
+        if kind is not None:
             kept[f"experts {kind}"] += 1
-    return expanded
+    _materialize(model, device)
+    for i, module in experts.items():
+        if not held[i]:
+            expand_experts(ckpt, module, i)
+        fill_expert_biases(ckpt, module, i)
+    return held
 
 
 def _materialize(model: nn.Module, device: torch.device) -> None:
