@@ -11,7 +11,6 @@ group scales and minimums) value for value, and the engine generates what their
 expansion does, eagerly and compiled."""
 from __future__ import annotations
 
-import gguf
 import pytest
 import torch
 
@@ -20,89 +19,11 @@ from kvserve.engine.config.model_config import ModelConfig
 from kvserve.engine.core.engine import Engine
 from kvserve.engine.kernels.moe.fused_experts import group_weights
 from kvserve.engine.models.moe import FusedExperts
-from kvserve.engine.weights.loader import load_model
 from kvserve.engine.weights.quantization import resident_bytes
-from kvserve.scheduler.sampling_params import SamplingParams
+from tests.support.gguf_families import ARCHITECTURES, GREEDY, MOE, PROMPTS, T, load
+from tests.support.gguf_families import family, moe  # noqa: F401  (fixtures)
 from tests.support.tiny_gguf import K_QUANT_SHAPES, write_gguf_dir
 from tests.support.tiny_models import make_tiny_model
-
-T = gguf.GGMLQuantizationType
-CPU = torch.device("cpu")
-# Every projection's inputs fill the K-quants' blocks of 256; every MoE layer sparse
-# (a GGUF has no key for dense layers among sparse ones); windows shorter than the
-# prompts.
-SHAPES = {"qwen3moe": dict(K_QUANT_SHAPES, head_dim=64, moe_intermediate_size=256,
-                           num_experts=6, decoder_sparse_step=1, num_hidden_layers=2),
-          "qwen2moe": dict(K_QUANT_SHAPES, moe_intermediate_size=256, num_experts=6,
-                           shared_expert_intermediate_size=256, mlp_only_layers=[],
-                           num_hidden_layers=2),
-          "mixtral": dict(K_QUANT_SHAPES, intermediate_size=256, num_local_experts=6,
-                          num_hidden_layers=2),
-          "gemma2": dict(K_QUANT_SHAPES, head_dim=64, query_pre_attn_scalar=64,
-                         sliding_window=12),
-          "gemma3": dict(K_QUANT_SHAPES, head_dim=64, query_pre_attn_scalar=64,
-                         sliding_window=12),
-          "gptoss": dict(K_QUANT_SHAPES, head_dim=64, intermediate_size=256,
-                         sliding_window=12),
-          "phi3": dict(K_QUANT_SHAPES, sliding_window=12, rope_scaling={
-              "rope_type": "longrope", "short_factor": [1.0 + i / 64 for i in range(32)],
-              "long_factor": [2.0 + i / 16 for i in range(32)]})}
-MOE = ("qwen3moe", "qwen2moe", "mixtral", "gptoss")
-# llama.cpp's architecture names (Mixtral is a `llama` file with experts).
-GGUF_ARCH = {"qwen3moe": "qwen3moe", "qwen2moe": "qwen2moe", "mixtral": "llama",
-             "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "gptoss": "gpt-oss"}
-ARCHITECTURES = {"qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
-                 "mixtral": "MixtralForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                 "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
-                 "gptoss": "GptOssForCausalLM"}
-PROMPTS = [[5, 17, 42, 99, 7, 3, 250, 11] * 4, [5, 17, 42, 99, 7, 3, 250, 11] * 3 + [9]]
-GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-
-
-def q4_k_m(name: str):
-    """llama-quantize's Q4_K_M, roughly: 4-bit projections and experts, 6-bit down
-    projections, values and head, the router in F32."""
-    if "ffn_gate_inp" in name:
-        return T.F32
-    if "ffn_down" in name or "attn_v" in name or name == "output.weight":
-        return T.Q6_K
-    return T.Q4_K
-
-
-def gpt_oss_mix(name: str):
-    """gpt-oss's experts in MXFP4, as its checkpoints and GGUF files hold them."""
-    return T.MXFP4 if "_exps" in name else q4_k_m(name)
-
-
-MIXES = {"gptoss": gpt_oss_mix}
-_made: dict = {}
-
-
-def _family(arch: str, tmp_path_factory):
-    """(architecture, float checkpoint, its GGUF in F32, its GGUF as Q4_K_M)."""
-    if arch not in _made:
-        root = tmp_path_factory.mktemp(arch)
-        float_dir = make_tiny_model(root / "hf", arch, **SHAPES[arch])
-        _made[arch] = (arch, float_dir,
-                       write_gguf_dir(float_dir, root / "f32", lambda n: T.F32, GGUF_ARCH[arch]),
-                       write_gguf_dir(float_dir, root / "q4km", MIXES.get(arch, q4_k_m),
-                                      GGUF_ARCH[arch]))
-    return _made[arch]
-
-
-@pytest.fixture(scope="module", params=sorted(SHAPES))
-def family(request, tmp_path_factory):
-    return _family(request.param, tmp_path_factory)
-
-
-@pytest.fixture(scope="module", params=MOE)
-def moe(request, tmp_path_factory):
-    return _family(request.param, tmp_path_factory)
-
-
-def _load(model_dir, quantization):
-    cfg = ModelConfig.from_pretrained(model_dir)
-    return load_model(model_dir, cfg, torch.float32, CPU, 256, "gguf", 0, quantization)
 
 
 def test_a_gguf_alone_computes_what_transformers_does(family):
@@ -139,7 +60,7 @@ def test_k_quant_experts_stay_in_their_blocks_value_for_value(moe, caplog):
     a byte each, a power of two per 32 (and its experts' biases as they were)."""
     caplog.set_level("INFO", logger="kvserve.loader")
     arch, _, _, mixed = moe
-    kept, expanded = _load(mixed, "auto"), _load(mixed, "none")
+    kept, expanded = load(mixed, "auto"), load(mixed, "none")
     floats = dict(expanded.named_modules())
     experts = [(a, floats[n]) for n, a in kept.named_modules() if isinstance(a, FusedExperts)]
     assert len(experts) == kept.config.num_layers
@@ -162,28 +83,6 @@ def test_k_quant_experts_stay_in_their_blocks_value_for_value(moe, caplog):
     # Half a byte or a byte a weight and a float32 scale (and minimum) per group,
     # against 4 bytes.
     assert resident_bytes(kept) < 0.35 * resident_bytes(expanded)
-
-
-# Families whose kept layers also run compiled here: the experts' group-quantized
-# one-token path (4-bit codes; MXFP4 with biases). The rest's layers are the same
-# classes as Llama's, compiled in test_gguf_loading.py (a compile is ~25 s a family).
-COMPILED = ("qwen3moe", "gptoss")
-
-
-def test_kept_blocks_generate_as_their_expansion(family):
-    """Chunked prefill, a prefix hit (the second prompt shares the first's start),
-    eager (and compiled): the same greedy tokens as the expansion."""
-    arch, _, _, mixed = family
-    runs = {}
-    modes = [("kept", "auto", "off"), ("expanded", "none", "off")]
-    if arch in COMPILED:
-        modes.append(("compiled", "auto", "wait"))
-    for name, q, compile_mode in modes:
-        engine = Engine(EngineConfig(model=str(mixed), load_format="gguf", quantization=q,
-                                     dtype="float32", num_kv_blocks=64, compile=compile_mode,
-                                     max_num_batched_tokens=16))
-        runs[name] = engine.generate(PROMPTS[:1], GREEDY) + engine.generate(PROMPTS[1:], GREEDY)
-    assert all(tokens == runs["expanded"] for tokens in runs.values()), runs
 
 
 def test_a_windowed_mistral_gguf_takes_its_window_from_the_config_beside_it(tmp_path):
