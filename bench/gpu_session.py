@@ -68,8 +68,11 @@ CUDA_TESTS = ["tests/engine/attention", "tests/engine/test_decode_graphs.py",
               "tests/engine/test_kv_fp8.py", "tests/engine/lora/test_triton_lora.py",
               "tests/engine/test_parity.py", "tests/engine/moe"]
 # Every model family through the engine on the GPU (issue 52): Triton attention with
-# windows, soft-caps and sinks, the fused-MoE kernels, CUDA graphs, float32 parity.
-FAMILY_TESTS = ["tests/engine/test_model_families.py", "tests/engine/test_rotary.py"]
+# windows, soft-caps and sinks, the fused-MoE kernels, CUDA graphs, float32 parity;
+# and their GGUF files (kept experts expanded on CUDA).
+FAMILY_TESTS = ["tests/engine/test_model_families.py", "tests/engine/test_rotary.py",
+                "tests/engine/test_gguf_families.py",
+                "tests/engine/test_gguf_families_generate.py"]
 DRY_FAMILY_TESTS = "test_context_follows_the_scaling"
 # The dry run's quick subset of them (the rest is collected, not run, there).
 DRY_TESTS = "test_buckets or test_split_plan or test_capture_needs_cuda or test_store"
