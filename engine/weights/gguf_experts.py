@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvserve.engine.kernels.moe.fused_experts import code_values
+from kvserve.engine.kernels.group_quant import code_values
 from kvserve.engine.models.moe import FusedExperts
 from kvserve.engine.models.quantized.group_scales import group_values
 from kvserve.engine.platform.gguf_blocks import decode
@@ -34,15 +34,26 @@ def fill_expert_biases(ckpt: GGUFCheckpoint, experts: FusedExperts, layer: int) 
     which must have storage."""
     if experts.b13 is None:
         return
-    half = experts.intermediate
     for part, (attr, which) in EXPERT_TENSORS.items():
         name = f"blk.{layer}.{part}.bias"
         if name not in ckpt.tensors:
             raise ModelLoadError(f"{ckpt.path.name} lacks the experts' {name}")
-        target = getattr(experts, "b13" if attr == "w13" else "b2").data
-        if attr == "w13":
-            target = target[:, which * half:(which + 1) * half]
-        target.copy_(ckpt.float_tensor(name).view(target.shape))
+        _load_stack(ckpt, name, experts, "b13" if attr == "w13" else "b2", which)
+
+
+def _load_stack(ckpt: GGUFCheckpoint, name: str, experts: FusedExperts, attr: str,
+                part: int) -> None:
+    """Tensor `name` [E, ...] de-quantized, each expert's slice through
+    FusedExperts.load_shard (which checks its shape and places the gate / up half)."""
+    values = ckpt.float_tensor(name)
+    if len(values) != experts.w13.shape[0]:
+        raise ModelLoadError(f"{name} holds {len(values)} experts, expected "
+                             f"{experts.w13.shape[0]}")
+    try:
+        for e, tensor in enumerate(values):
+            experts.load_shard(attr, (experts.first + e, part), tensor)
+    except ValueError as exc:
+        raise ModelLoadError(f"{name}: {exc}") from None
 
 
 def _names(ckpt: GGUFCheckpoint, layer: int) -> dict[str, str]:
@@ -70,16 +81,8 @@ def keep_experts(ckpt: GGUFCheckpoint, experts: FusedExperts, layer: int,
 def expand_experts(ckpt: GGUFCheckpoint, experts: FusedExperts, layer: int) -> None:
     """Layer `layer`'s experts de-quantized by gguf into the float weights."""
     names = _names(ckpt, layer)
-    half = experts.intermediate
     for part, (attr, which) in EXPERT_TENSORS.items():
-        values = ckpt.float_tensor(names[part])
-        target = getattr(experts, attr).data
-        if attr == "w13":
-            target = target[:, which * half:(which + 1) * half]
-        if target.shape != values.shape:
-            raise ModelLoadError(f"{names[part]} has shape {tuple(values.shape)}, expected "
-                                 f"{tuple(target.shape)}")
-        target.copy_(values)
+        _load_stack(ckpt, names[part], experts, attr, which)
 
 
 def expert_groups(ckpt: GGUFCheckpoint, name: str

@@ -74,8 +74,7 @@ def load_gguf_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype,
     expanded = _fill_floats(model, ckpt, {g: n for g, n in names.items()
                                           if g not in repacked and g not in expert_tensors},
                             {f"layers.{i}.mlp.experts.{w}" for i, held in experts.items()
-                             for w, filled in (("w13", not held), ("w2", not held),
-                                               ("b13", True), ("b2", True)) if filled})
+                             for w in (("b13", "b2") if held else ("w13", "w2", "b13", "b2"))})
     expanded.update(ckpt.type_name(n) for i, held in experts.items() if not held
                     for n in expert_names(i).values() if ckpt.type_name(n) not in FLOAT_TYPES)
     log.info("%s: %s tensors kept quantized, %s; %.1f MiB of weights resident for %.1f MiB "

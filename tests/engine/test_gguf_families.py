@@ -17,7 +17,7 @@ import torch
 from kvserve.engine.config.engine_config import EngineConfig
 from kvserve.engine.config.model_config import ModelConfig
 from kvserve.engine.core.engine import Engine
-from kvserve.engine.kernels.moe.fused_experts import group_weights
+from kvserve.engine.kernels.group_quant import group_weights
 from kvserve.engine.models.moe import FusedExperts
 from kvserve.engine.weights.quantization import resident_bytes
 from tests.support.gguf_families import ARCHITECTURES, GREEDY, MOE, PROMPTS, T, load

@@ -18,6 +18,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from kvserve.engine.kernels.group_quant import code_values, group_weights
+
 
 def gated(gate_up: torch.Tensor, activation: str, limit: float, alpha: float):
     """The experts' gated activation of [.., 2I] (gate features, then up)."""
@@ -105,26 +107,6 @@ def _int8_linear(rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     if rows.dtype in (torch.bfloat16, torch.float16) and rows.shape[0] <= INT8PACK_MAX_ROWS:
         return torch.ops.aten._weight_int8pack_mm(rows, q, scale.to(rows.dtype))
     return F.linear(rows, q.to(rows.dtype)) * scale.to(rows.dtype)
-
-
-def code_values(q: torch.Tensor) -> torch.Tensor:
-    """Group-quantized experts' codes as float32 [.., K]: int8 values as they are, or
-    uint8 bytes each holding two 4-bit codes (input 2j in the low nibble, 2j + 1 in
-    the high), [.., K / 2]."""
-    if q.dtype == torch.uint8:
-        q = torch.stack((q & 15, q >> 4), dim=-1).flatten(-2)
-    return q.float()
-
-
-def group_weights(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None,
-                  dtype: torch.dtype) -> torch.Tensor:
-    """q [N, K] int8 (or [N, K / 2] nibble pairs, code_values) with a float32 scale
-    (and minimum) [N, G] per group of K / G inputs -> w [N, K] in `dtype`, computed
-    in float32 (GGUF's own arithmetic)."""
-    w = code_values(q).unflatten(-1, (scale.shape[-1], -1)) * scale[..., None]
-    if low is not None:
-        w = w + low[..., None]
-    return w.flatten(-2).to(dtype)
 
 
 def _per_expert(x, tokens, w13, w2, b13, b2, counts: list[int], activation, limit, alpha,

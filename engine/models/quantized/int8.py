@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from kvserve.engine.kernels.cpu import packing
+from kvserve.engine.kernels.group_quant import group_weights
 from kvserve.engine.models.quantized.group_scales import group_values
 from kvserve.engine.models.quantized.kernel_rows import few_rows
 from kvserve.engine.models.quantized.layer import QuantizedLinear, nonzero
@@ -100,11 +101,9 @@ class GroupInt8Linear(Int8Weights):
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The [N, K] weights in `dtype`, computed in float32 (exactly GGUF's own
         de-quantization)."""
-        q = self.qweight.view(self.out_features, -1, self.group_size).float()
-        w = q * group_values(self.scales, self.scale_base, 0).t()[..., None]
-        if self.mins is not None:
-            w = w + group_values(self.mins, self.min_base, 0).t()[..., None]
-        return w.view(self.out_features, self.in_features).to(dtype)
+        mins = group_values(self.mins, self.min_base, 0)
+        return group_weights(self.qweight, group_values(self.scales, self.scale_base, 0).t(),
+                             None if mins is None else mins.t(), dtype)
 
     def matmul(self, x2: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x2, self.dequantized(x2.dtype))
