@@ -672,7 +672,7 @@ def test_a_failed_build_leaves_torch_under_auto_and_stops_kvserve(monkeypatch, c
 
 def test_a_failed_compile_says_why_and_leaves_no_file(tmp_path):
     target = tmp_path / "cpu_kernels" / "kernels-test.so"
-    with pytest.raises(build.BuildError, match="failed to build packed_gemm.cpp"):
+    with pytest.raises(build.BuildError, match=f"failed to build {build.SOURCES[0].name}"):
         build._build("false", target)  # `false`: a compiler that always fails
     assert list(target.parent.iterdir()) == []
 
@@ -687,9 +687,9 @@ def test_package_data_ships_the_kernel_source():
     globs = data["tool"]["setuptools"]["package-data"]["kvserve.engine.kernels.cpu"]
     folder = build.SOURCES[0].parent
     assert set(build.SOURCES) | set(build.HEADERS) <= {p for g in globs for p in folder.glob(g)}
-    assert {h.name for h in build.HEADERS} == {"attention_shared.h"}
-    assert {s.name for s in build.SOURCES} == {"packed_gemm.cpp", "paged_decode.cpp",
-                                               "paged_prefill.cpp"}
+    assert {h.name for h in build.HEADERS} == {"attention_shared.h", "packed_panels.h"}
+    assert {s.name for s in build.SOURCES} == {"packed_experts.cpp", "packed_gemm.cpp",
+                                               "paged_decode.cpp", "paged_prefill.cpp"}
 
 
 def test_the_library_name_follows_the_sources_headers_and_compiler(tmp_path, monkeypatch):

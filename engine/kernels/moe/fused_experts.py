@@ -59,15 +59,7 @@ def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
 
         return triton_fused_experts(x, topk_ids, topk_weights, w13, w2, first_expert, b13,
                                     b2, activation, limit, alpha)
-    num_experts = w13.shape[0]
-    top_k = topk_ids.shape[1]
-    local = topk_ids.reshape(-1) - first_expert
-    outside = (local < 0) | (local >= num_experts)
-    # Pairs routed to another rank's experts sort last, under the id `num_experts`.
-    sorted_ids, order = local.masked_fill(outside, num_experts).sort(stable=True)
-    counts = torch.bincount(sorted_ids, minlength=num_experts + 1)[:num_experts]
-    pairs = order[:int(counts.sum())]
-    tokens = pairs // top_k
+    counts, pairs, tokens = sorted_pairs(topk_ids, first_expert, w13.shape[0])
     if GROUPED and w13_scale is None:
         h = _grouped(x[tokens], w13, b13, counts)
         y = _grouped(gated(h, activation, limit, alpha), w2, b2, counts)
@@ -76,6 +68,21 @@ def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
                         alpha, (w13_scale, w13_min), (w2_scale, w2_min))
     y = y * topk_weights.reshape(-1)[pairs, None]
     return torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))
+
+
+def sorted_pairs(topk_ids: torch.Tensor, first_expert: int, num_experts: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (token, expert) pairs this rank's experts take, sorted by expert (one
+    stable sort): (counts [E] int64, each local expert's number of pairs; pairs,
+    their flat indices into topk_ids; tokens, their tokens)."""
+    top_k = topk_ids.shape[1]
+    local = topk_ids.reshape(-1) - first_expert
+    outside = (local < 0) | (local >= num_experts)
+    # Pairs routed to another rank's experts sort last, under the id `num_experts`.
+    sorted_ids, order = local.masked_fill(outside, num_experts).sort(stable=True)
+    counts = torch.bincount(sorted_ids, minlength=num_experts + 1)[:num_experts]
+    pairs = order[:int(counts.sum())]
+    return counts, pairs, pairs // top_k
 
 
 # torch's grouped GEMM (one call for every expert's rows; on CPU since torch 2.9),
@@ -155,9 +162,7 @@ def one_token_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     of 1024 x 384 in bf16 on a 2-core Zen 4 (29 against 8 GB/s of weights). int8
     experts are read as int8 there, their scales applied to the row sums (or to
     each group's sum, with the minimums times the group's inputs)."""
-    local = topk_ids[0] - first_expert  # [K]
-    held = (local >= 0) & (local < w13.shape[0])  # other ranks' experts weigh 0
-    local = local.clamp(0, w13.shape[0] - 1)
+    local, held = held_experts(topk_ids, first_expert, w13.shape[0])
 
     def picked(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t[local].float()
@@ -171,6 +176,15 @@ def one_token_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
         y = y + b2[local].float()
     weights = topk_weights[0].float() * held
     return (y * weights[:, None]).sum(0, keepdim=True).to(x.dtype)
+
+
+def held_experts(topk_ids: torch.Tensor, first_expert: int, num_experts: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token's top-k experts as this rank's indices [K] (clamped into range) and
+    whether this rank holds each: other ranks' experts weigh 0 here."""
+    local = topk_ids[0] - first_expert
+    held = (local >= 0) & (local < num_experts)
+    return local.clamp(0, num_experts - 1), held
 
 
 def _rows_dot(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
