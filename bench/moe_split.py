@@ -1,8 +1,12 @@
 """Where a mixture-of-experts layer's time goes on this CPU (issue 52): routing (the
 router's GEMM, softmax, top-k), the pairs' sort and gather, the experts' GEMMs and
 the weighted combine, for one layer of the race's shape (bench/moe_checkpoint.py:
-64 experts of 384, top-8, hidden 1024, bf16) at 1, 16 and 32 tokens; and the
-batch-1 decode graph's traced form (one_token_experts) beside the op.
+64 experts of 384, top-8, hidden 1024, bf16) at 1 to 512 tokens; the batch-1
+decode graph's traced form (one_token_experts) beside the op; and the op's two ways
+of running the experts' products, each forced: kvserve's kernel
+(kvserve::expert_linear, which the op takes up to EXPERT_LINEAR_MAX_ROWS rows per
+active expert) and torch's grouped GEMM (bf16) or per-expert loop (int8), for bf16
+and --quantization int8 experts.
 
     python bench/moe_split.py [--json OUT.json]
 """
@@ -19,8 +23,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvserve.engine.kernels.moe import fused_experts as op  # noqa: E402
 from kvserve.engine.kernels.moe.fused_experts import (fused_experts, gated,  # noqa: E402
                                                       one_token_experts)
+from kvserve.engine.models.quantized.int8 import quantize_int8  # noqa: E402
+from kvserve.engine.weights.cpu_packing import load_once  # noqa: E402
 
 
 def timed(fn, repeats: int = 30) -> float:
@@ -70,14 +77,35 @@ def split(tokens: int, experts: int, top_k: int, hidden: int, inter: int,
         out["traced_batch1_ms"] = timed(lambda: compiled(x, ids, weights, w13, w2, 0))
     read = out["active_experts"] * 3 * hidden * inter * dtype.itemsize
     out["op_weight_gb_s"] = read / out["op_total_ms"] / 1e6
+    limit = op.EXPERT_LINEAR_MAX_ROWS
+    for kind in ("bf16", "int8"):
+        quant = {}
+        weights13, weights2 = w13, w2
+        if kind == "int8":
+            (weights13, s13), (weights2, s2) = _int8(w13), _int8(w2)
+            quant = dict(w13_scale=s13, w2_scale=s2)
+        for way, rows in (("kernel", 1 << 30), ("torch", 0)):
+            op.EXPERT_LINEAR_MAX_ROWS = rows
+            ms = timed(lambda: fused_experts(x, ids, weights, weights13, weights2, 0, **quant))
+            out[f"{kind}_{way}_ms"] = ms
+            out[f"{kind}_{way}_gb_s"] = read / (2 if kind == "int8" else 1) / ms / 1e6
+    op.EXPERT_LINEAR_MAX_ROWS = limit
     return out
+
+
+def _int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """--quantization int8's experts: int8 rows with a scale each."""
+    q, scales = quantize_int8(w.reshape(-1, w.shape[-1]), w.dtype)
+    return q.view(w.shape), scales.view(w.shape[:2])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
-    result = {str(t): split(t, 64, 8, 1024, 384, torch.bfloat16) for t in (1, 16, 32)}
+    load_once()
+    result = {str(t): split(t, 64, 8, 1024, 384, torch.bfloat16)
+              for t in (1, 16, 32, 128, 512)}
     for t, row in result.items():
         print(t, {k: round(v, 3) for k, v in row.items()})
     if a.json:

@@ -30,7 +30,26 @@ def load_tokenizer(model_dir: str | Path):
     path = Path(model_dir)
     try:
         if path.suffix == ".gguf":
-            return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            try:
+                return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            except ValueError:
+                # AutoTokenizer reads the file's model config first, and transformers
+                # reads no config of some architectures we serve (deepseek2): the
+                # tokenizer alone, from the same metadata.
+                return _gguf_tokenizer(path)
         return AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as exc:
         raise ModelLoadError(f"cannot load the tokenizer from {model_dir}: {exc}") from exc
+
+
+def _gguf_tokenizer(path: Path):
+    """A GGUF's tokenizer built by transformers' own GGUF converters from the file's
+    tokenizer.* metadata (vocabulary, merges, pre-tokenizer, special tokens, chat
+    template), whatever its model architecture."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (convert_gguf_tokenizer,
+                                                                        get_gguf_tokenizer)
+
+    architecture, tokenizer, config = get_gguf_tokenizer(str(path))
+    backend, extra = convert_gguf_tokenizer(architecture, tokenizer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)

@@ -42,6 +42,26 @@ def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+class LatentUpProjection(PlainWeight):
+    """kv_b_proj: each head's key rows (qk_nope_head_dim of them), then its value
+    rows (v_head_dim), over the latent, [H * (nope + v), L]. A GGUF holds it as
+    llama.cpp splits it: shard 0, every head's key part transposed [H, L, nope]
+    (attn_k_b); shard 1, the value parts [H, v, L] (attn_v_b)."""
+
+    def __init__(self, num_heads: int, mla):
+        super().__init__(num_heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank)
+        self.num_heads, self.nope = num_heads, mla.qk_nope_head_dim
+
+    def load_shard(self, attr: str, shard: int, tensor: torch.Tensor) -> None:
+        heads = self.weight.data.view(self.num_heads, -1, self.in_features)
+        part = heads[:, :self.nope] if shard == 0 else heads[:, self.nope:]
+        tensor = tensor.transpose(1, 2) if shard == 0 else tensor
+        if tensor.shape != part.shape:
+            raise ValueError(f"kv_b_proj part {shard} of shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(part.shape)}")
+        part.copy_(tensor)
+
+
 class MLAttention(nn.Module):
     """The heads one tensor-parallel rank holds; the latent cache is every rank's."""
 
@@ -62,8 +82,7 @@ class MLAttention(nn.Module):
         self.kv_a_proj_with_mqa = Linear(h, mla.cache_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS)
         # Read as W_UK and W_UV, never applied as a linear layer.
-        self.kv_b_proj = PlainWeight(
-            self.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank)
+        self.kv_b_proj = LatentUpProjection(self.num_heads, mla)
         self.o_proj = RowParallelLinear(self.num_heads * mla.v_head_dim, h, bias=False)
         rope = cfg.rope
         self.scale = mla.qk_head_dim ** -0.5

@@ -15,7 +15,6 @@ from torch import nn
 
 from kvserve.engine.config.model_config import ModelConfig
 from kvserve.engine.kernels.moe.fused_experts import one_token_experts
-from kvserve.engine.kernels.moe.packed_experts import one_token_packed_experts, pack_experts
 from kvserve.engine.models import tp_comm as comm
 from kvserve.engine.models.layers import PlainWeight
 from kvserve.engine.models.linear import Linear
@@ -64,8 +63,6 @@ class FusedExperts(nn.Module):
         self.register_buffer("w2_scale", None)
         self.register_buffer("w13_min", None)
         self.register_buffer("w2_min", None)
-        # Packed for kvserve's CPU GEMM (pack): w13 / w2 then hold panels.
-        self.packed = False
 
     def quantize_int8(self) -> None:
         """Each expert's rows rounded to int8 with a scale per output row, as
@@ -94,26 +91,6 @@ class FusedExperts(nn.Module):
         setattr(self, f"{name}_scale", scale)
         setattr(self, f"{name}_min", low)
 
-    def pack(self) -> bool:
-        """Float experts, or int8 ones with a scale per row, packed as kvserve's CPU
-        GEMM reads them (engine/kernels/moe/packed_experts.py): w13 and w2 then hold
-        panels [E, P, K, 16] (w*_scale: float32 per output column for int8 panels),
-        the biases float32, and the originals are let go. A GGUF's group-quantized
-        experts (keep_groups) stay as they are: returns False."""
-        grouped = self.w13_scale is not None and self.w13_scale.dim() != 2
-        if self.packed or grouped or self.w13_min is not None or self.w13.device.type != "cpu":
-            return False
-        for name in ("w13", "w2"):
-            packed = pack_experts(getattr(self, name).data, getattr(self, f"{name}_scale"))
-            delattr(self, name)
-            self.register_buffer(name, packed.panels)
-            setattr(self, f"{name}_scale", packed.scales)
-        for bias in (self.b13, self.b2):
-            if bias is not None:
-                bias.data = bias.data.float().contiguous()
-        self.packed = True
-        return True
-
     def expected_shards(self, attr: str) -> list[tuple[int, int]]:
         experts = range(self.first, self.first + self.w13.shape[0])
         parts = (0, 1) if attr in ("w13", "b13") else (0,)
@@ -133,18 +110,11 @@ class FusedExperts(nn.Module):
         target[rows].copy_(tensor)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
-        # One token on CPU in a compiled graph: plain ops traced into the batch-1
-        # decode graph, cheaper there than an op's sort and calls.
-        one_token = (x.shape[0] == 1 and x.device.type == "cpu"
-                     and torch.compiler.is_compiling())
-        if self.packed:
-            args = (x, ids, weights, self.w13, self.w2, self.intermediate, self.first,
-                    self.b13, self.b2, *self.activation, self.w13_scale, self.w2_scale)
-            return (one_token_packed_experts(*args) if one_token
-                    else torch.ops.kvserve.packed_experts(*args))
         args = (x, ids, weights, self.w13, self.w2, self.first, self.b13, self.b2,
                 *self.activation, self.w13_scale, self.w2_scale, self.w13_min, self.w2_min)
-        return one_token_experts(*args) if one_token else torch.ops.kvserve.fused_experts(*args)
+        if x.shape[0] == 1 and x.device.type == "cpu" and torch.compiler.is_compiling():
+            return one_token_experts(*args)  # traced into the batch-1 decode graph
+        return torch.ops.kvserve.fused_experts(*args)
 
 
 class SparseMoE(nn.Module):

@@ -22,7 +22,7 @@ KEPT_QUANTIZED = tuple(DECODERS)
 FLOAT_TYPES = ("F32", "F16", "BF16")
 # The GGUF architectures read (their configs: gguf_config.py).
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma2", "gemma3",
-                 "phi3", "gpt-oss")
+                 "phi3", "gpt-oss", "deepseek2")
 
 
 def find_gguf(model_dir: Path) -> Path:

@@ -23,6 +23,11 @@ CONFIGS = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
            "gpt-oss": ("GptOssConfig", "GptOssForCausalLM")}
 # llama.cpp writes Mixtral as a `llama` file with experts (llama.expert_count).
 MIXTRAL = ("MixtralConfig", "MixtralForCausalLM")
+# ... and DeepSeek-V2 and V3 both as `deepseek2`: V3 routes by sigmoid scores (its
+# expert_gating_func, or the correction bias tensors only V3 has).
+DEEPSEEK = {"v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
+            "v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM")}
+SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
 # llama.cpp renormalises the top-k routing weights for these (its build_moe_ffn's
 # norm_w), and every layer is sparse (no decoder_sparse_step or mlp_only_layers key).
 NORM_TOPK = {"qwen2moe": False, "qwen3moe": True}
@@ -44,7 +49,9 @@ def hf_config(ckpt: GGUFCheckpoint):
     vocab = ckpt.optional(ckpt.key("vocab_size"), len(tokens.data) if tokens else None)
     head_dim = int(ckpt.optional(ckpt.key("attention.key_length"), ckpt.optional(
         ckpt.key("rope.dimension_count"), hidden // ckpt.num_heads)))
-    config_class, architecture = MIXTRAL if _mixtral(ckpt) else CONFIGS[ckpt.architecture]
+    config_class, architecture = (MIXTRAL if _mixtral(ckpt) else DEEPSEEK[_deepseek(ckpt)]
+                                  if ckpt.architecture == "deepseek2"
+                                  else CONFIGS[ckpt.architecture])
     fields = dict(
         architectures=[architecture], vocab_size=int(vocab), hidden_size=hidden,
         num_hidden_layers=int(ckpt.field(ckpt.key("block_count"))),
@@ -67,6 +74,11 @@ def _mixtral(ckpt: GGUFCheckpoint) -> bool:
     return ckpt.architecture == "llama" and ckpt.key("expert_count") in ckpt.reader.fields
 
 
+def _deepseek(ckpt: GGUFCheckpoint) -> str:
+    sigmoid = ckpt.optional(ckpt.key("expert_gating_func"), None) == SIGMOID_GATING
+    return "v3" if sigmoid or any(n.endswith("exp_probs_b.bias") for n in ckpt.tensors) else "v2"
+
+
 def _feed_forward_fields(ckpt: GGUFCheckpoint) -> dict:
     """The MLP's config fields: a dense model's width; a mixture of experts' too where
     the file has one, and its experts' fields."""
@@ -80,6 +92,8 @@ def _feed_forward_fields(ckpt: GGUFCheckpoint) -> dict:
         return dict(intermediate_size=int(ckpt.field(ckpt.key("expert_feed_forward_length"))),
                     num_local_experts=int(ckpt.field(ckpt.key("expert_count"))),
                     num_experts_per_tok=int(ckpt.field(ckpt.key("expert_used_count"))))
+    if ckpt.architecture == "deepseek2":
+        return {}  # (_deepseek_fields)
     if ckpt.architecture not in NORM_TOPK:
         return {"intermediate_size": int(ckpt.field(ckpt.key("feed_forward_length")))}
     fields = {} if dense is None else {"intermediate_size": int(dense)}
@@ -162,9 +176,49 @@ def _gpt_oss_fields(ckpt: GGUFCheckpoint, fields: dict) -> dict:
     return out
 
 
+def _deepseek_fields(ckpt: GGUFCheckpoint, fields: dict) -> dict:
+    """DeepSeek-V2 / V3: latent attention's shapes (llama.cpp writes it as one
+    key/value head of the latent's width, the per-head widths under *_mla keys), the
+    experts and their grouped routing, the leading dense layers, and YaRN (llama.cpp
+    keeps only 0.1 * mscale_all_dim, as yarn_log_multiplier; V3's configs give mscale
+    the same value)."""
+    key = ckpt.key
+    rope = int(ckpt.field(key("rope.dimension_count")))
+    groups = int(ckpt.optional(key("expert_group_count"), 1))
+    out = dict(num_key_value_heads=fields["num_attention_heads"], head_dim=rope,
+               q_lora_rank=ckpt.optional(key("attention.q_lora_rank"), None),
+               kv_lora_rank=int(ckpt.field(key("attention.kv_lora_rank"))),
+               qk_rope_head_dim=rope,
+               qk_nope_head_dim=int(ckpt.field(key("attention.key_length_mla"))) - rope,
+               v_head_dim=int(ckpt.field(key("attention.value_length_mla"))),
+               intermediate_size=int(ckpt.field(key("feed_forward_length"))),
+               moe_intermediate_size=int(ckpt.field(key("expert_feed_forward_length"))),
+               n_routed_experts=int(ckpt.field(key("expert_count"))),
+               num_experts_per_tok=int(ckpt.field(key("expert_used_count"))),
+               n_shared_experts=int(ckpt.optional(key("expert_shared_count"), 0)),
+               first_k_dense_replace=int(ckpt.optional(key("leading_dense_block_count"), 0)),
+               routed_scaling_factor=decimal(ckpt.optional(key("expert_weights_scale"), 1.0)),
+               norm_topk_prob=bool(ckpt.optional(key("expert_weights_norm"), False)),
+               n_group=groups, topk_group=int(ckpt.optional(key("expert_group_used_count"), 1)),
+               topk_method="group_limited_greedy" if groups > 1 else "greedy")
+    if out["q_lora_rank"] is not None:
+        out["q_lora_rank"] = int(out["q_lora_rank"])
+    if ckpt.optional(key("rope.scaling.type"), None) == "yarn":
+        mscale = decimal(ckpt.optional(key("rope.scaling.yarn_log_multiplier"), 0.0) / 0.1)
+        out["rope_parameters"] = {
+            "rope_type": "yarn", "rope_theta": fields.pop("rope_theta"),
+            "factor": decimal(ckpt.field(key("rope.scaling.factor"))),
+            "original_max_position_embeddings": int(ckpt.field(
+                key("rope.scaling.original_context_length"))),
+            "beta_fast": decimal(ckpt.optional(key("rope.scaling.yarn_beta_fast"), 32.0)),
+            "beta_slow": decimal(ckpt.optional(key("rope.scaling.yarn_beta_slow"), 1.0)),
+            "mscale": mscale, "mscale_all_dim": mscale}
+    return out
+
+
 # A family's own fields (they may take the generic rope_theta into rope_parameters).
 FAMILY_FIELDS = {"gemma2": _gemma_fields, "gemma3": _gemma_fields, "phi3": _phi3_fields,
-                 "gpt-oss": _gpt_oss_fields}
+                 "gpt-oss": _gpt_oss_fields, "deepseek2": _deepseek_fields}
 
 
 def _float_or_none(value) -> float | None:

@@ -14,7 +14,6 @@ from torch import nn
 from kvserve.engine.kernels.cpu.build import BuildError, load_kernels
 from kvserve.engine.kernels.cpu.packing import register_fake
 from kvserve.engine.models.linear import Linear
-from kvserve.engine.models.moe import FusedExperts
 from kvserve.engine.models.quantized.layer import QuantizedLinear
 from kvserve.engine.platform.device import cpu_flags
 from kvserve.engine.weights.quantization import model_bytes
@@ -91,12 +90,10 @@ def pack_model(model: nn.Module, mode: str, device: torch.device, dtype: torch.d
         log.warning("kvserve's CPU kernels are not available (%s): torch's GEMMs and "
                     "Inductor's attention instead, slower on this CPU", exc)
         return 0
-    experts = pack_experts(model)
     if not packing:
-        log.info("CPU kernels: the paged attention of decodes and prompts (%s caches)%s; "
-                 "the linear layers on torch's GEMMs", str(dtype).replace("torch.", ""),
-                 f", the routed experts of {experts} layers" if experts else "")
-        return experts
+        log.info("CPU kernels: the paged attention of decodes and prompts (%s caches); "
+                 "the linear layers on torch's GEMMs", str(dtype).replace("torch.", ""))
+        return 0
     linears = [m for m in model.modules()
                if isinstance(m, Linear) and m.weight is not None
                and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
@@ -117,19 +114,7 @@ def pack_model(model: nn.Module, mode: str, device: torch.device, dtype: torch.d
              "of weights, from %.1f MiB", len(linears) + len(quantized),
              ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())),
              model_bytes(model) / 2**20, before / 2**20)
-    return len(linears) + len(quantized) + experts
-
-
-def pack_experts(model: nn.Module) -> int:
-    """Every mixture-of-experts layer's routed experts packed for kvserve's grouped
-    GEMM (FusedExperts.pack), wherever the kernels are loaded, AVX-512 CPUs included:
-    torch's grouped GEMM read 16 tokens' bf16 experts at 12 GB/s, the kernel at 21 on
-    a 2-core Zen 4 (engine/kernels/moe/packed_experts.py). Returns how many."""
-    packed = sum(m.pack() for m in model.modules() if isinstance(m, FusedExperts))
-    if packed:
-        log.info("CPU kernels: the routed experts of %d layers packed for the grouped GEMM",
-                 packed)
-    return packed
+    return len(linears) + len(quantized)
 
 
 @functools.cache

@@ -44,7 +44,7 @@ def load_gguf_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype,
     cls = model_class(cfg)
     if cls not in CLASS_NAMES:
         raise ModelLoadError(f"GGUF files load for Llama, Mistral, Qwen2, Qwen3, Mixtral, "
-                             f"Qwen2-MoE, Qwen3-MoE, Gemma 2, Gemma 3, Phi-3 and gpt-oss; "
+                             f"Qwen2-MoE, Qwen3-MoE, Gemma 2, Gemma 3, Phi-3, gpt-oss and DeepSeek-V2/V3; "
                              f"{cfg.architecture} loads from safetensors")
     ckpt = GGUFCheckpoint(find_gguf(model_dir))
     with torch.device("meta"):

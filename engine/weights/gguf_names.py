@@ -1,6 +1,7 @@
 """GGUF tensor names (llama.cpp's, per family) -> our modules and parameters."""
 from __future__ import annotations
 
+from kvserve.engine.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from kvserve.engine.models.gemma import GemmaForCausalLM
 from kvserve.engine.models.gpt_oss import GptOssForCausalLM
 from kvserve.engine.models.llama import LlamaForCausalLM
@@ -36,16 +37,29 @@ GEMMA_NAMES = {"post_attention_norm": ("post_attention_layernorm", None),
                "post_ffw_norm": ("post_feedforward_layernorm", None)}
 # Phi-3 keeps q/k/v as one tensor and gate/up as one (llama.cpp's ffn_up holds both).
 PHI3_NAMES = {"attn_qkv": ("self_attn.qkv_proj", None), "ffn_up": ("mlp.gate_up_proj", None)}
+# DeepSeek's latent attention (llama.cpp splits kv_b_proj into each head's key part,
+# transposed, and value part: MLA's LatentUpProjection puts them back).
+DEEPSEEK_NAMES = {"attn_q": ("self_attn.q_proj", None), "attn_q_a": ("self_attn.q_a_proj", None),
+                  "attn_q_a_norm": ("self_attn.q_a_layernorm", None),
+                  "attn_q_b": ("self_attn.q_b_proj", None),
+                  "attn_kv_a_mqa": ("self_attn.kv_a_proj_with_mqa", None),
+                  "attn_kv_a_norm": ("self_attn.kv_a_layernorm", None),
+                  "attn_k_b": ("self_attn.kv_b_proj", 0), "attn_v_b": ("self_attn.kv_b_proj", 1)}
+# The projections a GGUF's blocks may be kept quantized in (those a layer has).
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj",
-               "mlp.shared_expert.gate_up_proj", "mlp.shared_expert.down_proj")
+               "mlp.shared_expert.gate_up_proj", "mlp.shared_expert.down_proj",
+               "self_attn.q_proj", "self_attn.q_a_proj", "self_attn.q_b_proj",
+               "self_attn.kv_a_proj_with_mqa")
 # gpt-oss: the MLP's norm is llama.cpp's post_attention_norm, as Hugging Face names it.
 GPT_OSS_NAMES = {"post_attention_norm": ("post_attention_layernorm", None)}
-# GGUF names (under blk.i, with .weight) of parameters that are no module's weight.
-PARAMETERS = {"attn_sinks": "self_attn.sinks"}
+# GGUF names (under blk.i, with .weight or .bias) of parameters that are no module's
+# weight: gpt-oss's sinks, DeepSeek-V3's routing correction bias.
+PARAMETERS = {"attn_sinks": "self_attn.sinks", "exp_probs_b": "mlp.e_score_correction_bias"}
 # The model classes whose every tensor has a GGUF name here, and their own names.
 CLASS_NAMES = {LlamaForCausalLM: {}, MixtralForCausalLM: {}, QwenMoeForCausalLM: {},
                GemmaForCausalLM: GEMMA_NAMES, Phi3ForCausalLM: PHI3_NAMES,
-               GptOssForCausalLM: GPT_OSS_NAMES}
+               GptOssForCausalLM: GPT_OSS_NAMES, DeepseekV2ForCausalLM: DEEPSEEK_NAMES,
+               DeepseekV3ForCausalLM: DEEPSEEK_NAMES}
 
 
 
@@ -59,7 +73,7 @@ def our_names(ckpt: GGUFCheckpoint, num_layers: int,
             names[gguf_name] = (GLOBAL_NAMES[gguf_name], None)
             continue
         parts = gguf_name.split(".")  # blk.{i}.{name}.weight (or .bias)
-        if len(parts) == 4 and parts[2] in PARAMETERS and parts[3] == "weight":
+        if len(parts) == 4 and parts[2] in PARAMETERS and parts[3] in ("weight", "bias"):
             names[gguf_name] = (f"layers.{parts[1]}.{PARAMETERS[parts[2]]}", None)
             continue
         if len(parts) != 4 or parts[0] != "blk" or parts[2] not in layer_names \

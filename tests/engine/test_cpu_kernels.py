@@ -687,8 +687,8 @@ def test_package_data_ships_the_kernel_source():
     globs = data["tool"]["setuptools"]["package-data"]["kvserve.engine.kernels.cpu"]
     folder = build.SOURCES[0].parent
     assert set(build.SOURCES) | set(build.HEADERS) <= {p for g in globs for p in folder.glob(g)}
-    assert {h.name for h in build.HEADERS} == {"attention_shared.h", "packed_panels.h"}
-    assert {s.name for s in build.SOURCES} == {"packed_experts.cpp", "packed_gemm.cpp",
+    assert {h.name for h in build.HEADERS} == {"attention_shared.h"}
+    assert {s.name for s in build.SOURCES} == {"expert_linear.cpp", "packed_gemm.cpp",
                                                "paged_decode.cpp", "paged_prefill.cpp"}
 
 

@@ -133,3 +133,22 @@ def test_group_quantized_experts_equal_their_float_expansion(tokens, packed):
         plain = one_token_experts(x, ids, weights, w13, w2, 0, w13_scale=s13, w2_scale=s2,
                                   w13_min=m13, w2_min=m2)
         torch.testing.assert_close(plain, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["deepseekv3", "deepseekv2"])
+def test_deepseek_latent_projections_stay_in_their_blocks(arch, tmp_path_factory, caplog):
+    """A deepseek2 file: the latent attention's projections kept in their Q4_K
+    blocks, kv_b_proj put back together from llama.cpp's attn_k_b / attn_v_b (Q8_0,
+    expanded: it is read as W_UK and W_UV, logged) equal to the expansion's."""
+    from kvserve.engine.models.quantized.layer import QuantizedLinear
+    from tests.support.gguf_families import made_family
+
+    caplog.set_level("INFO", logger="kvserve.loader")
+    _, _, _, mixed = made_family(arch, tmp_path_factory)
+    kept, expanded = load(mixed, "auto"), load(mixed, "none")
+    attn, plain = kept.layers[1].self_attn, expanded.layers[1].self_attn
+    names = (["q_a_proj", "q_b_proj"] if arch == "deepseekv3" else ["q_proj"]) + \
+        ["kv_a_proj_with_mqa", "o_proj"]
+    assert all(isinstance(getattr(attn, n), QuantizedLinear) for n in names)
+    assert torch.equal(attn.kv_b_proj.weight, plain.kv_b_proj.weight)
+    assert "expanded to floats" in caplog.text and "Q8_0" in caplog.text

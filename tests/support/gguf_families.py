@@ -35,14 +35,24 @@ SHAPES = {"qwen3moe": dict(K_QUANT_SHAPES, head_dim=64, moe_intermediate_size=25
           "phi3": dict(K_QUANT_SHAPES, sliding_window=12, rope_scaling={
               "rope_type": "longrope", "short_factor": [1.0 + i / 64 for i in range(32)],
               "long_factor": [2.0 + i / 16 for i in range(32)]})}
+# DeepSeek's latent widths fill the K-quants' blocks where they are a projection's
+# inputs (q_lora_rank, heads x v_head_dim); kv_b_proj's parts are Q8_0 (deepseek_mix).
+DEEPSEEK_SHAPES = dict(K_QUANT_SHAPES, num_key_value_heads=4, num_hidden_layers=2,
+                       first_k_dense_replace=1, n_routed_experts=8, moe_intermediate_size=256,
+                       kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32,
+                       v_head_dim=64)
+SHAPES.update(deepseekv3=dict(DEEPSEEK_SHAPES, q_lora_rank=256, head_dim=32),
+              deepseekv2=dict(DEEPSEEK_SHAPES, head_dim=32))
 MOE = ("qwen3moe", "qwen2moe", "mixtral", "gptoss")
 # llama.cpp's architecture names (Mixtral is a `llama` file with experts).
 GGUF_ARCH = {"qwen3moe": "qwen3moe", "qwen2moe": "qwen2moe", "mixtral": "llama",
-             "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "gptoss": "gpt-oss"}
+             "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "gptoss": "gpt-oss",
+             "deepseekv3": "deepseek2", "deepseekv2": "deepseek2"}
 ARCHITECTURES = {"qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
                  "mixtral": "MixtralForCausalLM", "gemma2": "Gemma2ForCausalLM",
                  "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
-                 "gptoss": "GptOssForCausalLM"}
+                 "gptoss": "GptOssForCausalLM", "deepseekv3": "DeepseekV3ForCausalLM",
+                 "deepseekv2": "DeepseekV2ForCausalLM"}
 PROMPTS = [[5, 17, 42, 99, 7, 3, 250, 11] * 4, [5, 17, 42, 99, 7, 3, 250, 11] * 3 + [9]]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
@@ -62,7 +72,13 @@ def gpt_oss_mix(name: str):
     return T.MXFP4 if "_exps" in name else q4_k_m(name)
 
 
-MIXES = {"gptoss": gpt_oss_mix}
+def deepseek_mix(name: str):
+    """kv_b_proj's parts (attn_k_b's inputs are a head's 32 key dims) in Q8_0, their
+    blocks of 32 (llama-quantize keeps them at 8 bits or more too); the rest Q4_K_M."""
+    return T.Q8_0 if "attn_k_b" in name or "attn_v_b" in name else q4_k_m(name)
+
+
+MIXES = {"gptoss": gpt_oss_mix, "deepseekv3": deepseek_mix, "deepseekv2": deepseek_mix}
 _made: dict = {}
 
 

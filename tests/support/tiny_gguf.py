@@ -23,7 +23,14 @@ LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
          "mlp.shared_expert.down_proj": "ffn_down_shexp",
          "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
          "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # (Phi-3's)
-         "mlp.router": "ffn_gate_inp"}  # (gpt-oss's)
+         "mlp.router": "ffn_gate_inp",  # (gpt-oss's)
+         # DeepSeek's latent attention and shared experts (kv_b_proj: _split_kv_b)
+         "self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm",
+         "self_attn.q_b_proj": "attn_q_b", "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+         "self_attn.kv_a_layernorm": "attn_kv_a_norm",
+         "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+         "mlp.shared_experts.up_proj": "ffn_up_shexp",
+         "mlp.shared_experts.down_proj": "ffn_down_shexp"}
 # Each expert's projections, stacked over the experts as llama.cpp's converter does.
 EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
            "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}  # (Mixtral's)
@@ -70,6 +77,8 @@ def gguf_name(hf_name: str, architecture: str = "llama") -> str:
         return GLOBAL[hf_name]
     if hf_name.endswith(".self_attn.sinks"):  # gpt-oss's (llama.cpp adds .weight)
         return f"blk.{hf_name.split('.')[2]}.attn_sinks.weight"
+    if hf_name.endswith(".mlp.gate.e_score_correction_bias"):  # DeepSeek-V3's
+        return f"blk.{hf_name.split('.')[2]}.exp_probs_b.bias"
     _, _, layer, *rest = hf_name.split(".")  # model.layers.{i}.{module}.weight (or .bias)
     names = {**LAYER, **GEMMA_LAYER} if architecture in GEMMA_ARCHS else LAYER
     if architecture == "gpt-oss":
@@ -88,6 +97,49 @@ def _write_gpt_oss_metadata(writer, cfg) -> None:
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
         writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
         writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+
+
+def _write_deepseek_metadata(writer, cfg) -> None:
+    """DeepSeek-V2/V3's keys as llama.cpp's converter writes them: latent attention
+    as one key/value head of the latent's width, the heads' own widths as *_mla."""
+    import gguf
+
+    writer.add_head_count_kv(1)
+    writer.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    writer.add_value_length(cfg.kv_lora_rank)
+    writer.add_key_length_mla(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    writer.add_value_length_mla(cfg.v_head_dim)
+    if cfg.q_lora_rank:
+        writer.add_q_lora_rank(cfg.q_lora_rank)
+    writer.add_kv_lora_rank(cfg.kv_lora_rank)
+    writer.add_rope_dimension_count(cfg.qk_rope_head_dim)
+    writer.add_leading_dense_block_count(cfg.first_k_dense_replace)
+    writer.add_expert_shared_count(cfg.n_shared_experts)
+    writer.add_expert_weights_scale(cfg.routed_scaling_factor)
+    if cfg.norm_topk_prob:
+        writer.add_expert_weights_norm(True)
+    writer.add_expert_group_count(cfg.n_group)
+    writer.add_expert_group_used_count(cfg.topk_group)
+    if cfg.model_type == "deepseek_v3":  # its config.json's scoring_func
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    rope = cfg.rope_parameters
+    if rope.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+        writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+
+
+def _split_kv_b(hf_name: str, w: np.ndarray, cfg):
+    """kv_b_proj [H * (nope + v), L] as llama.cpp's converter splits it: each head's
+    key part transposed, [H, L, nope] (attn_k_b), and its value part [H, v, L]."""
+    layer = hf_name.split(".")[2]
+    heads = w.reshape(cfg.num_attention_heads, -1, w.shape[-1])
+    yield f"blk.{layer}.attn_k_b.weight", np.ascontiguousarray(
+        np.swapaxes(heads[:, :cfg.qk_nope_head_dim], 1, 2))
+    yield f"blk.{layer}.attn_v_b.weight", np.ascontiguousarray(heads[:, cfg.qk_nope_head_dim:])
 
 
 def _write_phi3_metadata(writer, cfg, head_dim: int) -> None:
@@ -173,10 +225,13 @@ def write_gguf_dir(model_dir: Path, out_dir: Path, type_of, architecture: str = 
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
+    if architecture == "deepseek2":
+        _write_deepseek_metadata(writer, cfg)
+    else:
+        writer.add_head_count_kv(cfg.num_key_value_heads)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     rope = cfg.rope_parameters
     writer.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
@@ -187,7 +242,8 @@ def write_gguf_dir(model_dir: Path, out_dir: Path, type_of, architecture: str = 
     if architecture == "gpt-oss":
         _write_gpt_oss_metadata(writer, cfg)
     writer.add_vocab_size(cfg.vocab_size)
-    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    experts = (getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+               or getattr(cfg, "n_routed_experts", None))
     if experts:  # Mixtral's and gpt-oss's experts are as wide as their intermediate_size
         writer.add_expert_count(experts)
         writer.add_expert_used_count(cfg.num_experts_per_tok)
@@ -197,7 +253,8 @@ def write_gguf_dir(model_dir: Path, out_dir: Path, type_of, architecture: str = 
             writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     _write_tokenizer(writer, model_dir)
     rng = np.random.default_rng(0)
-    for name, w in _gguf_tensors(load_file(str(model_dir / "model.safetensors")), architecture):
+    for name, w in _gguf_tensors(load_file(str(model_dir / "model.safetensors")), architecture,
+                                 cfg):
         if architecture in GEMMA_ARCHS and name.endswith("norm.weight"):
             w = w + 1  # llama.cpp writes Gemma's (1 + w) norms' scales
         if architecture == "llama" and name.endswith("attn_q.weight"):  # as its converter
@@ -220,13 +277,16 @@ def write_gguf_dir(model_dir: Path, out_dir: Path, type_of, architecture: str = 
     return out_dir
 
 
-def _gguf_tensors(tensors: dict[str, np.ndarray], architecture: str):
+def _gguf_tensors(tensors: dict[str, np.ndarray], architecture: str, cfg):
     """(GGUF name, array) for every tensor; each layer's experts stacked into one
     [E, N, K] tensor per projection."""
     import re
 
     experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
     for hf_name, w in tensors.items():
+        if hf_name.endswith(".self_attn.kv_b_proj.weight"):
+            yield from _split_kv_b(hf_name, w, cfg)
+            continue
         hf_name = hf_name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's
         if ".mlp.experts." in hf_name and hf_name.split(".")[-1] in (
                 "gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):

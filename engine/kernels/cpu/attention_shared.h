@@ -1,4 +1,5 @@
-// What the attention kernels share (paged_decode.cpp, paged_prefill.cpp): AVX2 maths,
+// What the attention kernels share (paged_decode.cpp, paged_prefill.cpp), and the
+// experts kernel its lane sums (expert_linear.cpp): AVX2 maths,
 // and the checks of their queries and caches.
 #pragma once
 

@@ -119,7 +119,7 @@ def exact_int4_groups(weight: torch.Tensor, group: int = EXACT_GROUP
             mins.t().contiguous())
 
 
-def column_panels(weight: torch.Tensor) -> torch.Tensor:
+def _panels(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] -> [ceil(N / 16), K, 16] in column order, the last panel zero-padded."""
     n, k = weight.shape
     panels = -(-n // PANEL)
@@ -128,14 +128,9 @@ def column_panels(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
 
 
-def bf16_panels(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] float, exact in bf16 -> bf16 panels [ceil(N / 16), K, 16] in BF16_ORDER."""
-    return column_panels(weight)[:, :, BF16_ORDER].to(torch.bfloat16).contiguous()
-
-
 def _group_panels(per_group: torch.Tensor) -> torch.Tensor:
     """[K / group, N] float16 -> [P, K / group, 16], padded columns 0."""
-    return column_panels(per_group.t().half())
+    return _panels(per_group.t().half())
 
 
 def pack_weight(weight: torch.Tensor, round_to_int8: bool = False) -> Packed:
@@ -153,8 +148,8 @@ def pack_weight(weight: torch.Tensor, round_to_int8: bool = False) -> Packed:
     if int8 is not None:
         return pack_int8(*int8)
     if exact_in_bf16(weight):
-        return Packed(bf16_panels(weight))
-    return Packed(column_panels(weight))
+        return Packed(_panels(weight)[:, :, BF16_ORDER].to(torch.bfloat16).contiguous())
+    return Packed(_panels(weight))
 
 
 def pack_int8(q: torch.Tensor, scales: torch.Tensor) -> Packed:
@@ -163,14 +158,14 @@ def pack_int8(q: torch.Tensor, scales: torch.Tensor) -> Packed:
     if scales.dim() == 1:
         per_column = torch.zeros(-(-q.shape[0] // PANEL) * PANEL)
         per_column[:q.shape[0]] = scales.float()
-        return Packed(column_panels(q), per_column)
-    return Packed(column_panels(q), _group_panels(scales))
+        return Packed(_panels(q), per_column)
+    return Packed(_panels(q), _group_panels(scales))
 
 
 def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> Packed:
     """q [N, K] in 0..15 with a float16 scale and minimum per group of inputs
     ([K / group, N] each): w = q * scale + min."""
-    columns = column_panels(q.to(torch.uint8))
+    columns = _panels(q.to(torch.uint8))
     pairs = columns[:, :, :HALF] | (columns[:, :, HALF:] << 4)
     return Packed(pairs.contiguous(), _group_panels(scales), _group_panels(mins))
 
@@ -295,9 +290,9 @@ def register_fake() -> None:
     def _(x, weight, n, bias, scales=None, mins=None, int8_inputs=False):
         return x.new_empty((x.shape[0], n))
 
-    @torch.library.register_fake("kvserve::packed_grouped_linear")
-    def _(x, counts, weight, n, bias, scales=None):
-        return x.new_empty((x.shape[0], n))
+    @torch.library.register_fake("kvserve::expert_linear")
+    def _(x, counts, weight, scales=None):
+        return x.new_empty((x.shape[0], weight.shape[1]))
 
     @torch.library.register_fake("kvserve::paged_decode")
     def _(q, k_cache, v_cache, block_tables, seq_lens, scale):

@@ -59,8 +59,20 @@ def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
 
         return triton_fused_experts(x, topk_ids, topk_weights, w13, w2, first_expert, b13,
                                     b2, activation, limit, alpha)
-    counts, pairs, tokens = sorted_pairs(topk_ids, first_expert, w13.shape[0])
-    if GROUPED and w13_scale is None:
+    num_experts = w13.shape[0]
+    top_k = topk_ids.shape[1]
+    local = topk_ids.reshape(-1) - first_expert
+    outside = (local < 0) | (local >= num_experts)
+    # Pairs routed to another rank's experts sort last, under the id `num_experts`.
+    sorted_ids, order = local.masked_fill(outside, num_experts).sort(stable=True)
+    counts = torch.bincount(sorted_ids, minlength=num_experts + 1)[:num_experts]
+    pairs = order[:int(counts.sum())]
+    tokens = pairs // top_k
+    if _few_rows(len(pairs), counts, w13, w2, w13_scale, w13_min):
+        # kvserve's CPU kernel for decode steps' narrow products (weights where they lie)
+        h = _expert_linear(x[tokens], w13, b13, counts, w13_scale)
+        y = _expert_linear(gated(h, activation, limit, alpha), w2, b2, counts, w2_scale)
+    elif GROUPED and w13_scale is None:
         h = _grouped(x[tokens], w13, b13, counts)
         y = _grouped(gated(h, activation, limit, alpha), w2, b2, counts)
     else:  # (int8 experts: each read as int8 where few rows meet it, see _int8_linear)
@@ -70,19 +82,36 @@ def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     return torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))
 
 
-def sorted_pairs(topk_ids: torch.Tensor, first_expert: int, num_experts: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The (token, expert) pairs this rank's experts take, sorted by expert (one
-    stable sort): (counts [E] int64, each local expert's number of pairs; pairs,
-    their flat indices into topk_ids; tokens, their tokens)."""
-    top_k = topk_ids.shape[1]
-    local = topk_ids.reshape(-1) - first_expert
-    outside = (local < 0) | (local >= num_experts)
-    # Pairs routed to another rank's experts sort last, under the id `num_experts`.
-    sorted_ids, order = local.masked_fill(outside, num_experts).sort(stable=True)
-    counts = torch.bincount(sorted_ids, minlength=num_experts + 1)[:num_experts]
-    pairs = order[:int(counts.sum())]
-    return counts, pairs, pairs // top_k
+# Rows an active expert takes on average up to which kvserve's CPU kernel
+# (kvserve::expert_linear, engine/kernels/cpu/expert_linear.cpp) runs the experts:
+# decode steps' narrow products, bound by reading the weights, which it does at ~20
+# GB/s where torch's grouped GEMM read bf16 experts at ~11 (16 tokens, 64 experts of
+# 1024 x 384, top-8, 2-core Zen 4: 7.9 against 11.9 ms a layer); from ~8 rows an
+# expert on (64 tokens: 16.8 against 15.6 ms) oneDNN's GEMMs are faster
+# (bench/moe_split.py).
+EXPERT_LINEAR_MAX_ROWS = 6
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+
+
+def _few_rows(pairs: int, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+              scale: torch.Tensor | None, low: torch.Tensor | None) -> bool:
+    """Whether kvserve's kernel takes this call: loaded (engine/kernels/cpu: on x86
+    CPUs with AVX2 and FMA, unless --cpu-kernels torch), experts it reads (float32,
+    bf16, or int8 with a scale per row; not a GGUF's group-quantized ones) and few
+    rows per active expert."""
+    from kvserve.engine.kernels.cpu.build import loaded
+
+    return (loaded() and low is None and (scale is None or scale.dim() == 2)
+            and w13.dtype in _KERNEL_DTYPES and w13.is_contiguous() and w2.is_contiguous()
+            and pairs <= EXPERT_LINEAR_MAX_ROWS * int(counts.count_nonzero()))
+
+
+def _expert_linear(rows: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                   counts: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """_grouped's product by kvserve::expert_linear, in float32."""
+    y = torch.ops.kvserve.expert_linear(rows.float(), counts, w,
+                                        None if scale is None else scale.float())
+    return y if b is None else y + b.float().repeat_interleave(counts, dim=0)
 
 
 # torch's grouped GEMM (one call for every expert's rows; on CPU since torch 2.9),
@@ -162,7 +191,9 @@ def one_token_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     of 1024 x 384 in bf16 on a 2-core Zen 4 (29 against 8 GB/s of weights). int8
     experts are read as int8 there, their scales applied to the row sums (or to
     each group's sum, with the minimums times the group's inputs)."""
-    local, held = held_experts(topk_ids, first_expert, w13.shape[0])
+    local = topk_ids[0] - first_expert  # [K]
+    held = (local >= 0) & (local < w13.shape[0])  # other ranks' experts weigh 0
+    local = local.clamp(0, w13.shape[0] - 1)
 
     def picked(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t[local].float()
@@ -176,15 +207,6 @@ def one_token_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
         y = y + b2[local].float()
     weights = topk_weights[0].float() * held
     return (y * weights[:, None]).sum(0, keepdim=True).to(x.dtype)
-
-
-def held_experts(topk_ids: torch.Tensor, first_expert: int, num_experts: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token's top-k experts as this rank's indices [K] (clamped into range) and
-    whether this rank holds each: other ranks' experts weigh 0 here."""
-    local = topk_ids[0] - first_expert
-    held = (local >= 0) & (local < num_experts)
-    return local.clamp(0, num_experts - 1), held
 
 
 def _rows_dot(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,

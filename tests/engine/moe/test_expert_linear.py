@@ -1,0 +1,94 @@
+"""kvserve::expert_linear, the CPU kernel for decode steps' experts: against a
+float64 product per expert (float32, bf16 and int8 weights; experts with no rows and
+with more rows than one dot-kernel call takes; inputs past a whole 8), refused bad
+layouts, and the fused_experts op picking it (few rows per expert) or torch's
+grouped GEMM (many) with the same result, gpt-oss's biases and clamped SwiGLU and
+another rank's experts included."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.engine.kernels.moe import fused_experts as fe
+from kvserve.engine.models.quantized.int8 import quantize_int8
+from kvserve.engine.platform.device import cpu_flags
+from kvserve.engine.weights.cpu_packing import load_once
+from tests.engine.moe.test_fused_experts import case, loop
+
+pytestmark = pytest.mark.skipif(not {"avx2", "fma", "f16c"} <= cpu_flags(),
+                                reason="the kernels need AVX2, FMA and F16C")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    load_once()
+
+
+def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    q, scales = quantize_int8(w.reshape(-1, w.shape[-1]), torch.float32)
+    return q.view(w.shape), scales.view(w.shape[:2])
+
+
+@pytest.mark.parametrize("kind", ["float32", "bf16", "int8"])
+@pytest.mark.parametrize("counts", [[3, 0, 1, 2], [0, 9, 0, 5], [0, 0, 0, 0]])
+@pytest.mark.parametrize("k", [48, 45])  # 45: five inputs past the last whole 8
+def test_each_row_is_its_experts_product(kind, counts, k):
+    g = torch.Generator().manual_seed(1)
+    experts, n = 4, 37
+    w = torch.randn(experts, n, k, generator=g)
+    scales = None
+    if kind == "bf16":
+        w = w.bfloat16()
+    elif kind == "int8":
+        w, scales = int8_rows(w)
+    x = torch.randn(sum(counts), k, generator=g)
+    got = torch.ops.kvserve.expert_linear(x, torch.tensor(counts), w, scales)
+    expert = torch.repeat_interleave(torch.arange(experts), torch.tensor(counts))
+    values = w.double() if scales is None else w.double() * scales.double()[..., None]
+    want = torch.einsum("rk,rnk->rn", x.double(), values[expert])
+    assert got.shape == (sum(counts), n) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+
+
+def test_bad_counts_and_layouts_are_refused():
+    w, x = torch.randn(2, 16, 8), torch.randn(3, 8)
+    linear = torch.ops.kvserve.expert_linear
+    with pytest.raises(RuntimeError, match="counts sum to 2"):
+        linear(x, torch.tensor([1, 1]), w)
+    with pytest.raises(RuntimeError, match="counts sum past"):
+        linear(x, torch.tensor([2, 2]), w)
+    with pytest.raises(RuntimeError, match="int8 experts, and only they, take scales"):
+        linear(x, torch.tensor([1, 2]), w, torch.ones(2, 16))
+    with pytest.raises(RuntimeError, match="is not contiguous"):
+        linear(x, torch.tensor([1, 2]), w.transpose(1, 2))
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("bias,activation,first", [
+    (False, ("silu", 0.0, 0.0), 0),
+    (True, ("swiglu_oai", 1.5, 1.702), 0),
+    (False, ("silu", 0.0, 0.0), 2),  # a second rank's experts 2..5 of 8
+])
+def test_the_op_takes_the_kernel_for_few_rows_and_torch_for_many(int8, bias, activation,
+                                                                 first, monkeypatch):
+    x, ids, weights, w13, w2, b13, b2 = case(tokens=9, experts=8, top_k=3, bias=bias)
+    held = slice(first, first + 4) if first else slice(None)
+    w13, w2 = w13[held].contiguous(), w2[held].contiguous()
+    b13, b2 = (None, None) if b13 is None else (b13[held], b2[held])
+    quant = {}
+    if int8:
+        (w13, s13), (w2, s2) = int8_rows(w13), int8_rows(w2)
+        quant = dict(w13_scale=s13, w2_scale=s2)
+    calls = []
+    kernel = fe._expert_linear
+    monkeypatch.setattr(fe, "_expert_linear", lambda *a: calls.append(1) or kernel(*a))
+    args = (x, ids, weights, w13, w2, first, b13, b2, *activation)
+    few = fe.fused_experts(*args, **quant)
+    assert len(calls) == 2  # both products: 27 pairs over 4-8 experts
+    monkeypatch.setattr(fe, "EXPERT_LINEAR_MAX_ROWS", 0)
+    many = fe.fused_experts(*args, **quant)
+    assert len(calls) == 2
+    torch.testing.assert_close(few, many, rtol=1e-5, atol=1e-5)
+    if not int8:
+        want = loop(x, ids, weights, w13, w2, b13, b2, first, activation)
+        torch.testing.assert_close(few.double(), want, rtol=1e-5, atol=1e-5)
