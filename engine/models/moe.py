@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from kvserve.engine.config.model_config import ModelConfig
+from kvserve.engine.kernels.cpu.build import loaded as cpu_kernels_loaded
 from kvserve.engine.kernels.moe.fused_experts import one_token_experts
 from kvserve.engine.models import tp_comm as comm
 from kvserve.engine.models.layers import PlainWeight
@@ -112,8 +113,13 @@ class FusedExperts(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
         args = (x, ids, weights, self.w13, self.w2, self.first, self.b13, self.b2,
                 *self.activation, self.w13_scale, self.w2_scale, self.w13_min, self.w2_min)
-        if x.shape[0] == 1 and x.device.type == "cpu" and torch.compiler.is_compiling():
-            return one_token_experts(*args)  # traced into the batch-1 decode graph
+        # One token in a compiled graph: traced as plain ops, cheaper there than the
+        # op's sort and calls for float experts; a GGUF's group-quantized ones are
+        # faster through the op's kernel (kvserve::expert_linear) where it is loaded.
+        if x.shape[0] == 1 and x.device.type == "cpu" and torch.compiler.is_compiling() \
+                and not (self.w13_scale is not None and self.w13_scale.dim() == 3
+                         and cpu_kernels_loaded()):
+            return one_token_experts(*args)
         return torch.ops.kvserve.fused_experts(*args)
 
 

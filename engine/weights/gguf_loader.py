@@ -1,6 +1,6 @@
 """Build our model from a GGUF file (--load-format gguf) of a llama (Mixtral's too:
-llama with experts), qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3, phi3 or
-gpt-oss architecture. Its quantized projections
+llama with experts), qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3, phi3, gpt-oss
+or deepseek2 (DeepSeek-V2 and V3) architecture. Its quantized projections
 (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, the K-quants Q2_K..Q6_K, IQ4_NL/IQ4_XS, in any mix, as
 Q4_K_M and Q5_K_M files have them) become int4 or group-int8 layers holding the
 file's own integers and scales (no float copy of them is ever made); every other

@@ -5,8 +5,11 @@
 //
 // x [R, K] float32 holds the (token, expert) pairs' rows sorted by expert, counts[e]
 // of them for expert e; weight [E, N, K] float32, bf16, or int8 with a float32 scale
-// per output row (scales [E, N]). Row r of the output is its expert's weight times
-// x[r]: [R, N] float32.
+// per output row (scales [E, N], --quantization int8), or a GGUF's kept experts:
+// int8 values or 4-bit codes two to a byte ([E, N, K / 2] uint8) with a float32
+// scale, and minimum where the type has one, per group of K / G inputs (scales,
+// mins [E, N, G]: w = q * scale + min). Row r of the output is its expert's weight
+// times x[r]: [R, N] float32.
 //
 // Decode steps route a few tokens to each expert, so each expert's product is a
 // narrow GEMV, bound by reading its weights. The work is (active expert, block of
@@ -43,11 +46,13 @@ constexpr int64_t kAheadRows = 16;
 
 struct F32Row {
   using T = float;
+  static constexpr int64_t kCodes = 1;  // inputs an element holds
   static inline __m256 load(const float* p) { return _mm256_loadu_ps(p); }
 };
 
 struct BF16Row {
   using T = uint16_t;
+  static constexpr int64_t kCodes = 1;
   static inline __m256 load(const uint16_t* p) {
     const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
@@ -56,9 +61,25 @@ struct BF16Row {
 
 struct I8Row {
   using T = int8_t;
+  static constexpr int64_t kCodes = 1;
   static inline __m256 load(const int8_t* p) {
     return _mm256_cvtepi32_ps(
         _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+};
+
+// Two 4-bit codes a byte (a GGUF's 16-level blocks, group_quant.code_values): input
+// 2i in the low nibble, 2i + 1 in the high one.
+struct U4Row {
+  using T = uint8_t;
+  static constexpr int64_t kCodes = 2;
+  static inline __m256 load(const uint8_t* p) {
+    int32_t four;
+    std::memcpy(&four, p, sizeof(four));
+    const __m128i v = _mm_cvtsi32_si128(four), nibble = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(v, nibble);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), nibble);
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));
   }
 };
 
@@ -85,41 +106,61 @@ inline __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
 struct Expert {
   const float* x;        // its rows of x, [rows, K]
   int64_t rows;
-  const void* weight;    // [N, K]
-  const float* scales;   // [N] for int8 weights, else null
+  const void* weight;    // [N, K] (or [N, K / 2] nibble pairs)
+  const float* scales;   // [N] per row (int8), [N, G] per group of K / G inputs, or null
+  const float* mins;     // [N, G] with group scales where the type has minimums, or null
   float* out;            // its rows of the output, [rows, N]
 };
 
-// Output rows [n0, n0 + NR) for MR rows of x (from x_row on).
-template <int MR, int NR, typename Row>
-inline void dots(const Expert& e, int64_t k_len, int64_t n, int64_t x_row, int64_t n0) {
+// Output rows [n0, n0 + NR) for MR rows of x (from x_row on). kGroups: each group of
+// K / groups inputs of a weight row widened to q * scale + min (in float32, as
+// group_quant.group_weights computes it) before it meets x; else a row's scale, if
+// any, multiplies its sum.
+template <int MR, int NR, typename Row, bool kGroups>
+inline void dots(const Expert& e, int64_t k_len, int64_t groups, int64_t n, int64_t x_row,
+                 int64_t n0) {
   using T = typename Row::T;
-  const T* w = static_cast<const T*>(e.weight) + n0 * k_len;
+  const int64_t stride = k_len / Row::kCodes;  // elements a weight row holds
+  const T* w = static_cast<const T*>(e.weight) + n0 * stride;
   const float* a = e.x + x_row * k_len;
   __m256 acc[MR][NR];
 #pragma GCC unroll 4
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
     for (int j = 0; j < NR; ++j) acc[m][j] = _mm256_setzero_ps();
-  // The next NR weight rows, one cache line per row every 64 bytes of this one's:
-  // rows of 1-2 KiB are too short a stream for the hardware prefetcher to ramp up.
-  const char* ahead = reinterpret_cast<const char*>(w + kAheadRows * k_len);
-  constexpr int64_t kLine = 64 / sizeof(T);  // a row's inputs a cache line holds
-  int64_t k = 0;
-  for (; k + 8 <= k_len; k += 8) {
-    if (k % kLine == 0) {
+  // Rows kAheadRows on, one cache line per row every 64 bytes of this one's: rows of
+  // 1-2 KiB are too short a stream for the hardware prefetcher to ramp up.
+  const char* ahead = reinterpret_cast<const char*>(w + kAheadRows * stride);
+  constexpr int64_t kLine = 64 / sizeof(T) * Row::kCodes;  // inputs a cache line holds
+  const int64_t group_len = kGroups ? k_len / groups : k_len / 8 * 8;
+  for (int64_t g = 0; g < (kGroups ? groups : 1); ++g) {
+    __m256 scale[NR], low[NR];
+    if constexpr (kGroups) {
 #pragma GCC unroll 4
-      for (int j = 0; j < NR; ++j)
-        _mm_prefetch(ahead + (j * k_len + k) * int64_t(sizeof(T)), _MM_HINT_T0);
+      for (int j = 0; j < NR; ++j) {
+        scale[j] = _mm256_set1_ps(e.scales[(n0 + j) * groups + g]);
+        low[j] = _mm256_set1_ps(e.mins != nullptr ? e.mins[(n0 + j) * groups + g] : 0.0f);
+      }
     }
-    __m256 wv[NR];
+    for (int64_t k = g * group_len; k < (g + 1) * group_len; k += 8) {
+      if (k % kLine == 0) {
 #pragma GCC unroll 4
-    for (int j = 0; j < NR; ++j) wv[j] = Row::load(w + j * k_len + k);
+        for (int j = 0; j < NR; ++j)
+          _mm_prefetch(ahead + (j * stride + k / Row::kCodes) * int64_t(sizeof(T)),
+                       _MM_HINT_T0);
+      }
+      __m256 wv[NR];
 #pragma GCC unroll 4
-    for (int m = 0; m < MR; ++m) {
-      const __m256 xv = _mm256_loadu_ps(a + m * k_len + k);
+      for (int j = 0; j < NR; ++j) {
+        wv[j] = Row::load(w + j * stride + k / Row::kCodes);
+        if constexpr (kGroups) wv[j] = _mm256_fmadd_ps(wv[j], scale[j], low[j]);
+      }
 #pragma GCC unroll 4
-      for (int j = 0; j < NR; ++j) acc[m][j] = _mm256_fmadd_ps(xv, wv[j], acc[m][j]);
+      for (int m = 0; m < MR; ++m) {
+        const __m256 xv = _mm256_loadu_ps(a + m * k_len + k);
+#pragma GCC unroll 4
+        for (int j = 0; j < NR; ++j) acc[m][j] = _mm256_fmadd_ps(xv, wv[j], acc[m][j]);
+      }
     }
   }
   for (int m = 0; m < MR; ++m) {
@@ -131,9 +172,11 @@ inline void dots(const Expert& e, int64_t k_len, int64_t n, int64_t x_row, int64
     }
     for (int j = 0; j < NR; ++j) {
       float sum = sums[j];
-      for (int64_t t = k; t < k_len; ++t)  // K's last inputs past a whole 8
-        sum += a[m * k_len + t] * widen<Row>(w[j * k_len + t]);
-      if (e.scales != nullptr) sum *= e.scales[n0 + j];
+      if constexpr (!kGroups) {
+        for (int64_t t = group_len; t < k_len; ++t)  // K's last inputs past a whole 8
+          sum += a[m * k_len + t] * widen<Row>(w[j * stride + t]);
+        if (e.scales != nullptr) sum *= e.scales[n0 + j];
+      }
       e.out[(x_row + m) * n + n0 + j] = sum;
     }
   }
@@ -142,75 +185,105 @@ inline void dots(const Expert& e, int64_t k_len, int64_t n, int64_t x_row, int64
 // Output rows [n0, n1) for MR rows of x: four weight rows at a time (12 sums and four
 // weights fill AVX2's 16 registers at three rows of x, whose loads FMAs read from
 // memory), then one at a time.
-template <int MR, typename Row>
-inline void dot_rows(const Expert& e, int64_t k_len, int64_t n, int64_t x_row, int64_t n0,
-                     int64_t n1) {
+template <int MR, typename Row, bool kGroups>
+inline void dot_rows(const Expert& e, int64_t k_len, int64_t groups, int64_t n,
+                     int64_t x_row, int64_t n0, int64_t n1) {
   constexpr int NR = 4;
   int64_t j = n0;
-  for (; j + NR <= n1; j += NR) dots<MR, NR, Row>(e, k_len, n, x_row, j);
-  for (; j < n1; ++j) dots<MR, 1, Row>(e, k_len, n, x_row, j);
+  for (; j + NR <= n1; j += NR) dots<MR, NR, Row, kGroups>(e, k_len, groups, n, x_row, j);
+  for (; j < n1; ++j) dots<MR, 1, Row, kGroups>(e, k_len, groups, n, x_row, j);
 }
 
-template <typename Row>
-void block(const Expert& e, int64_t k_len, int64_t n, int64_t n0, int64_t n1) {
+template <typename Row, bool kGroups>
+void block(const Expert& e, int64_t k_len, int64_t groups, int64_t n, int64_t n0,
+           int64_t n1) {
   for (int64_t row = 0; row < e.rows; row += kMaxRows) {
     switch (std::min(kMaxRows, e.rows - row)) {
-      case 3: dot_rows<3, Row>(e, k_len, n, row, n0, n1); break;
-      case 2: dot_rows<2, Row>(e, k_len, n, row, n0, n1); break;
-      default: dot_rows<1, Row>(e, k_len, n, row, n0, n1);
+      case 3: dot_rows<3, Row, kGroups>(e, k_len, groups, n, row, n0, n1); break;
+      case 2: dot_rows<2, Row, kGroups>(e, k_len, groups, n, row, n0, n1); break;
+      default: dot_rows<1, Row, kGroups>(e, k_len, groups, n, row, n0, n1);
     }
   }
 }
 
-template <typename Row>
-void grouped(const std::vector<Expert>& experts, int64_t k_len, int64_t n) {
+template <typename Row, bool kGroups = false>
+void grouped(const std::vector<Expert>& experts, int64_t k_len, int64_t groups, int64_t n) {
   const int64_t blocks = (n + kBlockRows - 1) / kBlockRows;
   const int64_t items = int64_t(experts.size()) * blocks;
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i % blocks;
-      block<Row>(experts[i / blocks], k_len, n, b * kBlockRows,
-                 std::min(n, (b + 1) * kBlockRows));
+      block<Row, kGroups>(experts[i / blocks], k_len, groups, n, b * kBlockRows,
+                          std::min(n, (b + 1) * kBlockRows));
     }
   });
 }
 
+void check_per_group(const char* what, const at::Tensor& t, const at::Tensor& like) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.sizes() == like.sizes(),
+              "expert_linear: group ", what, " must be contiguous float32 ", like.sizes(),
+              ", got ", t.sizes(), " ", t.scalar_type());
+}
+
 at::Tensor expert_linear(const at::Tensor& x, const at::Tensor& counts,
-                         const at::Tensor& weight, const std::optional<at::Tensor>& scales) {
+                         const at::Tensor& weight, const std::optional<at::Tensor>& scales,
+                         const std::optional<at::Tensor>& mins) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat,
               "expert_linear: x must be 2-D float32, got ", x.sizes(), " ", x.scalar_type());
   const auto type = weight.scalar_type();
-  TORCH_CHECK(type == at::kFloat || type == at::kBFloat16 || type == at::kChar,
-              "expert_linear: experts are float32, bfloat16 or int8, not ", type);
-  TORCH_CHECK(weight.dim() == 3 && weight.size(2) == x.size(1) && weight.is_contiguous(),
-              "expert_linear: weight ", weight.sizes(), " is not contiguous [E, N, ",
-              x.size(1), "]");
-  const int64_t num_experts = weight.size(0), n = weight.size(1), k = x.size(1);
+  TORCH_CHECK(type == at::kFloat || type == at::kBFloat16 || type == at::kChar ||
+                  type == at::kByte,
+              "expert_linear: experts are float32, bfloat16, int8 or uint8 (4-bit code "
+              "pairs), not ", type);
+  const int64_t k = x.size(1), codes = type == at::kByte ? 2 : 1;
+  TORCH_CHECK(weight.dim() == 3 && weight.size(2) * codes == k && weight.is_contiguous(),
+              "expert_linear: weight ", weight.sizes(), " is not contiguous [E, N, ", k / codes,
+              "]");
+  const int64_t num_experts = weight.size(0), n = weight.size(1);
   TORCH_CHECK(counts.dim() == 1 && counts.scalar_type() == at::kLong &&
                   counts.numel() == num_experts && counts.device().is_cpu(),
               "expert_linear: counts must be ", num_experts, " int64 values");
   const bool has_scales = scales.has_value() && scales->defined();
-  TORCH_CHECK(has_scales == (type == at::kChar),
-              "expert_linear: int8 experts, and only they, take scales");
-  TORCH_CHECK(!has_scales || (scales->scalar_type() == at::kFloat && scales->is_contiguous() &&
-                              scales->dim() == 2 && scales->size(0) == num_experts &&
-                              scales->size(1) == n),
-              "expert_linear: int8 scales must be [", num_experts, ", ", n,
-              "] contiguous float32");
+  const bool has_mins = mins.has_value() && mins->defined();
+  const bool integers = type == at::kChar || type == at::kByte;
+  TORCH_CHECK(has_scales == integers,
+              "expert_linear: integer experts, and only they, take scales");
+  int64_t groups = 0;  // 0: a scale per row (or none)
+  if (has_scales && scales->dim() == 3) {
+    groups = scales->size(2);
+    TORCH_CHECK(groups > 0 && k % groups == 0 && (k / groups) % 8 == 0 &&
+                    scales->size(0) == num_experts && scales->size(1) == n,
+                "expert_linear: group scales [", num_experts, ", ", n,
+                ", G] with groups of a multiple of 8 of the ", k, " inputs, got ",
+                scales->sizes());
+    check_per_group("scales", *scales, *scales);
+    if (has_mins) check_per_group("minimums", *mins, *scales);
+  } else {
+    TORCH_CHECK(!has_mins, "expert_linear: minimums come with group scales");
+    TORCH_CHECK(type != at::kByte, "expert_linear: 4-bit codes need group scales");
+    TORCH_CHECK(!has_scales || (scales->scalar_type() == at::kFloat &&
+                                scales->is_contiguous() && scales->dim() == 2 &&
+                                scales->size(0) == num_experts && scales->size(1) == n),
+                "expert_linear: int8 row scales must be [", num_experts, ", ", n,
+                "] contiguous float32");
+  }
   const at::Tensor rows = x.contiguous();
   const at::Tensor counted = counts.contiguous();
   const int64_t* count = counted.data_ptr<int64_t>();
   at::Tensor out = at::empty({rows.size(0), n}, rows.options());
   std::vector<Expert> experts;
   int64_t row = 0;
-  const int64_t expert_bytes = n * k * weight.element_size();
+  const int64_t expert_bytes = n * weight.size(2) * weight.element_size();
+  const int64_t scales_each = has_scales ? n * std::max<int64_t>(groups, 1) : 0;
   for (int64_t e = 0; e < num_experts; ++e) {
     TORCH_CHECK(count[e] >= 0 && row + count[e] <= rows.size(0),
                 "expert_linear: counts sum past x's ", rows.size(0), " rows");
     if (count[e] > 0 && n > 0)
       experts.push_back(Expert{rows.data_ptr<float>() + row * k, count[e],
                                static_cast<const char*>(weight.data_ptr()) + e * expert_bytes,
-                               has_scales ? scales->data_ptr<float>() + e * n : nullptr,
+                               has_scales ? scales->data_ptr<float>() + e * scales_each
+                                          : nullptr,
+                               has_mins ? mins->data_ptr<float>() + e * scales_each : nullptr,
                                out.data_ptr<float>() + row * n});
     row += count[e];
   }
@@ -218,18 +291,23 @@ at::Tensor expert_linear(const at::Tensor& x, const at::Tensor& counts,
               rows.size(0), " rows");
   if (experts.empty()) return out;
   if (type == at::kFloat)
-    grouped<F32Row>(experts, k, n);
+    grouped<F32Row>(experts, k, groups, n);
   else if (type == at::kBFloat16)
-    grouped<BF16Row>(experts, k, n);
+    grouped<BF16Row>(experts, k, groups, n);
+  else if (type == at::kByte)
+    grouped<U4Row, true>(experts, k, groups, n);
+  else if (groups > 0)
+    grouped<I8Row, true>(experts, k, groups, n);
   else
-    grouped<I8Row>(experts, k, n);
+    grouped<I8Row>(experts, k, groups, n);
   return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
-  m.def("expert_linear(Tensor x, Tensor counts, Tensor weight, Tensor? scales=None) -> Tensor");
+  m.def("expert_linear(Tensor x, Tensor counts, Tensor weight, Tensor? scales=None, "
+        "Tensor? mins=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("expert_linear", expert_linear); }

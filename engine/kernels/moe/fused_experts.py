@@ -68,10 +68,11 @@ def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     counts = torch.bincount(sorted_ids, minlength=num_experts + 1)[:num_experts]
     pairs = order[:int(counts.sum())]
     tokens = pairs // top_k
-    if _few_rows(len(pairs), counts, w13, w2, w13_scale, w13_min):
+    if _few_rows(len(pairs), counts, (w13, w13_scale), (w2, w2_scale)):
         # kvserve's CPU kernel for decode steps' narrow products (weights where they lie)
-        h = _expert_linear(x[tokens], w13, b13, counts, w13_scale)
-        y = _expert_linear(gated(h, activation, limit, alpha), w2, b2, counts, w2_scale)
+        h = _expert_linear(x[tokens], w13, b13, counts, w13_scale, w13_min)
+        y = _expert_linear(gated(h, activation, limit, alpha), w2, b2, counts, w2_scale,
+                           w2_min)
     elif GROUPED and w13_scale is None:
         h = _grouped(x[tokens], w13, b13, counts)
         y = _grouped(gated(h, activation, limit, alpha), w2, b2, counts)
@@ -90,27 +91,32 @@ def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
 # expert on (64 tokens: 16.8 against 15.6 ms) oneDNN's GEMMs are faster
 # (bench/moe_split.py).
 EXPERT_LINEAR_MAX_ROWS = 6
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.uint8)
 
 
-def _few_rows(pairs: int, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-              scale: torch.Tensor | None, low: torch.Tensor | None) -> bool:
+def _few_rows(pairs: int, counts: torch.Tensor, *experts) -> bool:
     """Whether kvserve's kernel takes this call: loaded (engine/kernels/cpu: on x86
     CPUs with AVX2 and FMA, unless --cpu-kernels torch), experts it reads (float32,
-    bf16, or int8 with a scale per row; not a GGUF's group-quantized ones) and few
-    rows per active expert."""
+    bf16, int8 with a scale per row, or a GGUF's int8 values or 4-bit codes with
+    group scales, groups of a multiple of 8 inputs; experts: (weight, scale) pairs),
+    and few rows per active expert."""
     from kvserve.engine.kernels.cpu.build import loaded
 
-    return (loaded() and low is None and (scale is None or scale.dim() == 2)
-            and w13.dtype in _KERNEL_DTYPES and w13.is_contiguous() and w2.is_contiguous()
-            and pairs <= EXPERT_LINEAR_MAX_ROWS * int(counts.count_nonzero()))
+    for w, scale in experts:
+        inputs = w.shape[-1] * (2 if w.dtype == torch.uint8 else 1)
+        if w.dtype not in _KERNEL_DTYPES or not w.is_contiguous() or (
+                scale is not None and scale.dim() == 3 and inputs % (8 * scale.shape[-1])):
+            return False
+    return loaded() and pairs <= EXPERT_LINEAR_MAX_ROWS * int(counts.count_nonzero())
 
 
 def _expert_linear(rows: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
-                   counts: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+                   counts: torch.Tensor, scale: torch.Tensor | None,
+                   low: torch.Tensor | None = None) -> torch.Tensor:
     """_grouped's product by kvserve::expert_linear, in float32."""
     y = torch.ops.kvserve.expert_linear(rows.float(), counts, w,
-                                        None if scale is None else scale.float())
+                                        None if scale is None else scale.float(),
+                                        None if low is None else low.float())
     return y if b is None else y + b.float().repeat_interleave(counts, dim=0)
 
 

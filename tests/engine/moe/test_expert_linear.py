@@ -1,14 +1,16 @@
 """kvserve::expert_linear, the CPU kernel for decode steps' experts: against a
 float64 product per expert (float32, bf16 and int8 weights; experts with no rows and
-with more rows than one dot-kernel call takes; inputs past a whole 8), refused bad
-layouts, and the fused_experts op picking it (few rows per expert) or torch's
-grouped GEMM (many) with the same result, gpt-oss's biases and clamped SwiGLU and
-another rank's experts included."""
+with more rows than one dot-kernel call takes; inputs past a whole 8), a GGUF's kept
+experts (int8 values or 4-bit code pairs, group scales, minimums) against their
+expansion, refused bad layouts, and the fused_experts op picking it (few rows per
+expert) or torch's grouped GEMM (many) with the same result, gpt-oss's biases and
+clamped SwiGLU and another rank's experts included."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kvserve.engine.kernels.group_quant import group_weights
 from kvserve.engine.kernels.moe import fused_experts as fe
 from kvserve.engine.models.quantized.int8 import quantize_int8
 from kvserve.engine.platform.device import cpu_flags
@@ -50,6 +52,27 @@ def test_each_row_is_its_experts_product(kind, counts, k):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("nibbles", [False, True], ids=["bytes", "nibbles"])
+@pytest.mark.parametrize("mins", [False, True])
+@pytest.mark.parametrize("group", [16, 32])
+def test_group_quantized_rows_equal_their_expansion(nibbles, mins, group):
+    g = torch.Generator().manual_seed(2)
+    experts, n, k = 3, 21, 64
+    counts = [2, 0, 5]
+    if nibbles:
+        q = torch.randint(0, 256, (experts, n, k // 2), generator=g, dtype=torch.uint8)
+    else:
+        q = torch.randint(-128, 128, (experts, n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(experts, n, k // group, generator=g) * 0.01
+    low = -torch.rand(experts, n, k // group, generator=g) * 0.05 if mins else None
+    x = torch.randn(sum(counts), k, generator=g)
+    got = torch.ops.kvserve.expert_linear(x, torch.tensor(counts), q, scale, low)
+    values = group_weights(q, scale, low, torch.float32).double()
+    expert = torch.repeat_interleave(torch.arange(experts), torch.tensor(counts))
+    want = torch.einsum("rk,rnk->rn", x.double(), values[expert])
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+
+
 def test_bad_counts_and_layouts_are_refused():
     w, x = torch.randn(2, 16, 8), torch.randn(3, 8)
     linear = torch.ops.kvserve.expert_linear
@@ -57,8 +80,13 @@ def test_bad_counts_and_layouts_are_refused():
         linear(x, torch.tensor([1, 1]), w)
     with pytest.raises(RuntimeError, match="counts sum past"):
         linear(x, torch.tensor([2, 2]), w)
-    with pytest.raises(RuntimeError, match="int8 experts, and only they, take scales"):
+    with pytest.raises(RuntimeError, match="integer experts, and only they, take scales"):
         linear(x, torch.tensor([1, 2]), w, torch.ones(2, 16))
+    q = torch.zeros(2, 16, 4, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="4-bit codes need group scales"):
+        linear(x, torch.tensor([1, 2]), q, torch.ones(2, 16))
+    with pytest.raises(RuntimeError, match="groups of a multiple of 8"):
+        linear(x, torch.tensor([1, 2]), q, torch.ones(2, 16, 2))  # groups of 4
     with pytest.raises(RuntimeError, match="is not contiguous"):
         linear(x, torch.tensor([1, 2]), w.transpose(1, 2))
 
@@ -92,3 +120,30 @@ def test_the_op_takes_the_kernel_for_few_rows_and_torch_for_many(int8, bias, act
     if not int8:
         want = loop(x, ids, weights, w13, w2, b13, b2, first, activation)
         torch.testing.assert_close(few.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("nibbles", [False, True], ids=["bytes", "nibbles"])
+def test_the_op_runs_a_ggufs_kept_experts_on_the_kernel(nibbles, monkeypatch):
+    """Q4_K-like gate/up (4-bit codes, scales and minimums per 32 inputs) and
+    Q6_K-like down (a byte each, a scale per 16) through the op: the kernel's result
+    is the per-expert expansion's."""
+    g = torch.Generator().manual_seed(4)
+    experts, hidden, inter, tokens = 4, 64, 32, 3
+    x = torch.randn(tokens, hidden, generator=g)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(tokens)])
+    weights = torch.rand(tokens, 2, generator=g)
+    codes = torch.randint(0, 16, (experts, 2 * inter, hidden), generator=g, dtype=torch.uint8)
+    w13 = (codes[..., 0::2] | (codes[..., 1::2] << 4)) if nibbles else codes.to(torch.int8)
+    s13 = torch.rand(experts, 2 * inter, hidden // 32, generator=g) * 0.05
+    m13 = -torch.rand(experts, 2 * inter, hidden // 32, generator=g) * 0.05
+    w2 = torch.randint(-32, 32, (experts, hidden, inter), generator=g, dtype=torch.int8)
+    s2 = torch.rand(experts, hidden, inter // 16, generator=g) * 0.01
+    calls = []
+    kernel = fe._expert_linear
+    monkeypatch.setattr(fe, "_expert_linear", lambda *a: calls.append(1) or kernel(*a))
+    args = (x, ids, weights, w13, w2, 0)
+    quant = dict(w13_scale=s13, w2_scale=s2, w13_min=m13)
+    got = fe.fused_experts(*args, **quant)
+    assert len(calls) == 2
+    monkeypatch.setattr(fe, "EXPERT_LINEAR_MAX_ROWS", 0)
+    torch.testing.assert_close(got, fe.fused_experts(*args, **quant), rtol=1e-5, atol=1e-5)
