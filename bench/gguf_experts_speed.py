@@ -5,8 +5,9 @@ Q4_K_M-like GGUF by tests/support/tiny_gguf.py, eager and compiled.
 
     python bench/gguf_experts_speed.py [--tokens 64] [--compile]
 
-The kept experts are expanded per routed expert per call (eager), or read group by
-group in the compiled one-token graph: memory for speed until a kernel reads them."""
+The kept experts are read as they are by kvserve::expert_linear (decode steps, and
+the compiled one-token graph where the CPU kernels load), expanded per routed expert
+past a few rows an expert."""
 from __future__ import annotations
 
 import argparse
