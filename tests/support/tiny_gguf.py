@@ -86,17 +86,23 @@ def gguf_name(hf_name: str, architecture: str = "llama") -> str:
     return f"blk.{layer}.{names['.'.join(rest[:-1])]}.{rest[-1]}"
 
 
-def _write_gpt_oss_metadata(writer, cfg) -> None:
+def _write_yarn(writer, rope: dict) -> bool:
+    """YaRN's keys as llama.cpp writes them, where the config scales so; whether it does."""
     import gguf
 
+    if rope.get("rope_type") != "yarn":
+        return False
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+    writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    return True
+
+
+def _write_gpt_oss_metadata(writer, cfg) -> None:
     writer.add_sliding_window(cfg.sliding_window)
-    rope = cfg.rope_parameters
-    if rope.get("rope_type") == "yarn":
-        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        writer.add_rope_scaling_factor(rope["factor"])
-        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-        writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
-        writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    _write_yarn(writer, cfg.rope_parameters)
 
 
 def _write_deepseek_metadata(writer, cfg) -> None:
@@ -122,14 +128,8 @@ def _write_deepseek_metadata(writer, cfg) -> None:
     writer.add_expert_group_used_count(cfg.topk_group)
     if cfg.model_type == "deepseek_v3":  # its config.json's scoring_func
         writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
-    rope = cfg.rope_parameters
-    if rope.get("rope_type") == "yarn":
-        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        writer.add_rope_scaling_factor(rope["factor"])
-        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-        writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
-        writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
-        writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+    if _write_yarn(writer, cfg.rope_parameters):
+        writer.add_rope_scaling_yarn_log_mul(0.1 * cfg.rope_parameters["mscale_all_dim"])
 
 
 def _split_kv_b(hf_name: str, w: np.ndarray, cfg):
