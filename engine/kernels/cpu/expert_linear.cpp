@@ -41,8 +41,7 @@ using kvserve_cpu::hsum;
 
 constexpr int64_t kBlockRows = 16;  // output rows an item takes (32 KiB of bf16 at K 1024)
 constexpr int64_t kMaxRows = 3;     // rows of x a dot kernel call takes
-constexpr int64_t kAheadRows = 16;
-
+constexpr int64_t kAheadRows = 16;  // weight rows prefetched ahead (see dots)
 
 struct F32Row {
   using T = float;

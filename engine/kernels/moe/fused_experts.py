@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from kvserve.engine.kernels.cpu.build import loaded as cpu_kernels_loaded
 from kvserve.engine.kernels.group_quant import code_values, group_weights
 
 
@@ -100,14 +101,12 @@ def _few_rows(pairs: int, counts: torch.Tensor, *experts) -> bool:
     bf16, int8 with a scale per row, or a GGUF's int8 values or 4-bit codes with
     group scales, groups of a multiple of 8 inputs; experts: (weight, scale) pairs),
     and few rows per active expert."""
-    from kvserve.engine.kernels.cpu.build import loaded
-
     for w, scale in experts:
         inputs = w.shape[-1] * (2 if w.dtype == torch.uint8 else 1)
         if w.dtype not in _KERNEL_DTYPES or not w.is_contiguous() or (
                 scale is not None and scale.dim() == 3 and inputs % (8 * scale.shape[-1])):
             return False
-    return loaded() and pairs <= EXPERT_LINEAR_MAX_ROWS * int(counts.count_nonzero())
+    return cpu_kernels_loaded() and pairs <= EXPERT_LINEAR_MAX_ROWS * int(counts.count_nonzero())
 
 
 def _expert_linear(rows: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
@@ -117,7 +116,7 @@ def _expert_linear(rows: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
     y = torch.ops.kvserve.expert_linear(rows.float(), counts, w,
                                         None if scale is None else scale.float(),
                                         None if low is None else low.float())
-    return y if b is None else y + b.float().repeat_interleave(counts, dim=0)
+    return _plus_bias(y, b, counts)
 
 
 # torch's grouped GEMM (one call for every expert's rows; on CPU since torch 2.9),
@@ -131,7 +130,12 @@ def _grouped(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
     """Rows of x grouped by expert (counts[e] rows each, in order) times their
     expert's w [E, N, K], plus its bias."""
     y = torch._grouped_mm(x, w.transpose(1, 2), offs=counts.cumsum(0).to(torch.int32))
-    return y if b is None else y + b.repeat_interleave(counts, dim=0)
+    return _plus_bias(y, b, counts)
+
+
+def _plus_bias(y: torch.Tensor, b: torch.Tensor | None, counts: torch.Tensor) -> torch.Tensor:
+    """Rows grouped by expert (counts[e] rows each) plus their expert's bias."""
+    return y if b is None else y + b.to(y.dtype).repeat_interleave(counts, dim=0)
 
 
 # Rows up to which torch's int8 CPU kernel (bf16/fp16 activations, int8 weights read
