@@ -28,12 +28,21 @@ class BlockPool:
         # One block per hash: a second block that fills with an already cached
         # prefix (two requests computing it concurrently) simply stays unregistered.
         self.cached: dict[bytes, Block] = {}
-        self._stats = stats
+        self.stats = stats
         self.events = events  # None: nobody listens, nothing recorded
+        # Hashes registered without an event (a hybrid model's sliding-window layer
+        # groups: their chains are kvserve's own bookkeeping, not prefixes a router
+        # can place requests by), so their eviction is not announced either.
+        self._unannounced: set[bytes] = set()
 
     @property
     def num_free(self) -> int:
         return self.free_queue.size
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by at least one request."""
+        return 1.0 - self.free_queue.size / len(self.blocks)
 
     def allocate(self, count: int) -> list[Block]:
         """Take ``count`` blocks from the head of the free queue (ref_count 1).
@@ -52,7 +61,7 @@ class BlockPool:
 
     def _evict(self, block: Block) -> None:
         self.unregister(block)
-        self._stats.evictions += 1
+        self.stats.evictions += 1
 
     def touch(self, block: Block) -> None:
         """Add a reference; a free (cached) block leaves the free queue."""
@@ -80,10 +89,12 @@ class BlockPool:
         return self.cached.get(block_hash)
 
     def register_all(self, blocks: Sequence[Block], hashes: Sequence[bytes],
-                     parent: bytes | None = None, token_ids: Sequence[int] = ()) -> None:
+                     parent: bytes | None = None, token_ids: Sequence[int] = (),
+                     announce: bool = True) -> None:
         """Makes just-filled blocks hittable, in bulk (one call per step); a block
         whose hash another block holds stays unregistered. parent: the hash before
-        hashes[0]; token_ids: the blocks' tokens (both for the events only)."""
+        hashes[0]; token_ids: the blocks' tokens (both for the events only);
+        announce=False: no event now or at eviction."""
         cached = self.cached
         newly = []
         for i, (block, block_hash) in enumerate(zip(blocks, hashes)):
@@ -92,7 +103,10 @@ class BlockPool:
                 block.block_hash = block_hash
                 newly.append(i)
         if self.events is not None and newly:
-            self._record_stored(newly, hashes, parent, token_ids)
+            if announce:
+                self._record_stored(newly, hashes, parent, token_ids)
+            else:
+                self._unannounced.update(hashes[i] for i in newly)
 
     def _record_stored(self, newly: list[int], hashes: Sequence[bytes],
                        parent: bytes | None, token_ids: Sequence[int]) -> None:
@@ -116,7 +130,7 @@ class BlockPool:
     def unregister(self, block: Block) -> None:
         """Forget a block's hash (evicted, or its KV will never be written)."""
         del self.cached[block.block_hash]
-        if self.events is not None:
+        if self.events is not None and not _discarded(self._unannounced, block.block_hash):
             self.events.removed(block.block_hash)
         block.block_hash = None
 
@@ -132,6 +146,15 @@ class BlockPool:
         for block in self.cached.values():
             block.block_hash = None
         self.cached.clear()
+        self._unannounced.clear()
         if self.events is not None:
             self.events.cleared()
         return True
+
+
+def _discarded(items: set[bytes], item: bytes) -> bool:
+    """Removes item from items; whether it was there."""
+    if item in items:
+        items.discard(item)
+        return True
+    return False

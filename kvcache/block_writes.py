@@ -85,8 +85,8 @@ class BlockWrites:
         hashes.extend(new_hashes)
         blocks = self._blocks
         filled = [blocks[i] for i in req.block_ids[first:num_full]]
-        if self._pool.events is None:
-            self._pool.register_all(filled, new_hashes)
+        if self._pool.events is None or not self._announce:
+            self._pool.register_all(filled, new_hashes, announce=self._announce)
         else:  # a chain's first block has no parent block (its root is no block)
             size = self.block_size
             self._pool.register_all(filled, new_hashes, hashes[first - 1] if first else None,

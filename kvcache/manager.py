@@ -18,10 +18,11 @@ from .block_pool import BlockPool
 from .events import KVCacheEvent, KVEventLog
 from .records import BlockCopy, CacheStats
 from .block_writes import BlockWrites
-from .request_blocks import DROPPED_BLOCK, RequestBlocks
+from .window_blocks import WindowBlocks
+from .request_blocks import RequestBlocks
 
 
-class KVCacheManager(BlockWrites):
+class KVCacheManager(BlockWrites, WindowBlocks):
     """Allocates, shares and frees KV-cache blocks for running requests."""
 
     def __init__(
@@ -32,6 +33,8 @@ class KVCacheManager(BlockWrites):
         model_key: str = "",
         kv_events: bool = False,
         sliding_window: int = 0,
+        pool: BlockPool | None = None,
+        announce: bool = True,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -42,10 +45,13 @@ class KVCacheManager(BlockWrites):
         self.sliding_window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching
         self.model_key = model_key
-        self.stats = CacheStats()
-        # kv_events: the pool records what enters and leaves the prefix cache.
-        self._pool = BlockPool(num_blocks, self.stats,
-                               KVEventLog(block_size) if kv_events else None)
+        # pool: one shared with other layer groups' managers (kvcache/hybrid.py),
+        # else its own; kv_events: the pool records what enters and leaves the
+        # prefix cache, the blocks this manager registers only if it announces them.
+        self._pool = pool if pool is not None else BlockPool(
+            num_blocks, CacheStats(), KVEventLog(block_size) if kv_events else None)
+        self.stats = self._pool.stats
+        self._announce = announce
         self._blocks: list[Block] = self._pool.blocks
         self._free_queue = self._pool.free_queue  # .size without a property hop
         self._hasher = BlockHasher(block_size)
@@ -64,7 +70,7 @@ class KVCacheManager(BlockWrites):
     @property
     def usage(self) -> float:
         """Fraction of blocks referenced by at least one request."""
-        return 1.0 - self._pool.num_free / self.num_blocks
+        return self._pool.usage
 
     def num_new_blocks_needed(self, request_id: str, num_total_tokens: int) -> int:
         """Free blocks allocate_slots would take to cover num_total_tokens,
@@ -184,9 +190,7 @@ class KVCacheManager(BlockWrites):
             raise _bad_range(num_computed_tokens, num_new_tokens, known)
         reach = end + num_lookahead_tokens
         self._drop_outside_window(req, num_computed_tokens)
-        ids = req.block_ids if req is not None else ()
-        grow = max(0, -(-reach // self.block_size) - len(ids))
-        shared = self._shared_writes(req, ids, num_computed_tokens, num_new_tokens, reach)
+        grow, shared = self._wanted(req, num_computed_tokens, num_new_tokens, reach)
         if grow + len(shared) > self._free_queue.size:
             return False
         if req is None:
@@ -200,27 +204,24 @@ class KVCacheManager(BlockWrites):
         self._hash_known(req, token_ids, end)
         return True
 
-    def _drop_outside_window(self, req: RequestBlocks | None, num_computed_tokens: int) -> None:
-        """Let go of the leading blocks no query will read again: every query from
-        now on is at a position >= num_computed_tokens and sees keys after
-        position - window, so a block ending before num_computed_tokens - window
-        is out of every layer's reach. Called where a step needs a new block (once
-        a block's worth of tokens), not on the decode fast path. The blocks stay
-        in the prefix cache (cached and free) until evicted: a later request's hit
-        on them is as good as before."""
-        if not self.sliding_window or req is None:
-            return
-        keep_from = (num_computed_tokens - self.sliding_window) // self.block_size
-        if self.enable_prefix_caching:  # a block still to be hashed (tokens pending) stays
-            keep_from = min(keep_from, len(req.hashes))
-        if keep_from <= req.num_dropped:
-            return
-        dropped = req.block_ids[req.num_dropped:keep_from]
-        blocks = self._blocks
-        self._pool.release([blocks[i] for i in reversed(dropped)])
-        req.block_ids[req.num_dropped:keep_from] = [DROPPED_BLOCK] * len(dropped)
-        req.num_dropped = keep_from
-        self.stats.window_dropped += len(dropped)
+    def blocks_wanted(self, request_id: str, num_computed_tokens: int, num_new_tokens: int,
+                      num_lookahead_tokens: int = 0) -> int:
+        """Free blocks allocate_slots would take for these tokens now (blocks the
+        window has passed are let go of first): how a hybrid model's layer groups
+        check that every group's share fits before any of them allocates."""
+        req = self._requests.get(request_id)
+        self._drop_outside_window(req, num_computed_tokens)
+        grow, shared = self._wanted(req, num_computed_tokens, num_new_tokens,
+                                    num_computed_tokens + num_new_tokens + num_lookahead_tokens)
+        return grow + len(shared)
+
+    def _wanted(self, req: RequestBlocks | None, computed: int, new: int,
+                reach: int) -> tuple[int, Sequence[int]]:
+        """(blocks to append, shared blocks to copy first) for a write of `new`
+        tokens from `computed`, slots reserved up to `reach`."""
+        ids = req.block_ids if req is not None else ()
+        grow = max(0, -(-reach // self.block_size) - len(ids))
+        return grow, self._shared_writes(req, ids, computed, new, reach)
 
     # ------------------------------------------------------ fork and free
 
@@ -306,6 +307,16 @@ class KVCacheManager(BlockWrites):
         runner for the step it just planned)."""
         req = self._requests.get(request_id)
         return req.block_ids if req is not None else []
+
+    @property
+    def request_tables(self):
+        """Every request's RequestBlocks (read-only: for the engine view's map)."""
+        return self._requests.values()
+
+    def live_group_tables(self, request_id: str) -> tuple[list[int], ...]:
+        """Other layer groups' tables: none (one group holds every layer; see
+        kvcache/hybrid.py for models with more)."""
+        return ()
 
     def block_states(self) -> bytes:
         """One state digit per block (block_map.py), for the live engine view."""

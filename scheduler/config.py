@@ -1,7 +1,9 @@
 """What the scheduler is built from: its limits and the KV cache it owns."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+
+from kvserve.kvcache import HybridKVCacheManager, KVCacheManager
 
 
 @dataclass(frozen=True)
@@ -28,5 +30,18 @@ class KVCacheConfig:
     # routers that place requests by the prefixes each replica holds.
     kv_events: bool = False
     # Where every layer of the model attends to at most this many latest tokens:
-    # blocks all windows have passed go back to the pool as a request grows.
+    # blocks all windows have passed go back to the pool as a request grows. With
+    # window_groups, only the sliding-window layers do (a hybrid model: Gemma 2/3,
+    # gpt-oss), cut into that many layer groups beside the full-attention layers'
+    # (kvcache/hybrid.py).
     sliding_window: int = 0
+    window_groups: int = 0
+
+    def manager(self):
+        """The KVCacheManager (or, for a hybrid model, HybridKVCacheManager) of
+        these fields."""
+        fields = asdict(self)
+        if not self.window_groups:
+            del fields["window_groups"]
+            return KVCacheManager(**fields)
+        return HybridKVCacheManager(**fields)

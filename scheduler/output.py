@@ -12,10 +12,11 @@ class ScheduledRequest:
     so it is a plain slotted class with its facts fixed at scheduling time."""
 
     __slots__ = ("request", "num_new_tokens", "block_table", "start", "samples",
-                 "spec_token_ids", "num_pending")
+                 "spec_token_ids", "num_pending", "group_tables")
 
     def __init__(self, request: Request, num_new_tokens: int, block_table: list[int],
-                 spec_token_ids: list[int] | None = None):
+                 spec_token_ids: list[int] | None = None,
+                 group_tables: tuple[list[int], ...] = ()):
         self.request = request
         self.num_new_tokens = num_new_tokens  # tokens computed this step, from `start`
         # Drafts verified after the known tokens (query rows, not yet known tokens).
@@ -23,6 +24,9 @@ class ScheduledRequest:
         # The KV manager's live table (read-only, valid for this step): copying 256
         # tables a step was a tenth of the scheduler's time.
         self.block_table = block_table
+        # A hybrid model's sliding-window layer groups' live tables (kvcache/hybrid.py;
+        # () for every other model): block_table is the full-attention layers'.
+        self.group_tables = group_tables
         self.start = start = request.num_computed_tokens
         # This step catches the request up with every token it knows, so the last
         # row's logits give its next token (a mid-prompt chunk samples nothing).

@@ -17,9 +17,8 @@ simply the next one it computes (the runner feeds it on the device)."""
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
 
-from kvserve.kvcache import KVCacheManager
+from kvserve.kvcache import HybridKVCacheManager, KVCacheManager
 from kvserve.kvcache.events import KVCacheEvent
 from kvserve.scheduler.config import KVCacheConfig, SchedulerConfig
 from kvserve.scheduler.failed_steps import withdraw_unwritten
@@ -38,9 +37,9 @@ class Scheduler(StepResults):
 
     @classmethod
     def with_kv_cache(cls, config: SchedulerConfig, cache: KVCacheConfig) -> Scheduler:
-        return cls(config, KVCacheManager(**asdict(cache)))  # the same fields
+        return cls(config, cache.manager())
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager | HybridKVCacheManager):
         if config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
             raise ValueError("token budget and max_num_seqs must be positive")
         self.config = config
@@ -141,6 +140,7 @@ class Scheduler(StepResults):
         # The hot loop of the engine (every running request, every step): bound
         # methods are hoisted, and a decode skips the general token count.
         running, allocate, table = self.running, self.kv.allocate_slots, self.kv.live_block_table
+        groups = self.kv.live_group_tables
         scheduled = out.scheduled
         i = 0
         while i < len(running) and budget > 0:
@@ -167,7 +167,8 @@ class Scheduler(StepResults):
                     # It ranked lowest and went itself: everyone left in running ranks
                     # above it (priority) or there is no one left (fcfs); serve them.
                     continue
-            item = ScheduledRequest(req, n, table(req.request_id))
+            item = ScheduledRequest(req, n, table(req.request_id),
+                                    group_tables=groups(req.request_id))
             scheduled.append(item)
             req.num_computed_tokens += n
             if item.samples:
@@ -215,7 +216,8 @@ class Scheduler(StepResults):
         if not spec or not self.kv.allocate_slots(req.request_id, req.token_ids,
                                                   req.num_computed_tokens, 1, len(spec)):
             return None
-        item = ScheduledRequest(req, 1, self.kv.live_block_table(req.request_id), spec)
+        item = ScheduledRequest(req, 1, self.kv.live_block_table(req.request_id), spec,
+                                self.kv.live_group_tables(req.request_id))
         req.num_computed_tokens += 1  # the accepted drafts are added by update()
         req.num_pending_tokens += 1
         return item
@@ -305,7 +307,8 @@ class Scheduler(StepResults):
             self.running.append(req)
             adapters.add(req.lora)
             num_seqs += 1 + len(req.pending_forks)
-            item = ScheduledRequest(req, n, self.kv.live_block_table(req.request_id))
+            item = ScheduledRequest(req, n, self.kv.live_block_table(req.request_id),
+                                    group_tables=self.kv.live_group_tables(req.request_id))
             out.scheduled.append(item)
             req.num_computed_tokens += n
             req.num_pending_tokens += item.samples

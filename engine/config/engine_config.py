@@ -120,6 +120,11 @@ class EngineConfig:
         choices=["fcfs", "priority"])
     enable_prefix_caching: bool = setting(True, "share cached prompt prefixes",
                                           parse=parse_bool)
+    # kvcache/hybrid.py: a hybrid model's (Gemma 2/3, gpt-oss) sliding-window layers
+    # in layer groups that let go of what their window has passed; vLLM's flag.
+    disable_hybrid_kv_cache_manager: bool = setting(
+        False, "keep every block of a hybrid model's sliding-window layers (one block "
+        "table for all layers)", parse=parse_bool)
     load_format: str = setting(
         "auto", "read the checkpoint's *.safetensors, or one *.gguf file (a .gguf --model, "
         "or a directory's one *.gguf beside its config.json and tokenizer), or random "

@@ -20,7 +20,8 @@ from kvserve.engine.kernels.attention import AttentionBackendError, make_backend
 from kvserve.engine.kernels.cpu.build import c_compiler
 from kvserve.engine.lora.manager import LoRAManager
 from kvserve.engine.models import tp_comm as comm
-from kvserve.engine.models.kv_caches import KVCacheFormat
+from kvserve.engine.models.kv_caches import KVCacheFormat, LayerGroups, layer_groups
+from kvserve.modelstore.errors import ModelLoadError
 from kvserve.engine.platform.device import resolve_device, resolve_dtype
 from kvserve.engine.ranks.group import TensorParallelGroup, start_group
 from kvserve.engine.runner.compile_process import use_cache_dir
@@ -53,6 +54,8 @@ class EngineContext:
     kv_format: KVCacheFormat
     num_blocks: int
     max_model_len: int  # capped by the model, --max-model-len and the cache's size
+    # A hybrid model's cache layout (kvcache/hybrid.py), None: one block a table
+    layer_groups: LayerGroups | None = None
 
 
 @dataclass(frozen=True)
@@ -84,14 +87,16 @@ def build_engine(config: EngineConfig, tokenizer=None) -> EngineParts:
     lora = (LoRAManager(config.lora, model_config, device, dtype)
             if config.lora is not None else None)
     kv_view = comm.shard().kv_view(model_config)  # the KV heads this process's cache holds
-    num_blocks = num_kv_blocks(config, kv_view, model, device, dtype, kv_format)
+    groups = layer_groups(model_config, config)
+    num_blocks = num_kv_blocks(config, kv_view, model, device, dtype, kv_format, groups)
     if tp is not None:
         tp.share_num_blocks(num_blocks)
     ctx = EngineContext(
         config=config, model_config=model_config, device=device, dtype=dtype,
         tokenizer=tokenizer, eos_token_ids=_eos_ids(model_config, tokenizer),
-        kv_format=kv_format, num_blocks=num_blocks,
-        max_model_len=min(max_model_len, _cache_context(config, model_config, num_blocks)))
+        kv_format=kv_format, num_blocks=num_blocks, layer_groups=groups,
+        max_model_len=min(max_model_len,
+                          _cache_context(config, model_config, num_blocks, groups)))
     matchers = Matchers(model_config.vocab_size) if tokenizer is not None else None
     runner = _runner(ctx, model, lora, tp, matchers)
     _start_compiling(ctx, runner, tp)
@@ -99,7 +104,7 @@ def build_engine(config: EngineConfig, tokenizer=None) -> EngineParts:
     if config.async_scheduling and device.type != "cuda":
         log.warning("async scheduling on %s overlaps nothing (the forward pass runs "
                     "on the host) and reports each step one step later", device.type)
-    log_kv_cache(num_blocks, config.block_size, kv_format, kv_view, ctx.max_model_len)
+    log_kv_cache(num_blocks, config.block_size, kv_format, kv_view, ctx.max_model_len, groups)
     return EngineParts(context=ctx, runner=runner, tp=tp, lora=lora,
                        grammars=_grammar_gate(ctx, matchers),
                        scheduler=_scheduler(ctx, kv_events is not None),
@@ -146,7 +151,8 @@ def _runner(ctx: EngineContext, model, lora, tp, matchers) -> ModelRunner:
         kv_format=ctx.kv_format, attn_backend=backend,
         drafter=make_drafter(ctx, model, backend),
         decode_graphs=_decode_graph_plan(ctx, backend, tp), lora=lora,
-        step_channel=tp.channel if tp is not None else None, matchers=matchers)
+        step_channel=tp.channel if tp is not None else None, matchers=matchers,
+        layer_groups=ctx.layer_groups)
     if runner.decode_graphs is not None:
         log.info("captured CUDA graphs for decode batch sizes %s in %.1f s",
                  runner.decode_graphs.buckets, time.perf_counter() - t0)
@@ -200,7 +206,7 @@ def _grammar_gate(ctx: EngineContext, matchers: Matchers | None) -> GrammarGate 
 
 
 def _scheduler(ctx: EngineContext, kv_events: bool) -> Scheduler:
-    config = ctx.config
+    config, groups = ctx.config, ctx.layer_groups
     return Scheduler.with_kv_cache(
         SchedulerConfig(max_num_seqs=config.max_num_seqs,
                         max_num_batched_tokens=config.max_num_batched_tokens,
@@ -210,13 +216,27 @@ def _scheduler(ctx: EngineContext, kv_events: bool) -> Scheduler:
         KVCacheConfig(num_blocks=ctx.num_blocks, block_size=config.block_size,
                       enable_prefix_caching=config.enable_prefix_caching,
                       model_key=str(config.model), kv_events=kv_events,
-                      sliding_window=_droppable_window(config, ctx.model_config)))
+                      sliding_window=(groups.window if groups is not None
+                                      else _droppable_window(config, ctx.model_config)),
+                      window_groups=groups.window_groups if groups is not None else 0))
 
 
-def _cache_context(config: EngineConfig, model_config: ModelConfig, num_blocks: int) -> int:
+def _cache_context(config: EngineConfig, model_config: ModelConfig, num_blocks: int,
+                   groups: LayerGroups | None = None) -> int:
     """The longest request the cache can run: one wholly in it, or, where every
     layer has a window (its blocks let go of as it grows), any length once the
-    window, a step's tokens and a block either side fit."""
+    window, a step's tokens and a block either side fit; a hybrid model's, what
+    the full-attention group can hold beside every sliding group's window."""
+    bs = config.block_size
+    if groups is not None:
+        reach = -(-(groups.window + config.max_num_batched_tokens) // bs) + 2
+        windows = groups.window_groups * reach
+        if num_blocks > windows + reach:
+            return (num_blocks - windows) * bs
+        if num_blocks <= groups.window_groups:
+            raise ModelLoadError(f"a KV cache of {num_blocks} blocks holds no token of this "
+                                 f"model's {1 + groups.window_groups} layer groups")
+        return num_blocks // (1 + groups.window_groups) * bs
     capacity = num_blocks * config.block_size
     window = _droppable_window(config, model_config)
     if window and window + config.max_num_batched_tokens + 2 * config.block_size <= capacity:

@@ -45,6 +45,9 @@ class Attention(nn.Module):
         # An fp8 cache's (k_scale, v_scale) and key rotation, set with it (kv_caches.py).
         self.kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
         self.key_rotation: torch.Tensor | None = None
+        # The layer group whose block tables this layer's cache is read by (a hybrid
+        # model's sliding layers: kvcache/hybrid.py), set with the cache.
+        self.kv_group = 0
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 paged: PagedDecode | None = None, lora: LoRAStep | None = None
@@ -67,9 +70,10 @@ class Attention(nn.Module):
         mods = (self.window, self.softcap, self.sinks)
         if paged is None:  # the attention custom op, through the step's backend
             o = paged_attention(q, k, v, self.k_cache, self.v_cache, self.scale,
-                                k_scale, v_scale, *mods)
+                                k_scale, v_scale, *mods, self.kv_group)
         else:  # a compiled decode graph: attention traced with the rest
-            o = decode_in_place(q, k, v, self.k_cache, self.v_cache, paged, self.scale,
+            o = decode_in_place(q, k, v, self.k_cache, self.v_cache,
+                                paged.of_group(self.kv_group), self.scale,
                                 k_scale, v_scale, *mods)
         o = o.reshape(n, q_size)
         out = self.o_proj(o)

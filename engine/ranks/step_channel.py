@@ -38,8 +38,8 @@ from kvserve.engine.kernels.attention.step_metadata import HostStep
 
 STOP, FORWARD = 0, 1
 # op, generation, name (2 words), capacity, T, R, W, L, C, max_query_len, max_seq_len,
-# decodes
-_HEADER = 13
+# decodes, G (a hybrid model's sliding layer groups: their slots and tables follow)
+_HEADER = 14
 _INITIAL_CAPACITY = 1 << 18  # int64s: 2 MiB
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
@@ -150,6 +150,8 @@ class StepChannel:
         parts = on_device if on_cpu else []
         parts += [host.positions, host.slot_mapping, host.query_start_loc.long(),
                   host.seq_lens.long(), host.block_tables.long().reshape(-1), copies]
+        for slots, tables in host.groups:  # as wide as the full group's (same blocks)
+            parts += [slots, tables.long().reshape(-1)]
         size = sum(p.numel() for p in parts)
         if size > self.capacity:
             self._map(self.generation + 1, _new_token(),
@@ -158,7 +160,8 @@ class StepChannel:
         r, w = host.block_tables.shape
         self._header([FORWARD, self.generation, *self.token, self.capacity,
                       len(host.positions), r, w, len(logit_rows), len(copies) // 3,
-                      host.max_query_len, host.max_seq_len, host.num_decodes])
+                      host.max_query_len, host.max_seq_len, host.num_decodes,
+                      len(host.groups)])
         if not on_cpu:
             dist.broadcast(torch.cat(on_device), src=0)
 
@@ -174,14 +177,14 @@ class StepChannel:
     def receive(self) -> Step | None:
         """The next step; None when rank 0 stops."""
         (op, gen, token_a, token_b, capacity, t, r, w, num_rows, num_copies, max_q, max_seq,
-         decodes) = self._header([0] * _HEADER)
+         decodes, num_groups) = self._header([0] * _HEADER)
         if op == STOP:
             return None
         if gen != self.generation:
             self._map(gen, [token_a, token_b], capacity)
         on_cpu = self.device.type == "cpu"
         sizes = [t, num_rows] if on_cpu else []
-        sizes += [t, t, r + 1, r, r * w, 3 * num_copies]
+        sizes += [t, t, r + 1, r, r * w, 3 * num_copies] + [t, r * w] * num_groups
         parts = self.buffer[:sum(sizes)].clone().split(sizes)
         if on_cpu:
             (input_ids, rows), parts = parts[:2], parts[2:]
@@ -189,7 +192,8 @@ class StepChannel:
             on_device = torch.empty(t + num_rows, dtype=torch.long, device=self.device)
             dist.broadcast(on_device, src=0)
             input_ids, rows = on_device.split([t, num_rows])
-        positions, slots, qsl, seq_lens, tables, copies = parts
+        positions, slots, qsl, seq_lens, tables, copies, *groups = parts
         host = HostStep(positions, slots, qsl.int(), seq_lens.int(), tables.int().view(r, w),
-                        max_q, max_seq, decodes, self.block_size)
+                        max_q, max_seq, decodes, self.block_size,
+                        tuple((s, t.int().view(r, w)) for s, t in zip(groups[::2], groups[1::2])))
         return Step(host, input_ids, rows, [tuple(c) for c in copies.view(-1, 3).tolist()])

@@ -44,9 +44,10 @@ def serve(spec: WorkerSpec) -> None:
     import torch.distributed as dist
 
     from kvserve.engine.kernels.attention import (clear_attention_context, make_backend,
-                                                  set_attention_context)
+                                                  prepare_step, set_attention_context)
     from kvserve.engine.weights.cpu_packing import pack_model
-    from kvserve.engine.models.kv_caches import KVCacheFormat, attach_kv_caches, copy_blocks
+    from kvserve.engine.models.kv_caches import (KVCacheFormat, attach_kv_caches, copy_blocks,
+                                                 layer_groups)
     from kvserve.engine.weights.loader import load_model
     from kvserve.engine.models import tp_comm as comm
     from kvserve.engine.models.tp_shard import TPShard
@@ -57,14 +58,16 @@ def serve(spec: WorkerSpec) -> None:
         torch.cuda.set_device(device)
     comm.init(TPShard(spec.rank, spec.size), spec.port, device)
     cpu_group = dist.new_group(backend="gloo") if device.type == "cuda" else None
-    model = load_model(config.model, ModelConfig.from_pretrained(config.model), spec.dtype,
+    model_config = ModelConfig.from_pretrained(config.model)
+    model = load_model(config.model, model_config, spec.dtype,
                        device, spec.max_model_len, config.load_format, config.seed,
                        config.quantization, comm.shard())
     pack_model(model, config.cpu_kernels, device, spec.dtype)
     num_blocks = torch.zeros(1, dtype=torch.int64)
     dist.broadcast(num_blocks, src=0, group=cpu_group)  # rank 0 sized the cache
     caches = attach_kv_caches(model, int(num_blocks) + 1, config.block_size,
-                              KVCacheFormat(spec.dtype), device)
+                              KVCacheFormat(spec.dtype), device,
+                              layer_groups(model_config, config))  # rank 0's
     backend = make_backend(config.attention_backend, device, config.block_size, spec.dtype,
                            spec.dtype)
     channel = StepChannel(spec.channel, spec.rank, device, config.block_size, cpu_group)
@@ -73,7 +76,7 @@ def serve(spec: WorkerSpec) -> None:
         while (step := channel.receive()) is not None:
             copy_blocks(caches, step.copies)
             positions, common, _ = step.host.to_device(device)
-            set_attention_context(backend, backend.prepare(common))
+            set_attention_context(backend, prepare_step(backend, common))
             try:
                 hidden = model(step.input_ids, positions)
             finally:

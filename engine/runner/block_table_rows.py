@@ -4,13 +4,17 @@ Turning a step's block tables (Python lists) into a padded tensor costs about 4 
 per 100 entries: 6 ms a step at 256 requests of 4k tokens, more than the device's
 step. A request's table only ever grows by a block at its end in a decode, so each
 request keeps a row here, brought up to date with what changed since its last step,
-and a step's padded table is one fancy index over the rows.
+and a step's padded table is one fancy index over the rows. A hybrid model's
+sliding-window layer groups (kvcache/hybrid.py) keep rows of their own, one
+BlockTableRows a group.
 
 A decode can change only its table's last entries (a new block, or a private copy
 of the shared last block), so comparing the length and the last entry finds every
 change; any step of more than one token (a prompt chunk, a verification) rewrites
 the row. A request that leaves (finished, aborted, preempted: a readmission gets new
-blocks) gives its row back."""
+blocks) gives its row back. A sliding group's table also changes at its front (blocks
+the window has passed entered as let go of): a row may keep the old ids there, which
+is harmless, as the window masks those positions whatever the blocks hold."""
 from __future__ import annotations
 
 import numpy as np
@@ -19,7 +23,9 @@ from kvserve.scheduler.output import ScheduledRequest
 
 
 class BlockTableRows:
-    def __init__(self, rows: int = 64, width: int = 64):
+    def __init__(self, rows: int = 64, width: int = 64, group: int = 0):
+        # group 0: each request's block_table; g > 0: its group_tables[g - 1]
+        self._group = group
         self._table = np.zeros((rows, width), dtype=np.int64)
         # request id -> [its row, entries the row holds, the last one]: Python ints,
         # so the usual decode's check reads no array
@@ -41,7 +47,8 @@ class BlockTableRows:
             self._free.append(known[0])
 
     def _sync(self, s: ScheduledRequest) -> list[int]:
-        table, rid = s.block_table, s.request.request_id
+        table = s.group_tables[self._group - 1] if self._group else s.block_table
+        rid = s.request.request_id
         known = self._rows.get(rid)
         if known is None:
             known = self._rows[rid] = [self._take_row(), 0, -1]

@@ -194,8 +194,10 @@ class CompiledModel:
     def _decode_alone(self, ids, positions, paged, lora):
         """One request's decode step: the batch-1 graph called directly where it can
         be, else through Dynamo, which records the direct call when it compiles."""
-        if paged is None or self._recorder is None:
-            return self._one(ids, positions, paged, lora)
+        if paged is None or self._recorder is None or paged.groups:
+            # (a hybrid model's layer groups' tables: not among the direct call's
+            # flat inputs, so Dynamo's frame it is)
+            return self._one(ids, positions, _dynamic_groups(paged, batch=False), lora)
         step_args = (ids, positions, *paged)
         if lora is None and self.direct_one is not None:
             out = self.direct_one(*step_args)
@@ -319,6 +321,18 @@ def _dynamic_paged(paged: PagedDecode | None) -> PagedDecode | None:
                         (paged.slots, (0,))):
             for dim in dims:
                 torch._dynamo.mark_dynamic(t, dim)
+        _dynamic_groups(paged)
+    return paged
+
+
+def _dynamic_groups(paged: PagedDecode | None, batch: bool = True) -> PagedDecode | None:
+    """A hybrid model's layer groups' tables (and, batch: their rows and slots) vary
+    as the full group's."""
+    for tables, slots in paged.groups if paged is not None else ():
+        torch._dynamo.mark_dynamic(tables, 1)
+        if batch:
+            for t in (tables, slots):
+                torch._dynamo.mark_dynamic(t, 0)
     return paged
 
 

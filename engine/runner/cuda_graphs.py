@@ -17,11 +17,12 @@ how it is tested on CPU, and how --enforce-eager could keep the padding. Mixed s
 (any prompt chunk) run eagerly in the model runner."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from kvserve.engine.kernels.attention import clear_attention_context, set_attention_context
+from kvserve.engine.kernels.attention import (clear_attention_context, prepare_step,
+                                              set_attention_context)
 from kvserve.engine.kernels.attention.context import AttentionMetadata
 from kvserve.engine.kernels.attention.step_metadata import HostStep, upload
 
@@ -42,17 +43,24 @@ class _Static:
     block_tables: torch.Tensor
     query_start_loc: torch.Tensor
     lora_slots: torch.Tensor  # each row's adapter slot (-1: none)
+    # A hybrid model's sliding layer groups' (slot_mapping, block_tables), group 1 first
+    groups: tuple[tuple[torch.Tensor, torch.Tensor], ...]
 
     @classmethod
-    def allocate(cls, rows: int, max_blocks: int, device: torch.device) -> "_Static":
+    def allocate(cls, rows: int, max_blocks: int, device: torch.device,
+                 window_groups: int = 0) -> "_Static":
         def z(*shape, dtype):
             return torch.zeros(*shape, dtype=dtype, device=device)
-        return cls(z(rows, dtype=torch.long), z(rows, dtype=torch.long),
-                   torch.full((rows,), -1, dtype=torch.long, device=device),
+
+        def slots():
+            return torch.full((rows,), -1, dtype=torch.long, device=device)
+        return cls(z(rows, dtype=torch.long), z(rows, dtype=torch.long), slots(),
                    torch.ones(rows, dtype=torch.int32, device=device),
                    z(rows, max_blocks, dtype=torch.int32),
                    torch.arange(rows + 1, dtype=torch.int32, device=device),
-                   torch.full((rows,), -1, dtype=torch.int32, device=device))
+                   torch.full((rows,), -1, dtype=torch.int32, device=device),
+                   tuple((slots(), z(rows, max_blocks, dtype=torch.int32))
+                         for _ in range(window_groups)))
 
 
 @dataclass(frozen=True)
@@ -67,14 +75,16 @@ class DecodeGraphPlan:
 
 class DecodeGraphs:
     def __init__(self, model, backend, block_size: int, max_num_seqs: int,
-                 max_model_len: int, device: torch.device, capture: bool, lora=None):
-        """lora: the engine's LoRAManager (None: LoRA off)."""
+                 max_model_len: int, device: torch.device, capture: bool, lora=None,
+                 window_groups: int = 0):
+        """lora: the engine's LoRAManager (None: LoRA off); window_groups: a hybrid
+        model's sliding layer groups (kvcache/hybrid.py), each with its own tables."""
         self.model, self.backend, self.block_size = model, backend, block_size
         self.lora = lora
         self.buckets = batch_buckets(max_num_seqs)
         self.max_model_len, self.device, self.capture = max_model_len, device, capture
         max_blocks = -(-max_model_len // block_size)
-        self.static = _Static.allocate(self.buckets[-1], max_blocks, device)
+        self.static = _Static.allocate(self.buckets[-1], max_blocks, device, window_groups)
         # (bucket, with LoRA) -> its graph and the logits it writes
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple[int, bool], torch.Tensor] = {}
@@ -122,9 +132,9 @@ class DecodeGraphs:
         step launched before, and undo async scheduling. The rest are copies on the
         device. input_ids and lora_slots are on the device already."""
         s, nb = self.static, host.block_tables.shape[1]
-        positions, slots, seq_lens, tables = upload(
-            [host.positions, host.slot_mapping, host.seq_lens, host.block_tables],
-            self.device)
+        positions, slots, seq_lens, tables, *groups = upload(
+            [host.positions, host.slot_mapping, host.seq_lens, host.block_tables,
+             *(t for group in host.groups for t in group)], self.device)
         if lora_slots is not None:  # padded rows keep -1
             s.lora_slots[:n].copy_(lora_slots, non_blocking=True)
         s.input_ids[:n].copy_(input_ids, non_blocking=True)
@@ -132,12 +142,17 @@ class DecodeGraphs:
         s.slot_mapping[:n].copy_(slots, non_blocking=True)
         s.seq_lens[:n].copy_(seq_lens, non_blocking=True)
         s.block_tables[:n, :nb].copy_(tables, non_blocking=True)
+        for (group_slots, group_tables), new_slots, new_tables in zip(
+                s.groups, groups[::2], groups[1::2]):
+            group_slots[:n].copy_(new_slots, non_blocking=True)
+            group_tables[:n, :nb].copy_(new_tables, non_blocking=True)
         if b > n:  # padding rows: a 1-token context, written nowhere
-            s.slot_mapping[n:b].fill_(-1)
             s.lora_slots[n:b].fill_(-1)
             s.seq_lens[n:b].fill_(1)
             s.positions[n:b].zero_()
-            s.block_tables[n:b, 0].zero_()
+            for slot_mapping, block_tables in ((s.slot_mapping, s.block_tables), *s.groups):
+                slot_mapping[n:b].fill_(-1)
+                block_tables[n:b, 0].zero_()
 
     def _forward(self, b: int, lora: bool = False,
                  host_seq_lens: torch.Tensor | None = None) -> torch.Tensor:
@@ -156,7 +171,9 @@ class DecodeGraphs:
             seq_lens_cpu=seq_lens_cpu, max_query_len=1,
             max_seq_len=self.max_model_len, num_decodes=b, num_prefills=0,
             num_tokens=b, block_size=self.block_size)
-        set_attention_context(self.backend, self.backend.prepare(meta))
+        meta.groups = tuple(replace(meta, slot_mapping=slots[:b], block_tables=tables[:b])
+                            for slots, tables in s.groups)
+        set_attention_context(self.backend, prepare_step(self.backend, meta))
         try:
             adapters = self.lora.inputs(s.lora_slots[:b]) if lora else None
             hidden = self.model(s.input_ids[:b], s.positions[:b], lora=adapters)

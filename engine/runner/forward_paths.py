@@ -26,6 +26,8 @@ from collections.abc import Callable
 import torch
 
 from kvserve.engine.kernels.attention.backend import AttentionBackend
+from kvserve.engine.kernels.attention.context import GroupSteps
+from kvserve.engine.kernels.attention.cpu_paged import PagedDecode
 from kvserve.engine.lora.manager import LoRAManager
 from kvserve.engine.runner.compiled_model import CompiledModel
 from kvserve.engine.runner.cuda_graphs import DecodeGraphPlan, DecodeGraphs
@@ -39,8 +41,9 @@ WarmUp = Callable[[AttentionBackend, Callable, int, bool, bool], None]
 
 class ForwardPaths:
     def __init__(self, model, backend: AttentionBackend, device: torch.device,
-                 block_size: int, lora: LoRAManager | None = None):
+                 block_size: int, lora: LoRAManager | None = None, window_groups: int = 0):
         self.model, self.device, self.block_size, self.lora = model, device, block_size, lora
+        self.window_groups = window_groups  # a hybrid model's sliding layer groups
         self.backend = backend  # the one steps prepare with now
         self.decode_graphs: DecodeGraphs | None = None
         # The compiled graphs: being built, or built (`compiling.ready`); steps take
@@ -55,7 +58,8 @@ class ForwardPaths:
             raise ValueError("CUDA graphs need CUDA and a graph-safe attention backend")
         self.decode_graphs = DecodeGraphs(self.model, self.backend, self.block_size,
                                           plan.max_num_seqs, plan.max_model_len,
-                                          self.device, plan.capture, self.lora)
+                                          self.device, plan.capture, self.lora,
+                                          self.window_groups)
         if plan.capture:
             self.decode_graphs.capture_all()
 
@@ -97,7 +101,7 @@ class ForwardPaths:
         compiled = self.compiled
         if compiled is None:
             return self.model(batch.input_ids, batch.positions, lora=batch.lora), False
-        traced = self.backend.traced_decode(batch.attention)
+        traced = traced_decode(self.backend, batch.attention)
         decode_only = (batch.rows.num_sample == batch.rows.total == len(batch.input_ids)
                        and not batch.pooling)  # pooling needs the hidden rows
         if decode_only and (traced is not None or not compiled.paged_decode):
@@ -107,3 +111,14 @@ class ForwardPaths:
         # Mixed steps, and a decode step prepared before the graphs were ready (no
         # traced inputs): the graph that calls the custom op.
         return compiled.hidden(batch.input_ids, batch.positions, batch.lora), False
+
+
+def traced_decode(backend: AttentionBackend, meta) -> PagedDecode | None:
+    """The backend's traced-decode inputs of a prepared step; a hybrid model's
+    (GroupSteps) carry every layer group's tables and slots. None: not traceable."""
+    if type(meta) is not GroupSteps:
+        return backend.traced_decode(meta)
+    parts = [backend.traced_decode(m) for m in meta]
+    if any(p is None for p in parts):
+        return None
+    return parts[0]._replace(groups=tuple((p.block_tables, p.slots) for p in parts[1:]))

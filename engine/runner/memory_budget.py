@@ -18,13 +18,14 @@ DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
 def num_kv_blocks(config, model_config, model, device: torch.device, dtype: torch.dtype,
-                  kv_format) -> int:
+                  kv_format, layer_groups=None) -> int:
     """--num-kv-blocks, else --kv-cache-memory, else on CUDA what
-    --gpu-memory-utilization leaves after a profile step, else 1 GiB (CPU)."""
+    --gpu-memory-utilization leaves after a profile step, else 1 GiB (CPU).
+    layer_groups: a hybrid model's (a block then holds one layer group's K/V)."""
     from kvserve.engine.weights.loader import ModelLoadError
     from kvserve.engine.platform.device import check_fits
 
-    per_block = kv_format.bytes_per_block(model_config, config.block_size)
+    per_block = kv_format.bytes_per_block(model_config, config.block_size, layer_groups)
     if config.num_kv_blocks or config.kv_cache_memory is not None:
         num = config.num_kv_blocks or config.kv_cache_memory // per_block
     elif device.type == "cuda":
@@ -38,12 +39,19 @@ def num_kv_blocks(config, model_config, model, device: torch.device, dtype: torc
 
 
 def log_kv_cache(num_blocks: int, block_size: int, kv_format, model_config,
-                 max_model_len: int) -> None:
-    per_token = kv_format.bytes_per_block(model_config, block_size) / block_size
+                 max_model_len: int, layer_groups=None) -> None:
+    per_token = kv_format.bytes_per_block(model_config, block_size, layer_groups) / block_size
     log.info("KV cache: %d blocks of %d tokens, %s, %.1f KiB a token (%d tokens, %.1fx "
              "concurrency at %d)", num_blocks, block_size,
              str(kv_format.dtype).removeprefix("torch."), per_token / 1024,
              num_blocks * block_size, num_blocks * block_size / max_model_len, max_model_len)
+    if layer_groups is not None:
+        every = kv_format.bytes_per_block(model_config, block_size) / block_size
+        log.info("hybrid cache: a block holds one of %d layer groups (%d full-attention "
+                 "layers, or as many sliding-window ones): %.1f KiB a token past the "
+                 "%d-token window against %.1f KiB keeping every layer's",
+                 1 + layer_groups.window_groups, layer_groups.num_tensors,
+                 per_token / 1024, layer_groups.window, every / 1024)
     if model_config.mla is not None:
         full = full_kv_bytes_per_token(model_config, kv_format.dtype.itemsize)
         log.info("latent attention: %.1f KiB a token against %.1f KiB for every head's "

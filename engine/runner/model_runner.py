@@ -7,11 +7,13 @@ from itertools import accumulate
 
 import torch
 
-from kvserve.engine.kernels.attention import clear_attention_context, set_attention_context
+from kvserve.engine.kernels.attention import (clear_attention_context, prepare_step,
+                                              set_attention_context)
 from kvserve.engine.kernels.attention.backend import AttentionBackend
-from kvserve.engine.kernels.attention.step_metadata import build_host_step
+from kvserve.engine.kernels.attention.step_metadata import HostStep, build_host_step
 from kvserve.engine.lora.manager import LoRAManager
-from kvserve.engine.models.kv_caches import KVCacheFormat, attach_kv_caches, copy_blocks
+from kvserve.engine.models.kv_caches import (KVCacheFormat, LayerGroups, attach_kv_caches,
+                                             copy_blocks)
 from kvserve.engine.models.decoder import DecoderModel
 from kvserve.engine.platform import faults
 from kvserve.engine.platform.host_copy import to_device
@@ -19,7 +21,7 @@ from kvserve.engine.ranks.step_channel import StepChannel
 from kvserve.engine.runner.block_table_rows import BlockTableRows
 from kvserve.engine.runner.compiled_model import CompiledModel
 from kvserve.engine.runner.cuda_graphs import DecodeGraphPlan
-from kvserve.engine.runner.forward_paths import ForwardPaths
+from kvserve.engine.runner.forward_paths import ForwardPaths, traced_decode
 from kvserve.engine.runner.pooling import Pooler, PoolRows
 from kvserve.engine.runner.step_batch import FlatBatch, LaunchedStep
 from kvserve.engine.sampling import Sampler, StepResult
@@ -46,21 +48,26 @@ class ModelRunner:
                  attn_backend: AttentionBackend,
                  drafter=None, decode_graphs: DecodeGraphPlan | None = None,
                  lora: LoRAManager | None = None, step_channel: StepChannel | None = None,
-                 matchers: Matchers | None = None):
+                 matchers: Matchers | None = None, layer_groups: LayerGroups | None = None):
         self.model, self.device, self.block_size = model, device, block_size
         self.drafter, self.lora = drafter, lora
-        self.paths = ForwardPaths(model, attn_backend, device, block_size, lora)
+        groups = layer_groups.window_groups if layer_groups is not None else 0
+        self.paths = ForwardPaths(model, attn_backend, device, block_size, lora, groups)
         self.step_channel = step_channel
         cfg = model.config
         # One block more than the KV cache manager hands out: the compiled graphs'
         # warm-up steps write there (background compiling runs beside live steps).
         self.spare_block = num_blocks
-        self.kv_caches = attach_kv_caches(model, num_blocks + 1, block_size, kv_format, device)
+        self.kv_caches = attach_kv_caches(model, num_blocks + 1, block_size, kv_format, device,
+                                          layer_groups)
         if cfg.vocab_size >= MAX_EXACT_ID:
             raise ValueError("vocabularies of 2**24 tokens or more are not supported")
         self.sampler = Sampler(device, matchers)  # matchers: structured outputs' masks
         self.pooler = Pooler()  # embedding requests' partial sums
-        self.table_rows = BlockTableRows()  # the running requests' block tables
+        # The running requests' block tables: the full-attention layers', then a
+        # hybrid model's sliding layer groups' (kvcache/hybrid.py).
+        self.table_rows = BlockTableRows()
+        self.group_rows = [BlockTableRows(group=g) for g in range(1, groups + 1)]
         if decode_graphs is not None:
             self.paths.use_decode_graphs(decode_graphs)
 
@@ -98,15 +105,15 @@ class ModelRunner:
             steps = [([start] * d + [0], [1] * d + [prompt], [[spare, spare]] * (d + 1))
                      for d in (1, 2)]
         for starts, lens, tables in steps:
-            host = build_host_step(starts, lens, tables, bs)
+            host = build_host_step(starts, lens, tables, bs, [tables] * len(self.group_rows))
             ids = torch.zeros(len(host.positions), dtype=torch.long)
             positions, common, (input_ids,) = host.to_device(self.device, [ids])
-            meta = backend.prepare(common)
+            meta = prepare_step(backend, common)
             set_attention_context(backend, meta)
             adapters = (self.lora.warm_up_inputs(len(ids), per_token=decode),) if lora else ()
             try:
                 if decode:
-                    fn(input_ids, positions, backend.traced_decode(meta), *adapters)
+                    fn(input_ids, positions, traced_decode(backend, meta), *adapters)
                 else:
                     fn(input_ids, positions, *adapters)
             finally:
@@ -120,7 +127,7 @@ class ModelRunner:
         scheduling); they go from its output to this step's input on the device."""
         self.copy_blocks(out.block_copies)
         for request_id in out.preempted:  # readmitted, it gets other blocks
-            self.table_rows.drop(request_id)
+            self._drop_rows(request_id)
         if self.paths.takes_decode_graphs(out.scheduled, self.drafter):
             return self._launch_decode(out.scheduled, previous)
         if self.drafter is not None:
@@ -179,10 +186,11 @@ class ModelRunner:
         num_tokens through blocks 0.., and logits plus sampling probabilities for
         num_sampling_rows rows (the last hidden row repeated)."""
         blocks = list(range(-(-num_tokens // self.block_size)))
-        host = build_host_step([0], [num_tokens], [blocks], self.block_size)
+        host = build_host_step([0], [num_tokens], [blocks], self.block_size,
+                               [[blocks]] * len(self.group_rows))
         ids = torch.zeros(num_tokens, dtype=torch.long)
         positions, common, (input_ids,) = host.to_device(self.device, [ids])
-        set_attention_context(self.attn_backend, self.attn_backend.prepare(common))
+        set_attention_context(self.attn_backend, prepare_step(self.attn_backend, common))
         try:
             hidden = self.model(input_ids, positions)
         finally:
@@ -193,8 +201,7 @@ class ModelRunner:
     def _launch_decode(self, scheduled: list[ScheduledRequest],
                        previous: LaunchedStep | None) -> LaunchedStep:
         """A decode-only step through the padded (captured) forward pass."""
-        host = build_host_step([s.start for s in scheduled], [1] * len(scheduled),
-                               self.table_rows.gather(scheduled), self.block_size)
+        host = self._host_step(scheduled, [1] * len(scheduled))
         ids = to_device([0 if s.num_pending else s.request.token_ids[s.start]
                          for s in scheduled], torch.long, self.device)
         self._feed_pending(ids, scheduled, list(range(len(scheduled))), previous)
@@ -254,7 +261,17 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         self.sampler.release(request_id)
         self.pooler.release(request_id)
-        self.table_rows.drop(request_id)
+        self._drop_rows(request_id)
+
+    def _drop_rows(self, request_id: str) -> None:
+        for rows in (self.table_rows, *self.group_rows):
+            rows.drop(request_id)
+
+    def _host_step(self, scheduled: list[ScheduledRequest], lens: list[int]) -> HostStep:
+        """The step's host metadata over every layer group's block tables."""
+        return build_host_step([s.start for s in scheduled], lens,
+                               self.table_rows.gather(scheduled), self.block_size,
+                               [rows.gather(scheduled) for rows in self.group_rows])
 
     # -- batch preparation -----------------------------------------------------
     @faults.fault_point("prepare", lambda self, scheduled, *_: [s.request for s in scheduled])
@@ -282,8 +299,7 @@ class ModelRunner:
             if s.spec_token_ids:
                 rows.extend(range(query_starts[i], query_starts[i + 1]))
         counts = LogitRows(len(sampling), num_prompt, len(rows) - len(sampling) - num_prompt)
-        host = build_host_step([s.start for s in scheduled], lens,
-                               self.table_rows.gather(scheduled), self.block_size)
+        host = self._host_step(scheduled, lens)
         positions, common, (input_ids, logit_rows) = host.to_device(
             self.device, [torch.tensor(ids, dtype=torch.long),
                           torch.tensor(rows, dtype=torch.long)])
@@ -293,7 +309,8 @@ class ModelRunner:
         lora = (self.lora.step_inputs([s.request.lora for s in scheduled], lens)
                 if self.lora is not None else None)
         return FlatBatch(input_ids=input_ids, positions=positions,
-                         attention=self.attn_backend.prepare(common), logit_rows=logit_rows,
+                         attention=prepare_step(self.attn_backend, common),
+                         logit_rows=logit_rows,
                          rows=counts, sampling=sampling, prompt_spans=spans,
                          verifying=verifying, pooling=_pool_rows(scheduled, query_starts),
                          lora=lora, host=host)

@@ -10,6 +10,7 @@ import pytest
 from kvserve.engine.config.engine_config import EngineConfig
 from kvserve.engine.core.engine import Engine
 from kvserve.scheduler.sampling_params import SamplingParams
+from tests.engine.attention.paged_batch import DEVICE, needs_kernel_device
 from tests.support.reference import (assert_same_tokens, load_reference, reference_greedy,
                                      varied_prompts)
 
@@ -48,6 +49,9 @@ def test_greedy_matches_transformers_chunked_and_batched(family):
 # Families whose every layer has a window let go of the blocks it has passed: a
 # smaller cache still makes them preempt.
 CACHE_BLOCKS = {"mistralwin": 9, "phi3": 10}
+# Sliding-window layers between full-attention ones: their layer groups let go of
+# the blocks their window has passed (kvcache/hybrid.py).
+HYBRIDS = {"gemma2", "gemma3", "gptoss"}
 
 
 @pytest.mark.parametrize("family", FAMILIES, indirect=True)
@@ -66,7 +70,7 @@ def test_prefix_hits_and_preemption_keep_the_tokens(family, request):
     assert engine.generate(prompts, params) == reference(ref, prompts, params)
     assert engine.scheduler.num_preemptions > 0
     assert engine.scheduler.kv.stats.prefix_hits > 0
-    assert (engine.scheduler.kv.stats.window_dropped > 0) == (name in CACHE_BLOCKS)
+    assert (engine.scheduler.kv.stats.window_dropped > 0) == (name in {*CACHE_BLOCKS, *HYBRIDS})
     assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
 
 
@@ -192,6 +196,12 @@ def test_a_windowed_model_serves_requests_longer_than_its_cache(tiny_model_dir):
     engine = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=10, block_size=16,
                                  max_num_batched_tokens=32))
     assert engine.max_model_len > 10 * 16
+    _serves_300_token_requests(engine, model_dir)
+
+
+def _serves_300_token_requests(engine, model_dir) -> None:
+    """Two requests of 300 tokens equal to transformers, blocks let go of on the
+    way, every block back at the end."""
     prompts = varied_prompts(engine.model_config.vocab_size, count=2, seed=11,
                              lengths=(250, 190))
     params = [greedy(50)] * 2
@@ -199,6 +209,47 @@ def test_a_windowed_model_serves_requests_longer_than_its_cache(tiny_model_dir):
     assert engine.generate(prompts, params) == reference(ref, prompts, params)
     assert engine.scheduler.kv.stats.window_dropped > 0
     assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gptoss"])
+def test_a_hybrid_model_holds_longer_requests_in_the_same_memory(tiny_model_dir, name):
+    """Sliding layers between full ones (3 layers: sliding, full, sliding; window
+    24): a block holds one layer group, and the sliding groups let go of what their
+    window has passed, so the bytes of 12 blocks of every layer (192 tokens) hold
+    300-token requests, still equal to transformers; every block comes back."""
+    from kvserve.engine.config.model_config import ModelConfig
+
+    model_dir = tiny_model_dir(name)
+    cfg = ModelConfig.from_pretrained(str(model_dir))
+    tensors, heads, dim = cfg.kv_cache_dims()
+    every_layer = tensors * cfg.num_layers * 16 * heads * dim * 4  # a block, float32
+    engine = Engine(EngineConfig(model=str(model_dir), kv_cache_memory=12 * every_layer,
+                                 block_size=16, max_num_batched_tokens=32))
+    assert engine.scheduler.kv.num_blocks == 36  # one layer a block, three groups
+    assert engine.max_model_len > 12 * 16
+    _serves_300_token_requests(engine, model_dir)
+    # vLLM's switch back: one table, a block of every layer, the cache caps the context
+    one = Engine(EngineConfig(model=str(model_dir), kv_cache_memory=12 * every_layer,
+                              block_size=16, disable_hybrid_kv_cache_manager=True))
+    assert (one.scheduler.kv.num_blocks, one.max_model_len) == (12, 12 * 16)
+    assert not one.scheduler.kv.live_group_tables("any")
+
+
+@needs_kernel_device
+def test_a_hybrid_models_layer_groups_through_the_triton_kernels(tiny_model_dir):
+    """Each layer's group's tables and slots reach the Triton kernels (interpreted on
+    CPU): prompts past the window, chunked, beside decodes."""
+    model_dir = tiny_model_dir("gemma3")
+    engine = Engine(EngineConfig(model=str(model_dir), device=DEVICE, attention_backend="triton",
+                                 enforce_eager=True, num_kv_blocks=64,
+                                 max_num_batched_tokens=32))
+    prompts = varied_prompts(engine.model_config.vocab_size, count=3, seed=5,
+                             lengths=(60, 33, 5))
+    params = [greedy(12)] * len(prompts)
+    ref = load_reference(model_dir)
+    got = engine.generate(prompts, params)
+    assert_same_tokens(ref, prompts, got, reference(ref, prompts, params))
+    assert engine.scheduler.kv.stats.window_dropped > 0
 
 
 def test_a_draft_model_that_sees_everything_keeps_every_block(tiny_model_dir):

@@ -42,10 +42,26 @@ class AttentionMetadata:
     num_prefills: int
     num_tokens: int
     block_size: int
+    # A hybrid model's sliding-window layer groups: the same step over each group's
+    # own block tables and cache slots, group 1 first (kvcache/hybrid.py); ().
+    groups: tuple[AttentionMetadata, ...] = ()
 
     @property
     def num_reqs(self) -> int:
         return self.num_decodes + self.num_prefills
+
+
+class GroupSteps(tuple):
+    """A hybrid model's step as its backend prepared it for each layer group's
+    tables (index: the group; a layer's `kv_group` picks its own)."""
+
+
+def prepare_step(backend: Any, common: AttentionMetadata) -> Any:
+    """backend.prepare(common), for every layer group where the model has several."""
+    meta = backend.prepare(common)
+    if not common.groups:
+        return meta
+    return GroupSteps((meta, *(backend.prepare(g) for g in common.groups)))
 
 
 _local = threading.local()  # .current: (backend, what its prepare returned) or None
@@ -76,19 +92,25 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
                     k_scale: Optional[torch.Tensor] = None,
                     v_scale: Optional[torch.Tensor] = None, window: int = 0,
-                    softcap: float = 0.0, sinks: Optional[torch.Tensor] = None
-                    ) -> torch.Tensor:
+                    softcap: float = 0.0, sinks: Optional[torch.Tensor] = None,
+                    kv_group: int = 0) -> torch.Tensor:
     """The attention call of every layer: stores the new tokens' K/V and attends,
     through the step's backend. q: [T, Hq, D]; k, v: [T, Hkv, D]; returns [T, Hq, D].
     k_scale, v_scale: the layer's fp8 cache scales (None: a cache in the model dtype).
     window (a sliding window's keys, 0: all), softcap (0.0: none), sinks ([Hq] logits,
-    None: none): what some families add (engine/kernels/attention/score_mods.py)."""
+    None: none): what some families add (engine/kernels/attention/score_mods.py).
+    kv_group: the layer group whose block tables the layer's cache is read by."""
     backend, meta = _current()
+    if type(meta) is GroupSteps:
+        meta = meta[kv_group]
+    elif kv_group:  # the full group's slots would land in another group's blocks
+        raise RuntimeError("a layer of a hybrid cache's group was run on a step "
+                           "prepared for one block table (use prepare_step)")
     return backend.forward(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale,
                            window, softcap, sinks)
 
 
 @paged_attention.register_fake
 def _paged_attention_shape(q, k, v, k_cache, v_cache, scale, k_scale=None, v_scale=None,
-                           window=0, softcap=0.0, sinks=None):
+                           window=0, softcap=0.0, sinks=None, kv_group=0):
     return torch.empty_like(q)

@@ -47,6 +47,16 @@ class PagedDecode(NamedTuple):
     block_tables: torch.Tensor  # [B, W] int32 (W >= 2: see `widened`)
     seq_lens: torch.Tensor  # [B] int32, the new token included
     slots: torch.Tensor  # [B] int64, where each new token's K/V goes
+    # A hybrid model's sliding-window layer groups' (block_tables, slots), group 1
+    # first (kvcache/hybrid.py); () for other models.
+    groups: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+
+    def of_group(self, group: int) -> PagedDecode:
+        """The inputs a layer of layer group `group` reads and writes by."""
+        if not group:
+            return self
+        tables, slots = self.groups[group - 1]
+        return PagedDecode(tables, self.seq_lens, slots)
 
 
 def widened(block_tables: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import accumulate
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -23,14 +23,20 @@ class HostStep:
     max_seq_len: int
     num_decodes: int
     block_size: int
+    # A hybrid model's sliding-window layer groups' (slot_mapping, block_tables),
+    # group 1 first (engine/models/kv_caches.py LayerGroups); () for other models.
+    groups: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
 
     def to_device(self, device: torch.device, extra: Sequence[torch.Tensor] = ()
                   ) -> tuple[torch.Tensor, AttentionMetadata, list[torch.Tensor]]:
         """(positions, the common attention metadata, `extra`) on `device`, moved
         together with one copy per dtype."""
-        positions, slots, qsl, seq_lens, tables, *extra = upload(
+        num_extra = len(extra)
+        positions, slots, qsl, seq_lens, tables, *rest = upload(
             [self.positions, self.slot_mapping, self.query_start_loc, self.seq_lens,
-             self.block_tables, *extra], device)
+             self.block_tables, *extra, *(t for group in self.groups for t in group)],
+            device)
+        extra, flat_groups = rest[:num_extra], rest[num_extra:]
         num_reqs = len(self.seq_lens)
         meta = AttentionMetadata(
             slot_mapping=slots, query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables,
@@ -38,14 +44,19 @@ class HostStep:
             max_query_len=self.max_query_len, max_seq_len=self.max_seq_len,
             num_decodes=self.num_decodes, num_prefills=num_reqs - self.num_decodes,
             num_tokens=len(self.positions), block_size=self.block_size)
+        if flat_groups:
+            meta.groups = tuple(replace(meta, slot_mapping=s, block_tables=t)
+                                for s, t in zip(flat_groups[::2], flat_groups[1::2]))
         return positions, meta, extra
 
 
 def build_host_step(starts: list[int], lens: list[int],
-                    tables: list[list[int]] | np.ndarray, block_size: int) -> HostStep:
+                    tables: list[list[int]] | np.ndarray, block_size: int,
+                    group_tables: Sequence[list[list[int]] | np.ndarray] = ()) -> HostStep:
     """starts[i]: tokens request i already has in the cache; lens[i]: tokens it
     computes now; tables: its block table, as lists or already padded ([R, width],
-    see engine/runner/block_table_rows.py). Requests that compute one token must come first
+    see engine/runner/block_table_rows.py); group_tables: a hybrid model's sliding
+    layer groups' tables, alike. Requests that compute one token must come first
     (they are the decodes). Numpy, not torch: a few small ops, each ~1 µs instead of
     several, on the host's critical path every step."""
     num_decodes = lens.count(1)
@@ -61,15 +72,21 @@ def build_host_step(starts: list[int], lens: list[int],
         req_index = np.repeat(np.arange(len(lens)), lens_a)
         positions = starts_a[req_index] + (np.arange(query_start[-1])
                                            - query_start[req_index])
-    table = tables if isinstance(tables, np.ndarray) else _pad(tables)
-    idx = np.minimum(positions // block_size, table.shape[1] - 1)
-    slots = table[req_index, idx] * block_size + positions % block_size
+    block_index, offset = positions // block_size, positions % block_size
+
+    def slots_and_table(tables) -> tuple[torch.Tensor, torch.Tensor]:
+        table = tables if isinstance(tables, np.ndarray) else _pad(tables)
+        idx = np.minimum(block_index, table.shape[1] - 1)
+        return (torch.from_numpy(table[req_index, idx] * block_size + offset),
+                torch.from_numpy(table.astype(np.int32)))
+
+    slots, table = slots_and_table(tables)
     seq_lens = starts_a + lens_a
-    return HostStep(torch.from_numpy(positions), torch.from_numpy(slots),
+    return HostStep(torch.from_numpy(positions), slots,
                     torch.from_numpy(query_start.astype(np.int32)),
-                    torch.from_numpy(seq_lens.astype(np.int32)),
-                    torch.from_numpy(table.astype(np.int32)),
-                    max(lens), int(seq_lens.max()), num_decodes, block_size)
+                    torch.from_numpy(seq_lens.astype(np.int32)), table,
+                    max(lens), int(seq_lens.max()), num_decodes, block_size,
+                    tuple(slots_and_table(t) for t in group_tables))
 
 
 def _pad(tables: list[list[int]]) -> np.ndarray:
