@@ -69,7 +69,7 @@ CUDA_TESTS = ["tests/engine/attention", "tests/engine/test_decode_graphs.py",
               "tests/engine/test_parity.py", "tests/engine/moe"]
 # Every model family through the engine on the GPU (issue 52): Triton attention with
 # windows, soft-caps and sinks, the fused-MoE kernels, CUDA graphs, float32 parity;
-# and their GGUF files (kept experts expanded on CUDA).
+# and their GGUF files (kept experts read quantized by the Triton GEMMs).
 FAMILY_TESTS = ["tests/engine/test_model_families.py", "tests/engine/test_rotary.py",
                 "tests/engine/test_gguf_families.py",
                 "tests/engine/test_gguf_families_generate.py"]

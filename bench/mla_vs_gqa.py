@@ -2,8 +2,9 @@
 random checkpoints of near-equal parameters, one DeepSeek-V3-style (MLA; every
 layer's MLP dense, so only the attention differs in kind) and one Llama-style GQA,
 served by kvserve's engine one after the other in one run: KV cache bytes per token
-(what the cache holds), and decode tokens/s at a long context (where attention's
-reads matter) for one sequence and for a batch.
+(what the cache holds), decode tokens/s at a long context (where attention's reads
+matter) for one sequence and for a batch, and the time of a fresh prompt of that
+context (MLA's expanded per head, and absorbed as decodes are, for comparison).
 
     python bench/mla_vs_gqa.py [--context 1024 --batch 8 --out FILE.json]
 
@@ -74,7 +75,33 @@ def measure(model_dir: Path, context: int, batch: int) -> dict:
         seconds = time.perf_counter() - start
         # prefix hits make the second prefill one token a sequence: the time is decode's
         row[f"decode_tok_s_batch{n}"] = round(sum(len(o) for o in out) / seconds, 1)
+    row["prefill_ms"] = prefill_ms(engine, context, generator)
+    if engine.model_config.mla is not None:  # the same prompts absorbed, for comparison
+        from kvserve.engine.kernels.attention import torch_backend
+
+        expands, torch_backend.expands = torch_backend.expands, lambda *_: False
+        try:
+            row["prefill_ms_absorbed"] = prefill_ms(engine, context, generator)
+        finally:
+            torch_backend.expands = expands
     return row
+
+
+def prefill_ms(engine, context: int, generator, repeats: int = 3) -> float:
+    """The best of `repeats` fresh `context`-token prompts' time to the first token
+    (one request; new tokens each time, so no prefix hit)."""
+    import torch
+
+    from kvserve.scheduler.sampling_params import SamplingParams
+
+    best = float("inf")
+    for _ in range(repeats):
+        prompt = torch.randint(100, 40000, (context,), generator=generator).tolist()
+        start = time.perf_counter()
+        engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0,
+                                                 ignore_eos=True))
+        best = min(best, time.perf_counter() - start)
+    return round(best * 1000, 1)
 
 
 def main() -> None:
@@ -97,6 +124,8 @@ def main() -> None:
                                             / result["mla"]["kv_bytes_per_token"], 2)
     for key in ("decode_tok_s_batch1", f"decode_tok_s_batch{args.batch}"):
         result[f"{key}_mla_over_gqa"] = round(result["mla"][key] / result["gqa"][key], 2)
+    result["prefill_absorbed_over_expanded"] = round(
+        result["mla"]["prefill_ms_absorbed"] / result["mla"]["prefill_ms"], 2)
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

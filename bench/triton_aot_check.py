@@ -27,7 +27,8 @@ the model dtype and fp8 e4m3 (sm_90 only: engine/kernels/attention/selector.py r
 cache below compute capability 8.9; none under tensor parallelism, which refuses LoRA
 and CUDA graphs too); block sizes 16 (the default) and 32; LoRA max ranks 4-64 over 1
 or 4 slots; windowed, soft-capped and sink layers (Gemma 2, gpt-oss); the routed
-experts of Qwen3-30B-A3B, gpt-oss-20b and Mixtral-8x7B shapes (MOE_SHAPES).
+experts of Qwen3-30B-A3B, gpt-oss-20b and Mixtral-8x7B shapes (MOE_SHAPES), in the
+model dtypes and quantized (MOE_QUANT).
 
   python bench/triton_aot_check.py --markdown out.md --json out.json
   python bench/triton_aot_check.py --targets 90 --block-sizes 16 --one-per-variant
@@ -260,14 +261,35 @@ MOE_SHAPES = {"qwen3-30b-a3b": (2048, 768, 8, False), "gpt-oss-20b": (2880, 2880
               "mixtral-8x7b": (4096, 14336, 2, False)}
 
 
-def run_moe(hidden: int, inter: int, top_k: int, oai: bool, dtype: torch.dtype) -> None:
-    """The routed experts' Triton GEMMs at decode and prompt sizes. Two experts are
-    allocated (never filled): the kernels' strides are those of any count."""
+# Quantized experts the kernels widen as they load (triton_experts._weight_tile):
+# int8 rows (--quantization int8), int8 groups of 32 (a GGUF's Q8_0), 4-bit code pairs
+# with minimums in groups of 32 (a GGUF's K-quants, --quantization int4).
+MOE_QUANT = ("int8-rows", "int8-groups", "int4-groups")
+
+
+def _experts(shape: tuple[int, int, int], dtype: torch.dtype, quant: str | None):
+    """(weights, (scale, minimum)) of experts of `shape` stored as `quant` says."""
+    e, n, k = shape
+    if quant is None:
+        return torch.empty(shape, dtype=dtype), (None, None)
+    if quant == "int8-rows":
+        return torch.empty(shape, dtype=torch.int8), (torch.empty(e, n), None)
+    groups = torch.empty(e, n, k // 32)
+    if quant == "int8-groups":
+        return torch.empty(shape, dtype=torch.int8), (groups, None)
+    return torch.empty(e, n, k // 2, dtype=torch.uint8), (groups, torch.empty(e, n, k // 32))
+
+
+def run_moe(hidden: int, inter: int, top_k: int, oai: bool, dtype: torch.dtype,
+            quant: str | None = None) -> None:
+    """The routed experts' Triton GEMMs at decode and prompt sizes, their weights as
+    stored by `quant` (MOE_QUANT; None: in `dtype`). Two experts are allocated (never
+    filled): the kernels' strides are those of any count."""
     from kvserve.engine.kernels.moe.triton_experts import triton_fused_experts
 
     experts = 2
-    w13 = torch.empty(experts, 2 * inter, hidden, dtype=dtype)
-    w2 = torch.empty(experts, hidden, inter, dtype=dtype)
+    w13, q13 = _experts((experts, 2 * inter, hidden), dtype, quant)
+    w2, q2 = _experts((experts, hidden, inter), dtype, quant)
     biases = ((torch.empty(experts, 2 * inter, dtype=dtype),
                torch.empty(experts, hidden, dtype=dtype)) if oai else (None, None))
     activation = ("swiglu_oai", 7.0, 1.702) if oai else ("silu", 0.0, 0.0)
@@ -275,7 +297,7 @@ def run_moe(hidden: int, inter: int, top_k: int, oai: bool, dtype: torch.dtype) 
         x = torch.empty(tokens, hidden, dtype=dtype)
         ids = torch.arange(tokens * top_k).remainder(experts).view(tokens, top_k)
         weights = torch.empty(tokens, top_k, dtype=dtype)
-        triton_fused_experts(x, ids, weights, w13, w2, 0, *biases, *activation)
+        triton_fused_experts(x, ids, weights, w13, w2, 0, *biases, *activation, q13, q2)
 
 
 def configurations(target: Target, block_sizes: tuple[int, ...]
@@ -285,6 +307,9 @@ def configurations(target: Target, block_sizes: tuple[int, ...]
         for dtype in DTYPES:
             yield (f"{name} experts {str(dtype).removeprefix('torch.')}",
                    lambda s=shape, d=dtype: run_moe(*s, d))
+        for quant in MOE_QUANT:  # activations in bf16, as served
+            yield (f"{name} experts bfloat16 {quant}",
+                   lambda s=shape, q=quant: run_moe(*s, torch.bfloat16, q))
     for name, cfg in model_configs().items():
         for tp in TP_SIZES:
             rank = rank_config(cfg, tp)

@@ -3,7 +3,8 @@ the engine's memory check and for `kvserve estimate` (which runs without torch).
 
 `shape` is anything with the Hugging Face sizes under our names (engine's ModelConfig,
 the bench client's ModelShape): hidden_size, intermediate_size, num_layers,
-num_heads, num_kv_heads, head_dim, vocab_size, tie_word_embeddings. Quantization
+num_heads, num_kv_heads, head_dim, vocab_size, tie_word_embeddings (and qk_norm where
+QK-norm applies). Quantization
 covers the decoder layers' projections; embeddings, the LM head and the norms stay
 in the model dtype (engine/weights/quantization/)."""
 from __future__ import annotations
@@ -13,10 +14,10 @@ SCALE_BYTES = 2  # int4's scale and minimum per group are float16, as in GGUF
 
 
 def projection_bytes(rows: int, cols: int, dtype_bytes: float, quantization: str,
-                     group_size: int = 32) -> float:
+                     group_size: int = 32, scale_bytes: int = SCALE_BYTES) -> float:
     """One [rows, cols] projection: int8 keeps a scale per row in the model dtype,
-    fp8 one in float32 (_scaled_mm's), int4 a float16 scale and minimum per group of
-    `group_size` inputs."""
+    fp8 one in float32 (_scaled_mm's), int4 a scale and minimum of `scale_bytes` each
+    (float16; the experts' float32) per group of `group_size` inputs."""
     weights = rows * cols
     if quantization == "none":
         return weights * dtype_bytes
@@ -25,7 +26,7 @@ def projection_bytes(rows: int, cols: int, dtype_bytes: float, quantization: str
     if quantization == "fp8":
         return weights + rows * 4
     if quantization == "int4":
-        return weights / 2 + 2 * SCALE_BYTES * weights / group_size
+        return weights / 2 + 2 * scale_bytes * weights / group_size
     raise ValueError(f"unknown quantization {quantization!r}; choose {', '.join(QUANTIZATIONS)}")
 
 
@@ -36,22 +37,26 @@ def weight_bytes(shape, dtype_bytes: float, quantization: str = "none",
     latent-attention one (an `mla`) its own projections."""
     h = shape.hidden_size
 
-    def size(projections, quantization: str = quantization) -> float:
-        return sum(projection_bytes(r, c, dtype_bytes, quantization, group_size)
+    def size(projections, quantization: str = quantization,
+             scale_bytes: int = SCALE_BYTES) -> float:
+        return sum(projection_bytes(r, c, dtype_bytes, quantization, group_size, scale_bytes)
                    for r, c in projections)
 
-    # Routed experts are quantized by int8 only (on CPU); other modes keep them.
-    experts = quantization if quantization in ("none", "int8") else "none"
+    # Routed experts are quantized by int8 and int4 (on CPU; int4's group factors in
+    # float32, as the experts kernel reads them); fp8 keeps them.
+    experts = quantization if quantization in ("none", "int8", "int4") else "none"
 
-    attention = size(_attention_projections(shape)) + 2 * h * dtype_bytes  # + two norms
+    norms = 2 * h + (2 * shape.head_dim if getattr(shape, "qk_norm", False) else 0)
+    attention = size(_attention_projections(shape)) + norms * dtype_bytes  # + QK-norm's
     moe = getattr(shape, "moe", None)
     total = 0.0
     for layer in range(shape.num_layers):
         if moe is not None and moe.is_sparse(layer):
             inter, shared = moe.intermediate_size, moe.shared_expert_intermediate_size
             routers = moe.num_experts + bool(moe.shared_expert_gate)  # rows of h each
-            mlp = moe.num_experts * size([(2 * inter, h), (h, inter)], experts) + size(
-                [(2 * shared, h), (h, shared)]) + routers * h * dtype_bytes
+            shared_mlp = size([(2 * shared, h), (h, shared)]) if shared else 0.0
+            mlp = (moe.num_experts * size([(2 * inter, h), (h, inter)], experts, 4)
+                   + shared_mlp + routers * h * dtype_bytes)
         else:
             inter = shape.intermediate_size
             mlp = size([(2 * inter, h), (h, inter)])

@@ -15,15 +15,16 @@ attention over the latents, then W_UV[h]. That is multi-query attention with one
 KV head, which every attention path (the torch reference, kvserve's CPU kernels,
 Triton, the compiled decode graphs) already runs: the cache tensor is passed as
 both K and V, and of each head's output only the latent part is kept (the rotary
-part is attention over k_rot, unused). Prompts are absorbed too; expanding them
-per head (fewer FLOPs for long prompts, as vLLM's prefill does) is left for later."""
+part is attention over k_rot, unused). Long prompt chunks are expanded per head
+instead where the backend can (fewer multiply-adds past ~170 queries at DeepSeek-V3's
+widths, as vLLM's prefill does): engine/kernels/attention/latent.py."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from kvserve.engine.config.model_config import ModelConfig
-from kvserve.engine.kernels.attention import paged_attention
+from kvserve.engine.kernels.attention.latent import latent_attention
 from kvserve.engine.kernels.attention.cpu_paged import PagedDecode, decode_in_place
 from kvserve.engine.models.layers import PlainWeight, RMSNorm
 from kvserve.engine.models.linear import Linear
@@ -123,10 +124,15 @@ class MLAttention(nn.Module):
         w_uk, w_uv = self._up_projections()
         q_latent = torch.einsum("thd,hdl->thl", q_nope, w_uk)
         q = torch.cat((q_latent, self._rotate(q_rot, rope)), dim=-1)  # [T, H, L + R]
-        if paged is None:
-            o = paged_attention(q, entry, entry, self.k_cache, self.v_cache, self.scale)
+        if paged is None:  # long prompt chunks expanded where the backend can
+            o, expanded = latent_attention(q, q_nope, entry, self.k_cache,
+                                           self.kv_b_proj.weight, self.scale,
+                                           mla.qk_nope_head_dim)
         else:
             o = decode_in_place(q, entry, entry, self.k_cache, self.v_cache, paged,
                                 self.scale)
+            expanded = None
         o = torch.einsum("thl,hvl->thv", o[..., :mla.kv_lora_rank], w_uv)
+        if expanded is not None:
+            o = o + expanded
         return self.o_proj(o.reshape(n, -1))

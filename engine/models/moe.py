@@ -20,6 +20,7 @@ from kvserve.engine.models import tp_comm as comm
 from kvserve.engine.models.layers import PlainWeight
 from kvserve.engine.models.linear import Linear
 from kvserve.engine.models.mlp import MLP
+from kvserve.engine.models.quantized.int4 import quantize_int4
 from kvserve.engine.models.quantized.int8 import quantize_int8
 from kvserve.engine.models.tp_shard import SINGLE, TPShard
 
@@ -75,6 +76,19 @@ class FusedExperts(nn.Module):
             delattr(self, name)
             self.register_buffer(name, q.view(w.shape))
             self.register_buffer(f"{name}_scale", scales.view(w.shape[:2]))
+
+    def quantize_int4(self, group_size: int) -> None:
+        """Each expert's rows rounded to 4-bit codes with a scale and a minimum per
+        group of `group_size` inputs, as Int4Linear rounds a projection (--quantization
+        int4), kept as a GGUF's 4-bit experts are (two codes a byte, float32 group
+        factors: keep_groups), so the same kernels read them."""
+        for name in ("w13", "w2"):
+            w = getattr(self, name).data
+            e, n, k = w.shape
+            q, scales, mins = quantize_int4(w.reshape(e * n, k), group_size)
+            codes = (q[:, 0::2] | (q[:, 1::2] << 4)).view(e, n, k // 2)
+            self.keep_groups(name, codes, scales.t().float().reshape(e, n, -1),
+                             mins.t().float().reshape(e, n, -1))
 
     def keep_groups(self, name: str, q: torch.Tensor, scale: torch.Tensor,
                     low: torch.Tensor | None) -> None:

@@ -64,9 +64,10 @@ def load_gguf_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype,
                     kept[kind] += 1
                     repacked.update(weights + biases)
         kept.update(keep_vocabulary(ckpt, model, names, tied, dtype, device))
-    # Kept experts run on CPU only: CUDA's Triton grouped GEMMs read float experts.
-    experts = _place_experts(ckpt, model, quantization == "auto" and device.type == "cpu",
-                             kept, device)  # (and gives every float tensor storage)
+    # Kept experts: read by kvserve's CPU kernel, or widened tile by tile in CUDA's
+    # Triton grouped GEMMs (engine/kernels/moe/triton_experts.py).
+    experts = _place_experts(ckpt, model, quantization == "auto", kept,
+                             device)  # (and gives every float tensor storage)
     if tied and hasattr(model.lm_head, "weight"):  # both float: one copy
         model.lm_head.weight = model.embed_tokens.weight
     expert_tensors = {n for i in experts for kind in ("weight", "bias")

@@ -87,6 +87,11 @@ def get_attention_metadata() -> Any:
     return _current()[1]
 
 
+def get_attention_backend() -> Any:
+    """The step's backend."""
+    return _current()[0]
+
+
 @torch.library.custom_op("kvserve::paged_attention", mutates_args=("k_cache", "v_cache"))
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from kvserve.engine.kernels.attention import score_mods
 from kvserve.engine.kernels.attention.backend import AttentionBackend
 from kvserve.engine.kernels.attention.context import AttentionMetadata
+from kvserve.engine.kernels.attention.latent import expands
 from kvserve.engine.kernels.attention.cpu_paged import (PagedDecode, kernel_reads, paged_decode,
                                                         store_kv, widened)
 from kvserve.engine.kernels.attention.step_metadata import context_slots
@@ -185,6 +186,26 @@ class TorchBackend(AttentionBackend):
                                      c.block_tables[i] if in_place else None, ctx_len))
         return spans
 
+    def latent_attention(self, q, q_nope, entry, cache, meta: TorchAttentionMetadata, scale,
+                         kv_b, nope):
+        """kvserve::latent_attention (latent.py): prompt chunks long enough expanded,
+        every other row absorbed."""
+        heads, latent = q.shape[1], kv_b.shape[1]
+        v_dim = kv_b.shape[0] // heads - nope
+        rotary = q.shape[-1] - latent
+        chosen = [expands(s.query_len, latent, rotary, nope, v_dim) for s in meta.prefills]
+        long = [s for s, expand in zip(meta.prefills, chosen) if expand]
+        rest = replace(meta, prefills=[s for s, expand in zip(meta.prefills, chosen)
+                                       if not expand], _windowed={}) if long else meta
+        absorbed = self.forward(q, entry, entry, cache, cache, rest, scale)  # stores all
+        expanded = q.new_zeros(q.shape[0], heads, v_dim)
+        for span in long:
+            rows = slice(span.query_start, span.query_start + span.query_len)
+            absorbed[rows] = 0
+            expanded[rows] = _expanded_prefill(q[rows], q_nope[rows], cache, span, scale,
+                                               kv_b, nope)
+        return absorbed, expanded
+
     def forward(self, q, k, v, k_cache, v_cache, meta: TorchAttentionMetadata, scale,
                 k_scale=None, v_scale=None, window=0, softcap=0.0, sinks=None):
         store_kv(k[meta.store_rows], v[meta.store_rows], k_cache, v_cache, meta.store_slots,
@@ -223,6 +244,21 @@ class TorchBackend(AttentionBackend):
             o = _short(q[rows], *context(slots), mask, *mods)
             out[rows.reshape(-1)] = o.reshape(-1, *o.shape[2:])
         return out
+
+
+def _expanded_prefill(q, q_nope, cache, span: PrefillSpan, scale, kv_b, nope):
+    """One prompt chunk of latent attention expanded (latent.py): each head's keys
+    [W_UK c, k_rot] and values W_UV c made from the context's latents, then plain
+    attention. q [Q, H, latent + rotary] (its rotary part read), q_nope [Q, H, nope];
+    -> [Q, H, v]."""
+    heads, latent = q.shape[1], kv_b.shape[1]
+    rows = cache.view(-1, cache.shape[-1])[span.context_slots].to(q.dtype)  # [C, L + R]
+    kv = torch.einsum("cl,hdl->hcd", rows[:, :latent], kv_b.view(heads, -1, latent))
+    rot = rows[:, latent:]
+    k = torch.cat((kv[..., :nope], rot.expand(heads, *rot.shape)), dim=-1)
+    query = torch.cat((q_nope, q[..., latent:]), dim=-1).transpose(0, 1)  # [H, Q, nope + R]
+    o = _attend(query[None], k[None], kv[None, ..., nope:], span.mask, scale, 0.0, None)
+    return o[0].transpose(0, 1)
 
 
 def _attend(q, k, v, mask, scale, softcap, sinks):

@@ -54,12 +54,11 @@ def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     (triton_experts.py), which a CUDA graph can capture; here the pairs' counts are
     read on the host."""
     if x.device.type == "cuda":
-        if w13_scale is not None:
-            raise NotImplementedError("int8 experts run on CPU; CUDA's stay bf16")
         from kvserve.engine.kernels.moe.triton_experts import triton_fused_experts
 
         return triton_fused_experts(x, topk_ids, topk_weights, w13, w2, first_expert, b13,
-                                    b2, activation, limit, alpha)
+                                    b2, activation, limit, alpha, (w13_scale, w13_min),
+                                    (w2_scale, w2_min))
     num_experts = w13.shape[0]
     top_k = topk_ids.shape[1]
     local = topk_ids.reshape(-1) - first_expert

@@ -2,7 +2,7 @@
 
 Online quantization (as vLLM's --quantization fp8) rounds a float checkpoint's
 decoder projections at load (a mixture-of-experts model's routed experts too, in
-int8 on CPU; never its router): int8 (int8.py, one scale per output channel), int4
+int8 or int4; never its router): int8 (int8.py, one scale per output channel), int4
 (int4.py, a scale and a minimum per group of 32 inputs) or, on Ada/Hopper GPUs, fp8
 (fp8.py: e4m3 weights and per-token e4m3 activations); the layer kinds live in
 engine/models/quantized/. A GGUF checkpoint's own
@@ -57,22 +57,31 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = 32,
             scales = search_scales(linear.weight, inputs[name], fake, linear.weight.dtype)
         setattr(parent, attr, Int8Linear.of(linear, scales) if kind == "int8"
                 else Int4Linear.of(linear, group_size, scales))
-    quantize_experts(model, kind)
+    quantize_experts(model, kind, group_size)
 
 
-def quantize_experts(model: nn.Module, kind: str) -> None:
-    """A mixture-of-experts model's routed experts in int8 (int8 modes: on CPU, where
-    the fused-experts op reads them; CUDA's Triton kernels read bf16, so they stay
-    so there, logged). int4 modes leave them in the model dtype (logged)."""
+def quantize_experts(model: nn.Module, kind: str, group_size: int = 32) -> None:
+    """A mixture-of-experts model's routed experts in int8 (a scale per row) or int4
+    (codes two to a byte, a scale and a minimum per group of `group_size` inputs):
+    the fused-experts op reads them, through kvserve's kernel on CPU and widened as
+    they are loaded in the Triton GEMMs on CUDA."""
     experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
     if not experts:
         return
-    if kind != "int8" or experts[0].w13.device.type != "cpu":
-        log.info("--quantization %s: the routed experts stay in the model dtype (int8 "
-                 "experts run on CPU)", kind)
-        return
+    if kind == "int4":
+        _check_expert_groups(experts[0], group_size)
     for module in experts:
-        module.quantize_int8()
+        module.quantize_int8() if kind == "int8" else module.quantize_int4(group_size)
+
+
+def _check_expert_groups(experts: FusedExperts, group_size: int) -> None:
+    for name in ("w13", "w2"):
+        inputs = getattr(experts, name).shape[-1]
+        if inputs % group_size:
+            works = [g for g in (32, 64, 128) if inputs % g == 0]
+            raise ModelLoadError(f"--quantization-group-size {group_size} does not divide the "
+                                 f"experts' {inputs} inputs ({name}); this model takes "
+                                 f"{' or '.join(map(str, works)) or 'none of 32, 64, 128'}")
 
 
 def quantize_fp8_model(model: nn.Module) -> None:
@@ -87,7 +96,9 @@ def quantize_fp8_model(model: nn.Module) -> None:
 def check_int4_shapes(model: nn.Module, group_size: int) -> None:
     """Whole groups in every projection's inputs, and rows in the CPU kernel's
     blocks of 64, or a start-up error naming what would work."""
-    for name, _, _, linear in decoder_linears(model):
+    for name, parent, _, linear in decoder_linears(model):
+        if isinstance(parent, SparseMoE):
+            continue  # the router stays float (quantize_model)
         rows, cols = linear.weight.shape
         if cols % group_size:
             works = [g for g in (32, 64, 128) if cols % g == 0]

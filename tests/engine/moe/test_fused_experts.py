@@ -21,7 +21,7 @@ interpreted = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_availabl
 
 
 def on_device(args):
-    return [None if a is None else a.to(DEVICE) for a in args]
+    return [a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args]
 
 
 def case(tokens=7, experts=6, top_k=2, hidden=40, inter=24, bias=False, seed=0,
@@ -111,6 +111,47 @@ def test_triton_kernels_leave_other_ranks_experts_out():
     got = triton_fused_experts(*on_device([x, ids, weights, w13[4:], w2[4:]]), 4).cpu()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert BLOCK_M >= 16  # tl.dot's smallest tile on the GPU
+
+
+def _quantized(w: torch.Tensor, kind: str, g: torch.Generator, group: int):
+    """(stored weight, scale, minimum) of `kind`: int8 rows (a scale per row), int8
+    values in groups with scales, or 4-bit code pairs in groups with scales and
+    minimums (a GGUF's kept experts, --quantization int4)."""
+    from kvserve.engine.models.quantized.int8 import quantize_int8
+
+    e, n, k = w.shape
+    if kind == "rows":
+        q, scale = quantize_int8(w.reshape(-1, k), torch.float32)
+        return q.view(e, n, k), scale.view(e, n), None
+    scale = torch.rand(e, n, k // group, generator=g) * 0.01 + 0.002
+    if kind == "groups":
+        return torch.randint(-127, 128, (e, n, k), generator=g, dtype=torch.int8), scale, None
+    low = -torch.rand(e, n, k // group, generator=g) * 0.2
+    return torch.randint(0, 256, (e, n, k // 2), generator=g, dtype=torch.uint8), scale, low
+
+
+@interpreted
+@pytest.mark.parametrize("kind, group", [("rows", 0), ("groups", 8), ("nibbles", 8),
+                                         ("nibbles", 32)])
+@pytest.mark.parametrize("tokens", [1, 21])
+def test_triton_kernels_read_quantized_experts_as_the_cpu_op(kind, group, tokens):
+    """int8 experts with a scale a row (--quantization int8), a GGUF's int8 groups,
+    and 4-bit code pairs with minimums (a GGUF's K-quants, --quantization int4),
+    widened tile by tile in the kernels, equal to the CPU op on the same values.
+    Groups narrower than a tile's inputs take a factor per element; a group of 32
+    (a tile's) a factor per row."""
+    g = torch.Generator().manual_seed(tokens)
+    x, ids, weights, w13, w2, b13, b2 = case(tokens=tokens, experts=5, top_k=2, hidden=64,
+                                             inter=48 if group != 32 else 64, bias=True,
+                                             seed=tokens)
+    q13, s13, m13 = _quantized(w13, kind, g, group)
+    q2, s2, m2 = _quantized(w2, kind, g, group)
+    activation = ("swiglu_oai", 2.0, 1.702)
+    want = fused_experts(x, ids, weights, q13, q2, 0, b13, b2, *activation, s13, s2, m13, m2)
+    dev = on_device([x, ids, weights, q13, q2, b13, b2, s13, m13, s2, m2])
+    got = triton_fused_experts(*dev[:5], 0, *dev[5:7], *activation, tuple(dev[7:9]),
+                               tuple(dev[9:])).cpu()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_per_expert_loop_equals_the_grouped_gemms(monkeypatch):
