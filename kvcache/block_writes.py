@@ -32,6 +32,14 @@ class BlockWrites:
         if full > len(req.hashes) and self.enable_prefix_caching:
             self._hash_full_blocks(req, token_ids, full)
 
+    def append_in_place(self, request_id: str, token_ids: Sequence[int], pos: int,
+                        known: int) -> bool:
+        """The decode fast path on its own (allocate_slots takes it first): one token
+        at `pos` of `known` into the request's private last block; False (nothing
+        done) where allocate_slots' general path must decide."""
+        req = self._requests.get(request_id)
+        return req is not None and self._append_in_place(req, token_ids, pos, known)
+
     def _append_in_place(self, req: RequestBlocks, token_ids: Sequence[int],
                          pos: int, known: int) -> bool:
         """The decode fast path, taken for almost every request every step: one

@@ -107,6 +107,10 @@ class HybridKVCacheManager:
                        num_lookahead_tokens: int = 0, num_pending_tokens: int = 0) -> bool:
         """Every group's blocks for these tokens, or none (blocks the windows have
         passed are let go of first)."""
+        if num_new_tokens == 1 and not num_lookahead_tokens and self._append_everywhere(
+                request_id, token_ids, num_computed_tokens,
+                len(token_ids) + num_pending_tokens):
+            return True
         wanted = sum(g.blocks_wanted(request_id, num_computed_tokens, num_new_tokens,
                                      num_lookahead_tokens) for g in self._groups)
         if wanted > self._pool.num_free:
@@ -116,6 +120,18 @@ class HybridKVCacheManager:
                                         num_new_tokens, num_lookahead_tokens,
                                         num_pending_tokens):
                 raise AssertionError("a layer group's blocks did not fit after all")
+        return True
+
+    def _append_everywhere(self, request_id: str, token_ids: Sequence[int], pos: int,
+                           known: int) -> bool:
+        """The decode fast path in every group, or in none: the groups' tables have
+        the same logical blocks, shared and copied on write together, so where the
+        full group's last block takes the token in place every group's does."""
+        if not self.full.append_in_place(request_id, token_ids, pos, known):
+            return False
+        for window in self.windows:
+            if not window.append_in_place(request_id, token_ids, pos, known):
+                raise AssertionError("a sliding group's last block is not its own")
         return True
 
     def settle_verified(self, request_id: str, token_ids: Sequence[int],
