@@ -18,6 +18,8 @@ Stages (`ONLY` picks some, in this order):
                     CUDA graphs, the fp8 cache, the LoRA kernels, parity with
                     transformers in float32, the fused-MoE kernels (8 processes)
   families          every model family through the engine on the GPU (families.log)
+  moe_kernels       the routed experts' Triton GEMMs at a Qwen3-30B-A3B layer: bf16,
+                    int8 and int4 experts, 1-512 tokens, GB/s against the copy
   profile_1b        the 1B preset's batch-1 step under torch.profiler, synchronous
                     and async: device busy time, the host's share, top kernels
   step_overhead_1b  one step at 256 running requests and the scheduler's share,
@@ -180,6 +182,9 @@ def stages(s: Settings) -> list[Stage]:
     return [
         Stage("tests", 150, [Run("", pytest)], min_s=40, log="tests.log"),
         Stage("families", 120, [Run("", families)], min_s=40, log="families.log"),
+        Stage("moe_kernels", 60, [Run("", [
+            *py, "bench/moe_triton_speed.py", *(["--small"] if s.dry else []),
+            "--json", str(tmp / "moe_kernels.json")], tmp / "moe_kernels.json")]),
         Stage("profile_1b", 90, modes(s.preset_1b, "profile_1b", profiled, [
             "", "--async-scheduling"])),
         Stage("step_overhead_1b", 110, [Run("", [
