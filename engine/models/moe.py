@@ -87,8 +87,8 @@ class FusedExperts(nn.Module):
             e, n, k = w.shape
             q, scales, mins = quantize_int4(w.reshape(e * n, k), group_size)
             codes = (q[:, 0::2] | (q[:, 1::2] << 4)).view(e, n, k // 2)
-            self.keep_groups(name, codes, scales.t().float().reshape(e, n, -1),
-                             mins.t().float().reshape(e, n, -1))
+            self.keep_groups(name, codes, scales.t().float().reshape(e, n, -1).contiguous(),
+                             mins.t().float().reshape(e, n, -1).contiguous())
 
     def keep_groups(self, name: str, q: torch.Tensor, scale: torch.Tensor,
                     low: torch.Tensor | None) -> None:

@@ -147,3 +147,26 @@ def test_the_op_runs_a_ggufs_kept_experts_on_the_kernel(nibbles, monkeypatch):
     assert len(calls) == 2
     monkeypatch.setattr(fe, "EXPERT_LINEAR_MAX_ROWS", 0)
     torch.testing.assert_close(got, fe.fused_experts(*args, **quant), rtol=1e-5, atol=1e-5)
+
+
+def test_int4_experts_run_on_the_kernel_as_their_values():
+    """--quantization int4's experts (FusedExperts.quantize_int4: the GGUF kept
+    layout, group factors contiguous as the kernel requires) through the kernel equal
+    float experts holding the values the codes stand for."""
+    from kvserve.engine.models.moe import FusedExperts
+    from kvserve.engine.models.quantized.int4 import fake_quantize_int4
+
+    g = torch.Generator().manual_seed(5)
+    layer = FusedExperts(4, 0, hidden=64, intermediate=32)
+    with torch.no_grad():
+        for w in (layer.w13, layer.w2):
+            w.copy_(torch.randn(w.shape, generator=g) * 0.2)
+    values = [fake_quantize_int4(w.data.reshape(-1, w.shape[-1]), 32).view(w.shape)
+              for w in (layer.w13, layer.w2)]
+    layer.quantize_int4(32)
+    x = torch.randn(3, 64, generator=g)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(3)])
+    weights = torch.rand(3, 2, generator=g)
+    got = layer(x, ids, weights)  # few rows an expert: the kernel
+    want = fe.fused_experts(x, ids, weights, *values, 0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
