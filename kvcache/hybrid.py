@@ -10,7 +10,7 @@ any group next. Each group keeps its own block table per request (a KVCacheManag
 over the shared pool): the full group's table covers the whole context as always;
 a sliding group's holds only the blocks its window still reaches, the rest entered
 as let go of. A long request then costs one block per block_size tokens, plus the
-windows' few, instead of one per layer-group for the whole context.
+windows' few, instead of every group's blocks for the whole context.
 
 Prefix caching runs per group over its own hash chain (the model key tells the
 groups apart): a hit needs the full group's blocks from the start and, in each
