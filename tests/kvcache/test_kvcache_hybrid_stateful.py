@@ -16,17 +16,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvserve.kvcache import HybridKVCacheManager
 from kvserve.kvcache.request_blocks import DROPPED_BLOCK
 from tests.kvcache.kvcache_sim import FakeDevice
+from tests.kvcache.test_kvcache_stateful import PROMPTS, TOKENS, Req, sample_decodes
 
-TOKENS = st.integers(min_value=0, max_value=2)
-PROMPTS = st.builds(lambda head, tail: head + tail,
-                    st.sampled_from([[], [0, 1, 2, 0, 1, 2, 0, 1, 2], [2] * 12]),
-                    st.lists(TOKENS, min_size=1, max_size=16))
-MAX_LEN, MAX_LIVE = 48, 5
-
-
-class Req:
-    def __init__(self, tokens: list[int], computed: int) -> None:
-        self.tokens, self.computed = tokens, computed
+MAX_LIVE = 5
 
 
 class HybridCacheMachine(RuleBasedStateMachine):
@@ -48,7 +40,7 @@ class HybridCacheMachine(RuleBasedStateMachine):
         hit = self.mgr.lookup_prefix(rid, tokens)
         assert hit % self.bs == 0 and 0 <= hit <= max(0, len(tokens) - 1)
         event("prefix hit" if hit else "prefix miss")
-        self.live[rid] = Req(tokens, hit)
+        self.live[rid] = Req(tokens, hit, None)
 
     def _pick(self, data) -> str:
         return data.draw(st.sampled_from(sorted(self.live)))
@@ -89,10 +81,7 @@ class HybridCacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: any(r.computed == len(r.tokens) for r in self.live.values()))
     @rule(data=st.data())
     def sample_tokens(self, data) -> None:
-        for rid in sorted(self.live):
-            req = self.live[rid]
-            if req.computed == len(req.tokens) and len(req.tokens) < MAX_LEN:
-                req.tokens.append(data.draw(TOKENS, label=rid))
+        sample_decodes(self.live, data)
 
     @precondition(lambda self: 0 < len(self.live) < MAX_LIVE)
     @rule(data=st.data(), sampled=TOKENS)
@@ -103,7 +92,8 @@ class HybridCacheMachine(RuleBasedStateMachine):
         child_id = f"r{self.next_id}"
         self.mgr.fork(parent_id, child_id)
         assert self._tables(child_id) == self._tables(parent_id)
-        self.live[child_id] = Req(parent.tokens[:parent.computed] + [sampled], parent.computed)
+        self.live[child_id] = Req(parent.tokens[:parent.computed] + [sampled],
+                                  parent.computed, None)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())

@@ -41,6 +41,14 @@ class Req:
         self.salt = salt
 
 
+def sample_decodes(live: dict, data) -> None:
+    """Every fully computed request gets a freshly sampled token to decode."""
+    for rid in sorted(live):
+        req = live[rid]
+        if req.computed == len(req.tokens) and len(req.tokens) < MAX_LEN:
+            req.tokens.append(data.draw(TOKENS, label=rid))
+
+
 class KVCacheMachine(RuleBasedStateMachine):
     @initialize(
         block_size=st.sampled_from([1, 2, 3, 4]),
@@ -134,11 +142,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: any(r.computed == len(r.tokens) for r in self.live.values()))
     @rule(data=st.data())
     def sample_tokens(self, data) -> None:
-        """Every fully computed request gets a freshly sampled token to decode."""
-        for rid in sorted(self.live):
-            req = self.live[rid]
-            if req.computed == len(req.tokens) and len(req.tokens) < MAX_LEN:
-                req.tokens.append(data.draw(TOKENS, label=rid))
+        sample_decodes(self.live, data)
 
     @precondition(lambda self: 0 < len(self.live) < MAX_LIVE)
     @rule(data=st.data(), sampled=TOKENS)
