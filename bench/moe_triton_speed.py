@@ -90,7 +90,9 @@ def main() -> None:
         args.hidden, args.inter, args.experts, args.top_k = 64, 64, 8, 2
         args.tokens, args.repeats = "1,5", 1
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    result = {"device": torch.cuda.get_device_name() if cuda else "cpu (interpreter)",
+    result = {"model": "experts of a Qwen3-30B-A3B layer" if not args.small else "tiny experts",
+              "dtype": "bf16 activations",
+              "device": torch.cuda.get_device_name() if cuda else "cpu (interpreter)",
               "shape": {k: getattr(args, k) for k in ("hidden", "inter", "experts", "top_k")},
               "copy_gbps": round(copy_gbps(device, 8 if args.small else 1024, sync), 1),
               "kinds": {}}
@@ -120,6 +122,8 @@ def main() -> None:
                             "experts_touched": int(ids.unique().numel()),
                             "gbps": round(touched / seconds / 1e9, 1)}
         result["kinds"][kind] = {"bytes_per_expert": int(per_expert), "tokens": rows}
+        for tokens, row in rows.items():  # top-level figures: the session's summary
+            result[f"{kind}_{tokens}tok_gbps"] = row["gbps"]
         args.json.write_text(json.dumps(result, indent=1) + "\n")
         print(kind, rows, flush=True)
 

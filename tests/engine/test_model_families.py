@@ -50,8 +50,9 @@ def test_greedy_matches_transformers_chunked_and_batched(family):
 # smaller cache still makes them preempt.
 CACHE_BLOCKS = {"mistralwin": 9, "phi3": 10}
 # Sliding-window layers between full-attention ones: their layer groups let go of
-# the blocks their window has passed (kvcache/hybrid.py).
-HYBRIDS = {"gemma2", "gemma3", "gptoss"}
+# the blocks their window has passed (kvcache/hybrid.py), and a block holds one
+# group's layers: a smaller cache still makes them preempt.
+HYBRIDS = {"gemma2": 22, "gemma3": 22, "gptoss": 22}
 
 
 @pytest.mark.parametrize("family", FAMILIES, indirect=True)
@@ -60,7 +61,8 @@ def test_prefix_hits_and_preemption_keep_the_tokens(family, request):
     cache too small for all of them at once (requests are preempted and resumed)."""
     model_dir, ref = family
     name = request.node.callspec.params["family"]
-    engine = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=CACHE_BLOCKS.get(name, 24),
+    blocks = {**CACHE_BLOCKS, **HYBRIDS}.get(name, 24)
+    engine = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=blocks,
                                  block_size=16, max_num_batched_tokens=64, max_num_seqs=16))
     vocab = engine.model_config.vocab_size
     shared = varied_prompts(vocab, count=4, seed=7, lengths=(40,))
