@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -121,11 +119,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    flags = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    result = dict(machine=platform.processor() or platform.machine(),
-                  cpu_flags=next((l.split(":", 1)[1].strip() for l in flags.splitlines()
-                                  if l.startswith("Flags")), ""),
-                  args=vars(args) | {"out": str(args.out)}, shapes=shape_bytes())
+    from kvserve.benchmarks.provenance import simd_flags
+    from kvserve.engine.platform.device import cpu_flags
+
+    result = dict(cpu_flags=simd_flags(cpu_flags()), args=vars(args) | {"out": str(args.out)},
+                  shapes=shape_bytes())
     for name, row in result["shapes"].items():
         print(f"{name}: {row['every_layer_kib']:.1f} KiB/token every layer, "
               f"{row['hybrid_kib']:.1f} hybrid ({row['ratio']:.1f}x)")

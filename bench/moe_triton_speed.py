@@ -85,6 +85,8 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     if not cuda:
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernels' module is imported
+    from kvserve.engine.kernels.moe.triton_experts import triton_fused_experts
+
     device = torch.device("cuda" if cuda else "cpu")
     if args.small:
         args.hidden, args.inter, args.experts, args.top_k = 64, 64, 8, 2
@@ -111,7 +113,6 @@ def main() -> None:
                 if cuda:
                     return layer(x, ids, weights)
                 # the CPU op would take its own path: the Triton kernels directly
-                from kvserve.engine.kernels.moe.triton_experts import triton_fused_experts
                 return triton_fused_experts(
                     x, ids, weights, layer.w13, layer.w2, 0,
                     w13_quant=(layer.w13_scale, layer.w13_min),

@@ -112,5 +112,5 @@ def test_an_expert_width_the_groups_do_not_divide_is_a_start_up_error():
     from kvserve.engine.weights.quantization import _check_expert_groups
     from kvserve.modelstore.errors import ModelLoadError
 
-    with pytest.raises(ModelLoadError, match="experts' 48 inputs"):
+    with pytest.raises(ModelLoadError, match=r"experts' \(w2\) 48 inputs"):
         _check_expert_groups(Experts(2, 0, hidden=64, intermediate=48), 32)

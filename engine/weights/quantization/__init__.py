@@ -65,23 +65,23 @@ def quantize_experts(model: nn.Module, kind: str, group_size: int = 32) -> None:
     (codes two to a byte, a scale and a minimum per group of `group_size` inputs):
     the fused-experts op reads them, through kvserve's kernel on CPU and widened as
     they are loaded in the Triton GEMMs on CUDA."""
-    experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
-    if not experts:
-        return
-    if kind == "int4":
-        _check_expert_groups(experts[0], group_size)
-    for module in experts:
+    for module in (m for m in model.modules() if isinstance(m, FusedExperts)):
         module.quantize_int8() if kind == "int8" else module.quantize_int4(group_size)
 
 
 def _check_expert_groups(experts: FusedExperts, group_size: int) -> None:
     for name in ("w13", "w2"):
-        inputs = getattr(experts, name).shape[-1]
-        if inputs % group_size:
-            works = [g for g in (32, 64, 128) if inputs % g == 0]
-            raise ModelLoadError(f"--quantization-group-size {group_size} does not divide the "
-                                 f"experts' {inputs} inputs ({name}); this model takes "
-                                 f"{' or '.join(map(str, works)) or 'none of 32, 64, 128'}")
+        _check_groups(f"the experts' ({name})", getattr(experts, name).shape[-1], group_size)
+
+
+def _check_groups(what: str, inputs: int, group_size: int) -> None:
+    """A start-up error unless groups of group_size tile `inputs`, naming the sizes
+    that would."""
+    if inputs % group_size:
+        works = [g for g in (32, 64, 128) if inputs % g == 0]
+        raise ModelLoadError(f"--quantization-group-size {group_size} does not divide "
+                             f"{what} {inputs} inputs; this model takes "
+                             f"{' or '.join(map(str, works)) or 'none of 32, 64, 128'}")
 
 
 def quantize_fp8_model(model: nn.Module) -> None:
@@ -94,20 +94,18 @@ def quantize_fp8_model(model: nn.Module) -> None:
 
 
 def check_int4_shapes(model: nn.Module, group_size: int) -> None:
-    """Whole groups in every projection's inputs, and rows in the CPU kernel's
-    blocks of 64, or a start-up error naming what would work."""
+    """Whole groups in every projection's and routed expert's inputs, and rows in
+    the CPU kernel's blocks of 64, or a start-up error naming what would work."""
     for name, parent, _, linear in decoder_linears(model):
         if isinstance(parent, SparseMoE):
             continue  # the router stays float (quantize_model)
         rows, cols = linear.weight.shape
-        if cols % group_size:
-            works = [g for g in (32, 64, 128) if cols % g == 0]
-            raise ModelLoadError(f"--quantization-group-size {group_size} does not divide "
-                                 f"{name}'s {cols} inputs; this model takes "
-                                 f"{' or '.join(map(str, works)) or 'none of 32, 64, 128'}")
+        _check_groups(f"{name}'s", cols, group_size)
         if rows % PACK_ROWS:
             raise ModelLoadError(f"int4 keeps rows in blocks of {PACK_ROWS}; {name} has "
                                  f"{rows}: use --quantization int8")
+    for experts in (m for m in model.modules() if isinstance(m, FusedExperts)):
+        _check_expert_groups(experts, group_size)
 
 
 def model_bytes(model: nn.Module) -> int:
