@@ -65,6 +65,9 @@ class FusedExperts(nn.Module):
         self.register_buffer("w2_scale", None)
         self.register_buffer("w13_min", None)
         self.register_buffer("w2_min", None)
+        # x quantized to int8 where int8 experts meet it on CPU (fused_experts): set
+        # by --quantization int8, whose rounding already departs from the checkpoint.
+        self.int8_inputs = False
 
     def quantize_int8(self) -> None:
         """Each expert's rows rounded to int8 with a scale per output row, as
@@ -76,6 +79,7 @@ class FusedExperts(nn.Module):
             delattr(self, name)
             self.register_buffer(name, q.view(w.shape))
             self.register_buffer(f"{name}_scale", scales.view(w.shape[:2]))
+        self.int8_inputs = True
 
     def quantize_int4(self, group_size: int) -> None:
         """Each expert's rows rounded to 4-bit codes with a scale and a minimum per
@@ -134,7 +138,7 @@ class FusedExperts(nn.Module):
                 and not (self.w13_scale is not None and self.w13_scale.dim() == 3
                          and cpu_kernels_loaded()):
             return one_token_experts(*args)
-        return torch.ops.kvserve.fused_experts(*args)
+        return torch.ops.kvserve.fused_experts(*args, self.int8_inputs)
 
 
 class SparseMoE(nn.Module):

@@ -9,7 +9,10 @@
 // int8 values or 4-bit codes two to a byte ([E, N, K / 2] uint8) with a float32
 // scale, and minimum where the type has one, per group of K / G inputs (scales,
 // mins [E, N, G]: w = q * scale + min). Row r of the output is its expert's weight
-// times x[r]: [R, N] float32.
+// times x[r]: [R, N] float32. int8_inputs (int8 experts with row scales, K a
+// multiple of 32): x is quantized to int8 in blocks of 32 inputs and multiplied as
+// integers (expert_int8_dots.h), as llama.cpp does with Q8_0 weights; otherwise the
+// weights are widened and the products exact.
 //
 // Decode steps route a few tokens to each expert, so each expert's product is a
 // narrow GEMV, bound by reading its weights. The work is (active expert, block of
@@ -29,15 +32,18 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <vector>
 
 #include "attention_shared.h"
+#include "int8_inputs.h"
 
 namespace {
 
 using kvserve_cpu::hsum;
+using kvserve_cpu::kDotBlock;
 
 constexpr int64_t kBlockRows = 16;  // output rows an item takes (32 KiB of bf16 at K 1024)
 constexpr int64_t kMaxRows = 3;     // rows of x a dot kernel call takes
@@ -218,6 +224,76 @@ void grouped(const std::vector<Expert>& experts, int64_t k_len, int64_t groups, 
   });
 }
 
+// int8 experts times x quantized to int8 (expert_int8_dots.h), for AVX2 and, where
+// the CPU has it, AVX-512 VNNI.
+// What a kernel call reads of one active expert's rows.
+struct Int8Expert {
+  const int8_t* x_q;     // its rows of x as int8, [rows, K]
+  const float* x_step;   // their blocks' steps, [rows, K / kDotBlock]
+  int64_t rows;
+  const int8_t* weight;  // [N, K]
+  const float* scales;   // [N], a scale per weight row
+  float* out;            // its rows of the output, [rows, N]
+};
+
+namespace avx2 {
+#define KV_VNNI 0
+#include "expert_int8_dots.h"
+#undef KV_VNNI
+}  // namespace avx2
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
+namespace vnni {
+#define KV_VNNI 1
+#include "expert_int8_dots.h"
+#undef KV_VNNI
+}  // namespace vnni
+#pragma GCC pop_options
+
+// Whether to take AVX-512 VNNI's integer products: where the CPU (and the OS) has
+// them, unless KVSERVE_CPU_ISA=avx2 (the tests compare the two paths this way).
+bool use_vnni() {
+  static const bool vnni = [] {
+    const char* isa = std::getenv("KVSERVE_CPU_ISA");
+    if (isa != nullptr && std::strcmp(isa, "avx2") == 0) return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  }();
+  return vnni;
+}
+
+// The int8 experts' products with x quantized to int8 (every row of x at once).
+at::Tensor int8_input_products(const at::Tensor& rows, const int64_t* count,
+                               const at::Tensor& weight, const at::Tensor& scales) {
+  const int64_t num_experts = weight.size(0), n = weight.size(1), k = rows.size(1);
+  const int64_t blocks = k / kDotBlock;
+  std::vector<int8_t> x_q(rows.size(0) * k);
+  std::vector<float> x_step(rows.size(0) * blocks);
+  kvserve_cpu::quantize_for_dot(rows.data_ptr<float>(), rows.size(0), k, x_q.data(),
+                                x_step.data());
+  at::Tensor out = at::empty({rows.size(0), n}, rows.options());
+  std::vector<Int8Expert> experts;
+  const int8_t* w = weight.data_ptr<int8_t>();
+  const float* s = scales.data_ptr<float>();
+  int64_t row = 0;
+  for (int64_t e = 0; e < num_experts; ++e) {
+    if (count[e] > 0 && n > 0)
+      experts.push_back(Int8Expert{x_q.data() + row * k, x_step.data() + row * blocks,
+                                         count[e], w + e * n * k, s + e * n,
+                                         out.data_ptr<float>() + row * n});
+    row += count[e];
+  }
+  if (experts.empty()) return out;
+  if (use_vnni()) {
+    vnni::int8_grouped(experts, k, n);
+  } else {
+    avx2::int8_grouped(experts, k, n);
+  }
+  return out;
+}
+
 void check_per_group(const char* what, const at::Tensor& t, const at::Tensor& like) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.sizes() == like.sizes(),
               "expert_linear: group ", what, " must be contiguous float32 ", like.sizes(),
@@ -226,7 +302,7 @@ void check_per_group(const char* what, const at::Tensor& t, const at::Tensor& li
 
 at::Tensor expert_linear(const at::Tensor& x, const at::Tensor& counts,
                          const at::Tensor& weight, const std::optional<at::Tensor>& scales,
-                         const std::optional<at::Tensor>& mins) {
+                         const std::optional<at::Tensor>& mins, bool int8_inputs) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat,
               "expert_linear: x must be 2-D float32, got ", x.sizes(), " ", x.scalar_type());
   const auto type = weight.scalar_type();
@@ -269,6 +345,16 @@ at::Tensor expert_linear(const at::Tensor& x, const at::Tensor& counts,
   const at::Tensor rows = x.contiguous();
   const at::Tensor counted = counts.contiguous();
   const int64_t* count = counted.data_ptr<int64_t>();
+  if (int8_inputs && type == at::kChar && groups == 0 && k % kDotBlock == 0) {
+    int64_t total = 0;
+    for (int64_t e = 0; e < num_experts; ++e) {
+      TORCH_CHECK(count[e] >= 0, "expert_linear: negative count");
+      total += count[e];
+    }
+    TORCH_CHECK(total == rows.size(0), "expert_linear: counts sum to ", total, ", not x's ",
+                rows.size(0), " rows");
+    return int8_input_products(rows, count, weight, *scales);
+  }
   at::Tensor out = at::empty({rows.size(0), n}, rows.options());
   std::vector<Expert> experts;
   int64_t row = 0;
@@ -306,7 +392,7 @@ at::Tensor expert_linear(const at::Tensor& x, const at::Tensor& counts,
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("expert_linear(Tensor x, Tensor counts, Tensor weight, Tensor? scales=None, "
-        "Tensor? mins=None) -> Tensor");
+        "Tensor? mins=None, bool int8_inputs=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("expert_linear", expert_linear); }

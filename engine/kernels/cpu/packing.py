@@ -291,7 +291,7 @@ def register_fake() -> None:
         return x.new_empty((x.shape[0], n))
 
     @torch.library.register_fake("kvserve::expert_linear")
-    def _(x, counts, weight, scales=None, mins=None):
+    def _(x, counts, weight, scales=None, mins=None, int8_inputs=False):
         return x.new_empty((x.shape[0], weight.shape[1]))
 
     @torch.library.register_fake("kvserve::paged_decode")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvserve.engine.kernels.cpu.packing import quantized_for_dot
 from kvserve.engine.kernels.group_quant import group_weights
 from kvserve.engine.kernels.moe import fused_experts as fe
 from kvserve.engine.models.quantized.int8 import quantize_int8
@@ -170,3 +171,71 @@ def test_int4_experts_run_on_the_kernel_as_their_values():
     got = layer(x, ids, weights)  # few rows an expert: the kernel
     want = fe.fused_experts(x, ids, weights, *values, 0)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _int8_input_case(seed: int = 6, counts=(4, 0, 1, 7, 2), n: int = 37, k: int = 96):
+    g = torch.Generator().manual_seed(seed)
+    w, scales = int8_rows(torch.randn(len(counts), n, k, generator=g))
+    x = torch.randn(sum(counts), k, generator=g) * 3
+    return x, torch.tensor(counts), w, scales
+
+
+def test_int8_inputs_are_quantized_in_blocks_and_multiplied_as_integers():
+    """int8_inputs: every row of x on 255 levels a block of 32 inputs (the int4
+    kernel's quantized_for_dot), times the experts' int8 rows exactly: experts
+    with no rows, one, and more than a kernel call takes; output rows past a whole 4."""
+    x, counts, w, scales = _int8_input_case()
+    got = torch.ops.kvserve.expert_linear(x, counts, w, scales, None, True)
+    expert = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    values = w.double() * scales.double()[..., None]
+    want = torch.einsum("rk,rnk->rn", quantized_for_dot(x), values[expert])
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-5)
+    exact = torch.einsum("rk,rnk->rn", x.double(), values[expert])
+    assert not torch.allclose(got.double(), exact, rtol=1e-5, atol=1e-5)  # x was quantized
+    torch.testing.assert_close(got.double(), exact, rtol=0.05, atol=0.05 * exact.abs().max())
+
+
+def test_int8_inputs_give_the_same_bits_on_avx2_and_vnni(tmp_path):
+    """The two instruction sets' integer sums are exact and laid out alike, so a
+    process told KVSERVE_CPU_ISA=avx2 (the AVX2 path, which every machine running the
+    kernels has) gets this one's result bit for bit, whichever path this one took."""
+    import os
+    import subprocess
+    import sys
+
+    x, counts, w, scales = _int8_input_case(seed=7, counts=(5, 3, 0, 2, 9))
+    got = torch.ops.kvserve.expert_linear(x, counts, w, scales, None, True)
+    torch.save((x, counts, w, scales), tmp_path / "case.pt")
+    script = ("import sys, torch\n"
+              "from kvserve.engine.weights.cpu_packing import load_once\n"
+              "load_once()\n"
+              "x, c, w, s = torch.load(sys.argv[1])\n"
+              "torch.save(torch.ops.kvserve.expert_linear(x, c, w, s, None, True), sys.argv[2])\n")
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "case.pt"),
+                    str(tmp_path / "avx2.pt")], check=True, timeout=300,
+                   env={**os.environ, "KVSERVE_CPU_ISA": "avx2"})
+    assert torch.equal(torch.load(tmp_path / "avx2.pt"), got)
+
+
+def test_int8_experts_meet_int8_inputs_up_to_more_rows(monkeypatch):
+    """fused_experts' int8_inputs (--quantization int8's experts): the kernel takes
+    up to INT8_INPUT_MAX_ROWS rows an expert (here 9 tokens x 3 over 4 experts, past
+    EXPERT_LINEAR_MAX_ROWS), close to the exact widening's result; with the rows
+    over that too, torch's widening alone, exact."""
+    x, ids, weights, w13, w2, _, _ = case(tokens=9, experts=4, top_k=3, hidden=64, inter=32)
+    (w13, s13), (w2, s2) = int8_rows(w13), int8_rows(w2)
+    calls = []
+    kernel = fe._expert_linear
+    monkeypatch.setattr(fe, "_expert_linear", lambda *a: calls.append(1) or kernel(*a))
+    args = (x, ids, weights, w13, w2, 0)
+    quant = dict(w13_scale=s13, w2_scale=s2)
+    monkeypatch.setattr(fe, "EXPERT_LINEAR_MAX_ROWS", 2)
+    exact = fe.fused_experts(*args, **quant)
+    assert calls == []
+    quantized = fe.fused_experts(*args, **quant, int8_inputs=True)
+    assert len(calls) == 2
+    assert not torch.equal(quantized, exact)
+    assert (quantized - exact).norm() / exact.norm() < 0.02  # 255 levels a block of 32
+    monkeypatch.setattr(fe, "INT8_INPUT_MAX_ROWS", 2)
+    assert torch.equal(fe.fused_experts(*args, **quant, int8_inputs=True), exact)
+    assert len(calls) == 2
