@@ -5,9 +5,10 @@ the weighted combine, for one layer of the race's shape (bench/moe_checkpoint.py
 decode graph's traced form (one_token_experts) beside the op; and the op's two ways
 of running the experts' products, each forced: kvserve's kernel
 (kvserve::expert_linear, which the op takes up to EXPERT_LINEAR_MAX_ROWS rows per
-active expert) and torch's grouped GEMM (bf16) or per-expert loop (int8), for bf16
-and --quantization int8 experts, the latter also meeting x quantized to int8
-(int8_inputs, as the engine runs them: the kernel up to INT8_INPUT_MAX_ROWS).
+active expert, DOTS_MAX_ROWS where it takes dot products: bf16 rows and experts
+with AVX-512 BF16, int8 experts meeting x quantized to int8) and torch's grouped
+GEMM (bf16) or per-expert loop (int8), for bf16 and --quantization int8 experts,
+the latter with and without int8_inputs (as the engine runs them: with).
 
     python bench/moe_split.py [--json OUT.json]
 """
@@ -78,18 +79,18 @@ def split(tokens: int, experts: int, top_k: int, hidden: int, inter: int,
         out["traced_batch1_ms"] = timed(lambda: compiled(x, ids, weights, w13, w2, 0))
     read = out["active_experts"] * 3 * hidden * inter * dtype.itemsize
     out["op_weight_gb_s"] = read / out["op_total_ms"] / 1e6
-    limits = op.EXPERT_LINEAR_MAX_ROWS, op.INT8_INPUT_MAX_ROWS
+    limits = op.EXPERT_LINEAR_MAX_ROWS, op.DOTS_MAX_ROWS
     (q13, s13), (q2, s2) = _int8(w13), _int8(w2)
     int8 = dict(w13_scale=s13, w2_scale=s2)
     kinds = {"bf16": (w13, w2, {}), "int8": (q13, q2, int8),
              "int8_inputs": (q13, q2, dict(int8, int8_inputs=True))}
     for kind, (weights13, weights2, quant) in kinds.items():
         for way, rows in (("kernel", 1 << 30), ("torch", 0)):
-            op.EXPERT_LINEAR_MAX_ROWS = op.INT8_INPUT_MAX_ROWS = rows
+            op.EXPERT_LINEAR_MAX_ROWS = op.DOTS_MAX_ROWS = rows
             ms = timed(lambda: fused_experts(x, ids, weights, weights13, weights2, 0, **quant))
             out[f"{kind}_{way}_ms"] = ms
             out[f"{kind}_{way}_gb_s"] = read / (1 if kind == "bf16" else 2) / ms / 1e6
-    op.EXPERT_LINEAR_MAX_ROWS, op.INT8_INPUT_MAX_ROWS = limits
+    op.EXPERT_LINEAR_MAX_ROWS, op.DOTS_MAX_ROWS = limits
     return out
 
 

@@ -9,7 +9,9 @@
 // int8 values or 4-bit codes two to a byte ([E, N, K / 2] uint8) with a float32
 // scale, and minimum where the type has one, per group of K / G inputs (scales,
 // mins [E, N, G]: w = q * scale + min). Row r of the output is its expert's weight
-// times x[r]: [R, N] float32. int8_inputs (int8 experts with row scales, K a
+// times x[r]: [R, N] float32. x may be bf16 where the experts are: their products
+// are then taken two at a time by AVX-512 BF16 where the CPU has it
+// (expert_bf16_dots.h), else x is widened. int8_inputs (int8 experts with row scales, K a
 // multiple of 32): x is quantized to int8 in blocks of 32 inputs and multiplied as
 // integers (expert_int8_dots.h), as llama.cpp does with Q8_0 weights; otherwise the
 // weights are widened and the products exact.
@@ -251,17 +253,69 @@ namespace vnni {
 }  // namespace vnni
 #pragma GCC pop_options
 
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
+namespace bf16dot {
+#include "expert_bf16_dots.h"
+}  // namespace bf16dot
+#pragma GCC pop_options
+
+// Whether the CPU's AVX-512 extensions may be used: not with KVSERVE_CPU_ISA=avx2
+// (the tests compare the paths this way).
+bool avx512_allowed() {
+  const char* isa = std::getenv("KVSERVE_CPU_ISA");
+  return !(isa != nullptr && std::strcmp(isa, "avx2") == 0);
+}
+
+// Whether to take AVX-512 BF16's dot products for bf16 experts and rows.
+bool use_bf16_dots() {
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return avx512_allowed() && __builtin_cpu_supports("avx512f") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+  }();
+  return yes;
+}
+
 // Whether to take AVX-512 VNNI's integer products: where the CPU (and the OS) has
-// them, unless KVSERVE_CPU_ISA=avx2 (the tests compare the two paths this way).
+// them, unless KVSERVE_CPU_ISA=avx2.
 bool use_vnni() {
   static const bool vnni = [] {
-    const char* isa = std::getenv("KVSERVE_CPU_ISA");
-    if (isa != nullptr && std::strcmp(isa, "avx2") == 0) return false;
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    return avx512_allowed() && __builtin_cpu_supports("avx512f") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512vnni");
   }();
   return vnni;
+}
+
+// The counts, checked: each non-negative, summing to the rows of x.
+void check_counts(const int64_t* count, int64_t num_experts, int64_t rows) {
+  int64_t total = 0;
+  for (int64_t e = 0; e < num_experts; ++e) {
+    TORCH_CHECK(count[e] >= 0, "expert_linear: negative count");
+    total += count[e];
+  }
+  TORCH_CHECK(total == rows, "expert_linear: counts sum to ", total, ", not x's ", rows,
+              " rows");
+}
+
+// bf16 experts' products with bf16 rows of x (expert_bf16_dots.h).
+at::Tensor bf16_products(const at::Tensor& rows, const int64_t* count, const at::Tensor& weight) {
+  const int64_t num_experts = weight.size(0), n = weight.size(1), k = rows.size(1);
+  at::Tensor out = at::empty({rows.size(0), n}, rows.options().dtype(at::kFloat));
+  const auto* x = reinterpret_cast<const uint16_t*>(rows.data_ptr<at::BFloat16>());
+  const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  std::vector<bf16dot::BF16Expert> experts;
+  int64_t row = 0;
+  for (int64_t e = 0; e < num_experts; ++e) {
+    if (count[e] > 0 && n > 0)
+      experts.push_back(bf16dot::BF16Expert{x + row * k, count[e], w + e * n * k,
+                                            out.data_ptr<float>() + row * n});
+    row += count[e];
+  }
+  if (!experts.empty()) bf16dot::bf16_grouped(experts, k, n);
+  return out;
 }
 
 // The int8 experts' products with x quantized to int8 (every row of x at once).
@@ -303,9 +357,13 @@ void check_per_group(const char* what, const at::Tensor& t, const at::Tensor& li
 at::Tensor expert_linear(const at::Tensor& x, const at::Tensor& counts,
                          const at::Tensor& weight, const std::optional<at::Tensor>& scales,
                          const std::optional<at::Tensor>& mins, bool int8_inputs) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat,
-              "expert_linear: x must be 2-D float32, got ", x.sizes(), " ", x.scalar_type());
   const auto type = weight.scalar_type();
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat ||
+                               (x.scalar_type() == at::kBFloat16 && type == at::kBFloat16)),
+              "expert_linear: x must be 2-D float32 (or bf16, with bf16 experts), got ",
+              x.sizes(), " ", x.scalar_type());
+  if (x.scalar_type() == at::kBFloat16 && !use_bf16_dots())
+    return expert_linear(x.to(at::kFloat), counts, weight, scales, mins, int8_inputs);
   TORCH_CHECK(type == at::kFloat || type == at::kBFloat16 || type == at::kChar ||
                   type == at::kByte,
               "expert_linear: experts are float32, bfloat16, int8 or uint8 (4-bit code "
@@ -345,14 +403,12 @@ at::Tensor expert_linear(const at::Tensor& x, const at::Tensor& counts,
   const at::Tensor rows = x.contiguous();
   const at::Tensor counted = counts.contiguous();
   const int64_t* count = counted.data_ptr<int64_t>();
+  if (rows.scalar_type() == at::kBFloat16) {
+    check_counts(count, num_experts, rows.size(0));
+    return bf16_products(rows, count, weight);
+  }
   if (int8_inputs && type == at::kChar && groups == 0 && k % kDotBlock == 0) {
-    int64_t total = 0;
-    for (int64_t e = 0; e < num_experts; ++e) {
-      TORCH_CHECK(count[e] >= 0, "expert_linear: negative count");
-      total += count[e];
-    }
-    TORCH_CHECK(total == rows.size(0), "expert_linear: counts sum to ", total, ", not x's ",
-                rows.size(0), " rows");
+    check_counts(count, num_experts, rows.size(0));
     return int8_input_products(rows, count, weight, *scales);
   }
   at::Tensor out = at::empty({rows.size(0), n}, rows.options());
@@ -393,6 +449,8 @@ at::Tensor expert_linear(const at::Tensor& x, const at::Tensor& counts,
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("expert_linear(Tensor x, Tensor counts, Tensor weight, Tensor? scales=None, "
         "Tensor? mins=None, bool int8_inputs=False) -> Tensor");
+  // Whether bf16 rows meet bf16 experts in AVX-512 BF16's dot products here.
+  m.def("expert_bf16_dots() -> bool", [] { return use_bf16_dots(); });
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("expert_linear", expert_linear); }

@@ -54,7 +54,7 @@ def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     minimums, and 4-bit codes two to a byte where w13 / w2 are uint8 (code_values).
     int8_inputs: int8 experts with row scales (--quantization int8) may meet x
     quantized to int8 in blocks of 32 inputs, as llama.cpp's Q8_0 experts do
-    (kvserve::expert_linear, up to INT8_INPUT_MAX_ROWS rows an expert). Returns sum_k weight_k * expert_k(x): [T, H]. On CUDA: the Triton grouped GEMMs
+    (kvserve::expert_linear, up to DOTS_MAX_ROWS rows an expert). Returns sum_k weight_k * expert_k(x): [T, H]. On CUDA: the Triton grouped GEMMs
     (triton_experts.py), which a CUDA graph can capture; here the pairs' counts are
     read on the host."""
     if x.device.type == "cuda":
@@ -74,11 +74,14 @@ def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     tokens = pairs // top_k
     int8_inputs = int8_inputs and w13_scale is not None and w13_scale.dim() == 2 and \
         w13.shape[-1] % DOT_BLOCK == 0 and w2.shape[-1] % DOT_BLOCK == 0
-    if _few_rows(len(pairs), counts, int8_inputs, (w13, w13_scale), (w2, w2_scale)):
+    dots = int8_inputs or (x.dtype == w13.dtype == w2.dtype == torch.bfloat16 and _bf16_dots())
+    if _few_rows(len(pairs), counts, dots, (w13, w13_scale), (w2, w2_scale)):
         # kvserve's CPU kernel for decode steps' narrow products (weights where they lie)
         h = _expert_linear(x[tokens], w13, b13, counts, w13_scale, w13_min, int8_inputs)
-        y = _expert_linear(gated(h, activation, limit, alpha), w2, b2, counts, w2_scale,
-                           w2_min, int8_inputs)
+        a = gated(h, activation, limit, alpha)
+        if x.dtype == w2.dtype == torch.bfloat16:  # as torch's bf16 GEMMs would round it
+            a = a.to(torch.bfloat16)
+        y = _expert_linear(a, w2, b2, counts, w2_scale, w2_min, int8_inputs)
     elif GROUPED and w13_scale is None:
         h = _grouped(x[tokens], w13, b13, counts)
         y = _grouped(gated(h, activation, limit, alpha), w2, b2, counts)
@@ -97,33 +100,51 @@ def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
 # expert on (64 tokens: 16.8 against 15.6 ms) oneDNN's GEMMs are faster
 # (bench/moe_split.py).
 EXPERT_LINEAR_MAX_ROWS = 6
-# The same for int8 experts meeting x quantized to int8 (integer products, 4 of
-# them an instruction with AVX-512 VNNI): 8.4 against 17.4 ms for torch's widening
-# at 16 rows an expert, 14.5 against 16.9 at 32 (w13 of the same 64 experts).
-INT8_INPUT_MAX_ROWS = 32
+# The same where the kernel takes its products as dot products rather than widening
+# each weight: int8 experts meeting x quantized to int8 (int8_inputs; 4 products an
+# instruction with AVX-512 VNNI: 8.4 against 17.4 ms for torch's widening at 16 rows
+# an expert, 14.5 against 16.9 at 32, w13 of the same 64 experts), and bf16 experts
+# meeting bf16 rows where the CPU has AVX-512 BF16 (7.6 against torch's grouped
+# GEMM's 11.3 ms at 16 rows, 14.5 against 17.3 at 32, even at 48-64).
+DOTS_MAX_ROWS = 32
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.uint8)
 
 
-def _few_rows(pairs: int, counts: torch.Tensor, int8_inputs: bool, *experts) -> bool:
+def _bf16_dots() -> bool:
+    """Whether the kernel takes bf16 rows against bf16 experts in AVX-512 BF16's dot
+    products on this CPU (asked once)."""
+    global _BF16_DOTS
+    if _BF16_DOTS is None:
+        _BF16_DOTS = bool(torch.ops.kvserve.expert_bf16_dots())
+    return _BF16_DOTS
+
+
+_BF16_DOTS: bool | None = None
+
+
+def _few_rows(pairs: int, counts: torch.Tensor, dots: bool, *experts) -> bool:
     """Whether kvserve's kernel takes this call: loaded (engine/kernels/cpu: on x86
     CPUs with AVX2 and FMA, unless --cpu-kernels torch), experts it reads (float32,
     bf16, int8 with a scale per row, or a GGUF's int8 values or 4-bit codes with
     group scales, groups of a multiple of 8 inputs; experts: (weight, scale) pairs),
-    and few rows per active expert (more with int8_inputs)."""
+    and few rows per active expert (more where it takes dot products: `dots`)."""
     for w, scale in experts:
         inputs = w.shape[-1] * (2 if w.dtype == torch.uint8 else 1)
         if w.dtype not in _KERNEL_DTYPES or not w.is_contiguous() or (
                 scale is not None and scale.dim() == 3 and inputs % (8 * scale.shape[-1])):
             return False
-    most = INT8_INPUT_MAX_ROWS if int8_inputs else EXPERT_LINEAR_MAX_ROWS
+    most = DOTS_MAX_ROWS if dots else EXPERT_LINEAR_MAX_ROWS
     return cpu_kernels_loaded() and pairs <= most * int(counts.count_nonzero())
 
 
 def _expert_linear(rows: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
                    counts: torch.Tensor, scale: torch.Tensor | None,
                    low: torch.Tensor | None = None, int8_inputs: bool = False) -> torch.Tensor:
-    """_grouped's product by kvserve::expert_linear, in float32."""
-    y = torch.ops.kvserve.expert_linear(rows.float(), counts, w,
+    """_grouped's product by kvserve::expert_linear, in float32 (bf16 rows meet bf16
+    experts as they are: two products an instruction with AVX-512 BF16)."""
+    if not rows.dtype == w.dtype == torch.bfloat16:
+        rows = rows.float()
+    y = torch.ops.kvserve.expert_linear(rows, counts, w,
                                         None if scale is None else scale.float(),
                                         None if low is None else low.float(), int8_inputs)
     return _plus_bias(y, b, counts)

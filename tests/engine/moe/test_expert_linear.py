@@ -219,7 +219,7 @@ def test_int8_inputs_give_the_same_bits_on_avx2_and_vnni(tmp_path):
 
 def test_int8_experts_meet_int8_inputs_up_to_more_rows(monkeypatch):
     """fused_experts' int8_inputs (--quantization int8's experts): the kernel takes
-    up to INT8_INPUT_MAX_ROWS rows an expert (here 9 tokens x 3 over 4 experts, past
+    up to DOTS_MAX_ROWS rows an expert (here 9 tokens x 3 over 4 experts, past
     EXPERT_LINEAR_MAX_ROWS), close to the exact widening's result; with the rows
     over that too, torch's widening alone, exact."""
     x, ids, weights, w13, w2, _, _ = case(tokens=9, experts=4, top_k=3, hidden=64, inter=32)
@@ -236,6 +236,45 @@ def test_int8_experts_meet_int8_inputs_up_to_more_rows(monkeypatch):
     assert len(calls) == 2
     assert not torch.equal(quantized, exact)
     assert (quantized - exact).norm() / exact.norm() < 0.02  # 255 levels a block of 32
-    monkeypatch.setattr(fe, "INT8_INPUT_MAX_ROWS", 2)
+    monkeypatch.setattr(fe, "DOTS_MAX_ROWS", 2)
     assert torch.equal(fe.fused_experts(*args, **quant, int8_inputs=True), exact)
     assert len(calls) == 2
+
+
+@pytest.mark.parametrize("k", [64, 40])  # 40: eight inputs past the last whole 16
+def test_bf16_rows_meet_bf16_experts_as_they_are(k):
+    """bf16 rows of x against bf16 experts (a bf16 model's experts: two exact
+    products an instruction where the CPU has AVX-512 BF16, else x widened): the
+    float64 product of the same values, experts with 0 to 9 rows."""
+    g = torch.Generator().manual_seed(8)
+    counts = torch.tensor([9, 0, 1, 4, 2])
+    w = torch.randn(len(counts), 23, k, generator=g).bfloat16()
+    x = torch.randn(int(counts.sum()), k, generator=g).bfloat16()
+    got = torch.ops.kvserve.expert_linear(x, counts, w)
+    assert got.dtype == torch.float32
+    expert = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    want = torch.einsum("rk,rnk->rn", x.double(), w.double()[expert])
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+    with pytest.raises(RuntimeError, match="or bf16, with bf16 experts"):
+        torch.ops.kvserve.expert_linear(x, counts, w.float())
+
+
+def test_a_bf16_models_experts_take_the_kernel_up_to_more_rows_with_bf16_dots(monkeypatch):
+    """bf16 x and experts: where the CPU has AVX-512 BF16, the kernel takes them up
+    to DOTS_MAX_ROWS rows an expert (9 tokens x 3 over 4 experts, past
+    EXPERT_LINEAR_MAX_ROWS set to 2), as torch's grouped GEMM computes them up to
+    bf16's rounding of the gated activations; without it, torch's GEMM."""
+    x, ids, weights, w13, w2, _, _ = case(tokens=9, experts=4, top_k=3, hidden=64, inter=32,
+                                          dtype=torch.bfloat16)
+    calls = []
+    kernel = fe._expert_linear
+    monkeypatch.setattr(fe, "_expert_linear", lambda *a: calls.append(1) or kernel(*a))
+    monkeypatch.setattr(fe, "EXPERT_LINEAR_MAX_ROWS", 2)
+    got = fe.fused_experts(x, ids, weights, w13, w2, 0)
+    assert len(calls) == (2 if torch.ops.kvserve.expert_bf16_dots() else 0)
+    monkeypatch.setattr(fe, "DOTS_MAX_ROWS", 2)
+    torch_gemms = fe.fused_experts(x, ids, weights, w13, w2, 0)
+    assert len(calls) == (2 if torch.ops.kvserve.expert_bf16_dots() else 0)
+    want = loop(x, ids, weights, w13, w2, None, None)
+    for y in (got, torch_gemms):
+        assert (y.double() - want).norm() / want.norm() < 0.01
