@@ -15,8 +15,11 @@ from pathlib import Path
 
 import torch
 
-# The projections an adapter may target, as Llama-family checkpoints name them.
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The projections an adapter may target, as the checkpoints name them (a model has
+# those of projection_shapes with outputs): Llama-family attention, latent attention's
+# (kv_b_proj is not one: decode folds it into the queries and outputs), the MLP.
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj",
+           "kv_a_proj_with_mqa", "gate_proj", "up_proj", "down_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 _WEIGHT = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
@@ -52,13 +55,13 @@ def load_adapter(name: str, path: str | Path, max_rank: int, num_layers: int,
     if rank > max_rank:
         raise LoRAAdapterError(f"adapter {name!r} has rank {rank}, above --max-lora-rank "
                                f"{max_rank}")
-    _refuse_unsupported(name, config)
+    tensors = _tensors(path)
+    _refuse_unsupported(name, config, tensors)
     alpha = config.get("lora_alpha", rank)
     scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
-    tensors = _tensors(path)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
-        layer, module, which = _target(name, key, num_layers, sparse_layers)
+        layer, module, which = _target(name, key, num_layers, sparse_layers, shapes)
         pairs.setdefault((layer, module), {})[which] = tensor
     weights = {}
     for (layer, module), ab in sorted(pairs.items()):
@@ -78,18 +81,19 @@ def load_adapter(name: str, path: str | Path, max_rank: int, num_layers: int,
     return LoRAAdapter(name, path, rank, weights)
 
 
-def _target(name: str, key: str, num_layers: int,
-            sparse_layers: frozenset[int]) -> tuple[int, str, str]:
+def _target(name: str, key: str, num_layers: int, sparse_layers: frozenset[int],
+            shapes: dict[str, tuple[int, int]]) -> tuple[int, str, str]:
     """(layer, projection, "A" or "B") of the adapter's tensor `key`, checked against
     what the model has."""
+    targets = [t for t in TARGETS if shapes[t][1]]  # this model's
     m = _WEIGHT.search(key)
     if m is None:
         raise LoRAAdapterError(f"adapter {name!r}: unexpected tensor {key!r} (only "
-                               f"LoRA A/B weights of {', '.join(TARGETS)})")
+                               f"LoRA A/B weights of {', '.join(targets)})")
     layer, module, which = int(m[1]), m[2], m[3]
-    if module not in TARGETS:
-        raise LoRAAdapterError(f"adapter {name!r} targets {module!r}; supported: "
-                               f"{', '.join(TARGETS)}")
+    if module not in targets:
+        raise LoRAAdapterError(f"adapter {name!r} targets {module!r}; supported for this "
+                               f"model: {', '.join(targets)}")
     if layer >= num_layers:
         raise LoRAAdapterError(f"adapter {name!r}: layer {layer} is past the model's "
                                f"{num_layers} layers")
@@ -113,8 +117,17 @@ def _config(path: Path) -> dict:
     return config
 
 
-def _refuse_unsupported(name: str, config: dict) -> None:
-    """PEFT options that change the product beyond x @ A.T @ B.T."""
+def _refuse_unsupported(name: str, config: dict, keys) -> None:
+    """PEFT options that change the product beyond x @ A.T @ B.T. keys: the
+    adapter's tensors' names (per-module patterns that reach none of their modules
+    are ignored, as PEFT ignores them: it writes some for other models' module
+    names, such as a fused gate_up_proj)."""
+    modules = {key.split(".lora_")[0] for key in keys}
+    for option in ("rank_pattern", "alpha_pattern"):
+        patterns = config.get(option) or {}
+        # PEFT's own match: the pattern at the end of the module's dotted name
+        if not any(re.match(rf"(.*\.)?({p})$", m) for p in patterns for m in modules):
+            config = {**config, option: None}
     problems = {
         "use_dora": "DoRA", "modules_to_save": "modules_to_save (fully trained layers)",
         "rank_pattern": "per-module ranks (rank_pattern)",
@@ -142,8 +155,19 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def projection_shapes(cfg) -> dict[str, tuple[int, int]]:
-    """A ModelConfig's projections as (in features, out features)."""
-    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    i = cfg.intermediate_size
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    """A ModelConfig's projections as (in features, out features); (0, 0) for those
+    it does not have (TARGETS are every family's)."""
+    h, i, mla = cfg.hidden_size, cfg.intermediate_size, cfg.mla
+    shapes = dict.fromkeys(TARGETS, (0, 0)) | {
+        "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    if mla is None:
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        return shapes | {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv),
+                         "o_proj": (q, h)}
+    q = cfg.num_heads * mla.qk_head_dim
+    # q_proj's group reads x as q, k and v's does: their stacks, without outputs
+    shapes |= {"kv_a_proj_with_mqa": (h, mla.cache_dim), "k_proj": (h, 0), "v_proj": (h, 0),
+               "o_proj": (cfg.num_heads * mla.v_head_dim, h)}
+    if mla.q_lora_rank:
+        return shapes | {"q_a_proj": (h, mla.q_lora_rank), "q_b_proj": (mla.q_lora_rank, q)}
+    return shapes | {"q_proj": (h, q)}

@@ -28,10 +28,6 @@ class LoRAManager:
                  dtype: torch.dtype, kernels: str = "auto"):
         """kernels: "dense" (the masked matmuls), "triton" (the BGMV kernels), or
         "auto": triton on CUDA, dense elsewhere."""
-        if model_config.mla is not None:
-            raise LoRAAdapterError("LoRA is not supported for latent attention (DeepSeek) "
-                                   "models yet: their projections are not the q/k/v/o an "
-                                   "adapter targets")
         self.config = config
         self.num_layers = model_config.num_layers
         self.shapes = projection_shapes(model_config)

@@ -32,8 +32,13 @@ from dataclasses import dataclass, replace
 import torch
 
 # Projections that read the same input, in the order the model packs their outputs.
+# Latent attention (DeepSeek, mla.py) adds the query's low-rank pair and the latent's
+# own projection; its direct q_proj (no q_lora_rank) is "qkv" with k and v empty. A
+# model's absent projections have no inputs and no outputs (adapter.projection_shapes):
+# their stacks are empty.
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
-          "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+          "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",),
+          "q_a": ("q_a_proj",), "q_b": ("q_b_proj",), "kv_a": ("kv_a_proj_with_mqa",)}
 GROUP_OF = {p: (g, j) for g, ps in GROUPS.items() for j, p in enumerate(ps)}
 GROUP_INDEX = {g: i for i, g in enumerate(GROUPS)}
 
@@ -108,8 +113,9 @@ def lora_bgmv(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     out, start = y.clone(), 0
     slots, rank = a.shape[1], a.shape[2]
     for j, size in enumerate(out_sizes):
-        add_lora_triton(out[:, start:start + size], x, a[j],
-                        projection_b(b, j, slots, rank, tuple(out_sizes)), token_slots)
+        if size:  # (latent attention's q_proj: "qkv" without k and v)
+            add_lora_triton(out[:, start:start + size], x, a[j],
+                            projection_b(b, j, slots, rank, tuple(out_sizes)), token_slots)
         start += size
     return out
 

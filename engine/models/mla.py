@@ -110,13 +110,18 @@ class MLAttention(nn.Module):
                 paged: PagedDecode | None = None, lora: LoRAStep | None = None
                 ) -> torch.Tensor:
         mla, n = self.mla, x.shape[0]
+
+        def adapted(group: str, inputs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return y if lora is None else lora.add(group, self.layer, inputs, y)
+
         if mla.q_lora_rank:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_a = self.q_a_layernorm(adapted("q_a", x, self.q_a_proj(x)))
+            q = adapted("q_b", q_a, self.q_b_proj(q_a))
         else:
-            q = self.q_proj(x)
+            q = adapted("qkv", x, self.q_proj(x))
         q_nope, q_rot = q.view(n, self.num_heads, -1).split(
             [mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
-        latent, k_rot = self.kv_a_proj_with_mqa(x).split(
+        latent, k_rot = adapted("kv_a", x, self.kv_a_proj_with_mqa(x)).split(
             [mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
         entry = torch.cat((self.kv_a_layernorm(latent),
                            self._rotate(k_rot.unsqueeze(1), rope).squeeze(1)), dim=-1)
@@ -135,4 +140,5 @@ class MLAttention(nn.Module):
         o = torch.einsum("thl,hvl->thv", o[..., :mla.kv_lora_rank], w_uv)
         if expanded is not None:
             o = o + expanded
-        return self.o_proj(o.reshape(n, -1))
+        o = o.reshape(n, -1)
+        return adapted("o", o, self.o_proj(o))

@@ -71,13 +71,20 @@ def test_an_adapter_we_cannot_serve_is_a_clear_error(tiny_model_dir, tmp_path):
         load(tmp_path / "ok", shapes={**shapes, "q_proj": (7, 7)})
     for key, value, says in [("use_dora", True, "DoRA"), ("bias", "all", "biases"),
                              ("modules_to_save", ["lm_head"], "modules_to_save"),
-                             ("peft_type", "IA3", "only LoRA")]:
+                             ("peft_type", "IA3", "only LoRA"),
+                             ("rank_pattern", {r".*\.q_proj": 8}, "per-module ranks"),
+                             ("alpha_pattern", {"q_proj": 8}, "per-module alphas")]:
         config_file = tmp_path / "ok" / "adapter_config.json"
         original = config_file.read_text()
         config_file.write_text(json.dumps({**json.loads(original), key: value}))
         with pytest.raises(LoRAAdapterError, match=says):
             load(tmp_path / "ok")
         config_file.write_text(original)
+    # a pattern for modules the adapter does not have (PEFT writes some) changes nothing
+    config_file = tmp_path / "ok" / "adapter_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()),
+                                       "rank_pattern": {r".*\.gate_up_proj": 16}}))
+    assert load(tmp_path / "ok").targets == {"q_proj"}
     make_adapter(base, tmp_path / "head", r=8, target_modules=["lm_head"])
     with pytest.raises(LoRAAdapterError, match="unexpected tensor"):
         load(tmp_path / "head")
