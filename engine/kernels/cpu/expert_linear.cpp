@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "attention_shared.h"
+#include "expert_linear.h"
 #include "int8_inputs.h"
 
 namespace {
@@ -354,6 +355,11 @@ void check_per_group(const char* what, const at::Tensor& t, const at::Tensor& li
               ", got ", t.sizes(), " ", t.scalar_type());
 }
 
+
+}  // namespace
+
+namespace kvserve_cpu {
+
 at::Tensor expert_linear(const at::Tensor& x, const at::Tensor& counts,
                          const at::Tensor& weight, const std::optional<at::Tensor>& scales,
                          const std::optional<at::Tensor>& mins, bool int8_inputs) {
@@ -444,13 +450,15 @@ at::Tensor expert_linear(const at::Tensor& x, const at::Tensor& counts,
   return out;
 }
 
-}  // namespace
+bool expert_bf16_dots() { return use_bf16_dots(); }
+
+}  // namespace kvserve_cpu
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("expert_linear(Tensor x, Tensor counts, Tensor weight, Tensor? scales=None, "
         "Tensor? mins=None, bool int8_inputs=False) -> Tensor");
   // Whether bf16 rows meet bf16 experts in AVX-512 BF16's dot products here.
-  m.def("expert_bf16_dots() -> bool", [] { return use_bf16_dots(); });
+  m.def("expert_bf16_dots() -> bool", [] { return kvserve_cpu::expert_bf16_dots(); });
 }
 
-TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("expert_linear", expert_linear); }
+TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("expert_linear", kvserve_cpu::expert_linear); }

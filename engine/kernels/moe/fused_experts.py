@@ -54,15 +54,28 @@ def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     minimums, and 4-bit codes two to a byte where w13 / w2 are uint8 (code_values).
     int8_inputs: int8 experts with row scales (--quantization int8) may meet x
     quantized to int8 in blocks of 32 inputs, as llama.cpp's Q8_0 experts do
-    (kvserve::expert_linear, up to DOTS_MAX_ROWS rows an expert). Returns sum_k weight_k * expert_k(x): [T, H]. On CUDA: the Triton grouped GEMMs
+    (kvserve::expert_linear, up to DOTS_MAX_ROWS rows an expert). Returns sum_k
+    weight_k * expert_k(x): [T, H]. On CUDA: the Triton grouped GEMMs
     (triton_experts.py), which a CUDA graph can capture; here the pairs' counts are
-    read on the host."""
+    read on the host, and few rows an expert of SiLU experts without biases go to
+    kvserve::moe_experts (engine/kernels/cpu/moe_experts.cpp: these same steps in
+    one call, the weighted sum in float32)."""
     if x.device.type == "cuda":
         from kvserve.engine.kernels.moe.triton_experts import triton_fused_experts
 
         return triton_fused_experts(x, topk_ids, topk_weights, w13, w2, first_expert, b13,
                                     b2, activation, limit, alpha, (w13_scale, w13_min),
                                     (w2_scale, w2_min))
+    int8_inputs = int8_inputs and w13_scale is not None and w13_scale.dim() == 2 and \
+        w13.shape[-1] % DOT_BLOCK == 0 and w2.shape[-1] % DOT_BLOCK == 0
+    dots = int8_inputs or (x.dtype == w13.dtype == w2.dtype == torch.bfloat16 and _bf16_dots())
+    if activation == "silu" and b13 is None and b2 is None and \
+            _kernel_reads((w13, w13_scale), (w2, w2_scale)):
+        y = _moe_experts(x, topk_ids, topk_weights, w13, w2, first_expert, w13_scale,
+                         w2_scale, w13_min, w2_min, int8_inputs,
+                         DOTS_MAX_ROWS if dots else EXPERT_LINEAR_MAX_ROWS)
+        if y is not None:
+            return y
     num_experts = w13.shape[0]
     top_k = topk_ids.shape[1]
     local = topk_ids.reshape(-1) - first_expert
@@ -72,9 +85,6 @@ def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     counts = torch.bincount(sorted_ids, minlength=num_experts + 1)[:num_experts]
     pairs = order[:int(counts.sum())]
     tokens = pairs // top_k
-    int8_inputs = int8_inputs and w13_scale is not None and w13_scale.dim() == 2 and \
-        w13.shape[-1] % DOT_BLOCK == 0 and w2.shape[-1] % DOT_BLOCK == 0
-    dots = int8_inputs or (x.dtype == w13.dtype == w2.dtype == torch.bfloat16 and _bf16_dots())
     if _few_rows(len(pairs), counts, dots, (w13, w13_scale), (w2, w2_scale)):
         # kvserve's CPU kernel for decode steps' narrow products (weights where they lie)
         h = _expert_linear(x[tokens], w13, b13, counts, w13_scale, w13_min, int8_inputs)
@@ -122,19 +132,32 @@ def _bf16_dots() -> bool:
 _BF16_DOTS: bool | None = None
 
 
-def _few_rows(pairs: int, counts: torch.Tensor, dots: bool, *experts) -> bool:
-    """Whether kvserve's kernel takes this call: loaded (engine/kernels/cpu: on x86
-    CPUs with AVX2 and FMA, unless --cpu-kernels torch), experts it reads (float32,
-    bf16, int8 with a scale per row, or a GGUF's int8 values or 4-bit codes with
-    group scales, groups of a multiple of 8 inputs; experts: (weight, scale) pairs),
-    and few rows per active expert (more where it takes dot products: `dots`)."""
+def _moe_experts(*args) -> torch.Tensor | None:
+    """kvserve::moe_experts (kvserve's CPU kernels for few rows an expert, routing
+    and all, in one call), or None where more rows meet the experts than it takes."""
+    y = torch.ops.kvserve.moe_experts(*args)
+    return y if y.dim() == 2 else None
+
+
+def _kernel_reads(*experts) -> bool:
+    """Whether kvserve's kernel can take these experts: loaded (engine/kernels/cpu:
+    on x86 CPUs with AVX2 and FMA, unless --cpu-kernels torch) and reading them
+    (float32, bf16, int8 with a scale per row, or a GGUF's int8 values or 4-bit codes
+    with group scales, groups of a multiple of 8 inputs; experts: (weight, scale)
+    pairs)."""
     for w, scale in experts:
         inputs = w.shape[-1] * (2 if w.dtype == torch.uint8 else 1)
         if w.dtype not in _KERNEL_DTYPES or not w.is_contiguous() or (
                 scale is not None and scale.dim() == 3 and inputs % (8 * scale.shape[-1])):
             return False
+    return cpu_kernels_loaded()
+
+
+def _few_rows(pairs: int, counts: torch.Tensor, dots: bool, *experts) -> bool:
+    """Whether kvserve's kernel takes this call: experts it reads, and few rows per
+    active expert (more where it takes dot products: `dots`)."""
     most = DOTS_MAX_ROWS if dots else EXPERT_LINEAR_MAX_ROWS
-    return cpu_kernels_loaded() and pairs <= most * int(counts.count_nonzero())
+    return _kernel_reads(*experts) and pairs <= most * int(counts.count_nonzero())
 
 
 def _expert_linear(rows: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,

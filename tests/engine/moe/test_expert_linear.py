@@ -27,6 +27,22 @@ def kernels():
     load_once()
 
 
+def kernel_calls(monkeypatch) -> list:
+    """The experts' products the op hands kvserve's kernels, as it runs: one an
+    expert_linear call, two a moe_experts call that takes them (both products)."""
+    calls = []
+    linear, whole = fe._expert_linear, fe._moe_experts
+
+    def counted_whole(*a):
+        y = whole(*a)
+        calls.extend([1, 1] if y is not None else [])
+        return y
+
+    monkeypatch.setattr(fe, "_expert_linear", lambda *a: calls.append(1) or linear(*a))
+    monkeypatch.setattr(fe, "_moe_experts", counted_whole)
+    return calls
+
+
 def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q, scales = quantize_int8(w.reshape(-1, w.shape[-1]), torch.float32)
     return q.view(w.shape), scales.view(w.shape[:2])
@@ -108,9 +124,7 @@ def test_the_op_takes_the_kernel_for_few_rows_and_torch_for_many(int8, bias, act
     if int8:
         (w13, s13), (w2, s2) = int8_rows(w13), int8_rows(w2)
         quant = dict(w13_scale=s13, w2_scale=s2)
-    calls = []
-    kernel = fe._expert_linear
-    monkeypatch.setattr(fe, "_expert_linear", lambda *a: calls.append(1) or kernel(*a))
+    calls = kernel_calls(monkeypatch)
     args = (x, ids, weights, w13, w2, first, b13, b2, *activation)
     few = fe.fused_experts(*args, **quant)
     assert len(calls) == 2  # both products: 27 pairs over 4-8 experts
@@ -139,9 +153,7 @@ def test_the_op_runs_a_ggufs_kept_experts_on_the_kernel(nibbles, monkeypatch):
     m13 = -torch.rand(experts, 2 * inter, hidden // 32, generator=g) * 0.05
     w2 = torch.randint(-32, 32, (experts, hidden, inter), generator=g, dtype=torch.int8)
     s2 = torch.rand(experts, hidden, inter // 16, generator=g) * 0.01
-    calls = []
-    kernel = fe._expert_linear
-    monkeypatch.setattr(fe, "_expert_linear", lambda *a: calls.append(1) or kernel(*a))
+    calls = kernel_calls(monkeypatch)
     args = (x, ids, weights, w13, w2, 0)
     quant = dict(w13_scale=s13, w2_scale=s2, w13_min=m13)
     got = fe.fused_experts(*args, **quant)
@@ -224,9 +236,7 @@ def test_int8_experts_meet_int8_inputs_up_to_more_rows(monkeypatch):
     over that too, torch's widening alone, exact."""
     x, ids, weights, w13, w2, _, _ = case(tokens=9, experts=4, top_k=3, hidden=64, inter=32)
     (w13, s13), (w2, s2) = int8_rows(w13), int8_rows(w2)
-    calls = []
-    kernel = fe._expert_linear
-    monkeypatch.setattr(fe, "_expert_linear", lambda *a: calls.append(1) or kernel(*a))
+    calls = kernel_calls(monkeypatch)
     args = (x, ids, weights, w13, w2, 0)
     quant = dict(w13_scale=s13, w2_scale=s2)
     monkeypatch.setattr(fe, "EXPERT_LINEAR_MAX_ROWS", 2)
@@ -266,9 +276,7 @@ def test_a_bf16_models_experts_take_the_kernel_up_to_more_rows_with_bf16_dots(mo
     bf16's rounding of the gated activations; without it, torch's GEMM."""
     x, ids, weights, w13, w2, _, _ = case(tokens=9, experts=4, top_k=3, hidden=64, inter=32,
                                           dtype=torch.bfloat16)
-    calls = []
-    kernel = fe._expert_linear
-    monkeypatch.setattr(fe, "_expert_linear", lambda *a: calls.append(1) or kernel(*a))
+    calls = kernel_calls(monkeypatch)
     monkeypatch.setattr(fe, "EXPERT_LINEAR_MAX_ROWS", 2)
     got = fe.fused_experts(x, ids, weights, w13, w2, 0)
     assert len(calls) == (2 if torch.ops.kvserve.expert_bf16_dots() else 0)
@@ -278,3 +286,24 @@ def test_a_bf16_models_experts_take_the_kernel_up_to_more_rows_with_bf16_dots(mo
     want = loop(x, ids, weights, w13, w2, None, None)
     for y in (got, torch_gemms):
         assert (y.double() - want).norm() / want.norm() < 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_experts_is_the_ops_kernel_path_in_one_call(dtype, monkeypatch):
+    """kvserve::moe_experts (routing, gather, both products, SwiGLU and the weighted
+    sum in one call) gives what the op's Python steps around expert_linear give, a
+    second rank's experts included; past max_rows rows an active expert it takes
+    nothing (an empty result) and the op runs torch's GEMMs."""
+    x, ids, weights, w13, w2, _, _ = case(tokens=9, experts=8, top_k=3, hidden=64, inter=32,
+                                          dtype=dtype)
+    w13, w2 = w13[2:6].contiguous(), w2[2:6].contiguous()  # experts 2..5 of 8
+    whole = torch.ops.kvserve.moe_experts(x, ids, weights, w13, w2, 2, max_rows=100)
+    monkeypatch.setattr(fe, "_moe_experts", lambda *a: None)
+    monkeypatch.setattr(fe, "EXPERT_LINEAR_MAX_ROWS", 100)
+    monkeypatch.setattr(fe, "DOTS_MAX_ROWS", 100)
+    steps = fe.fused_experts(x, ids, weights, w13, w2, 2)
+    assert whole.dtype == dtype and whole.shape == x.shape
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else \
+        dict(rtol=0.02, atol=0.02)  # the Python steps sum in bf16
+    torch.testing.assert_close(whole, steps, **tolerance)
+    assert torch.ops.kvserve.moe_experts(x, ids, weights, w13, w2, 2, max_rows=0).dim() == 1
