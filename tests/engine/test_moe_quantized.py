@@ -41,11 +41,19 @@ def _as_quantized_values(engine: Engine, kind: str) -> None:
             w.data = fake(w.data.reshape(-1, w.shape[-1])).view(w.shape)
 
 
-def _exact_products(engine: Engine) -> None:
-    """The engine's int8 experts multiplied by x itself, not by x quantized to int8."""
-    for m in engine.runner.model.modules():
-        if isinstance(m, FusedExperts):
-            m.int8_inputs = False
+@pytest.fixture
+def exact_products(monkeypatch):
+    """--quantization int8's experts multiplied by x itself, not by x quantized to
+    int8 where kvserve's kernels run (they may in this process whatever cpu_kernels
+    says: they are loaded once for every engine): compared exactly here, the int8
+    inputs in tests/engine/moe/test_expert_linear.py."""
+    quantize = FusedExperts.quantize_int8
+
+    def without_int8_inputs(self):
+        quantize(self)
+        self.int8_inputs = False
+
+    monkeypatch.setattr(FusedExperts, "quantize_int8", without_int8_inputs)
 
 
 # int4's dense projections need rows in blocks of 64 and whole groups of 32 inputs
@@ -73,17 +81,13 @@ def model_for(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("family, kind", CASES)
-def test_quantized_experts_generate_as_the_values_they_hold(model_for, family, kind):
+def test_quantized_experts_generate_as_the_values_they_hold(model_for, family, kind,
+                                                           exact_products):
     model_dir = model_for(family, kind)
     quantized = _engine(model_dir, kind)
     model = quantized.runner.model
     experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
     assert experts and all(m.w13.dtype == m.w2.dtype == STORED[kind] for m in experts)
-    # int8 experts meet x quantized to int8 where kvserve's kernel runs (it may, in
-    # this process, whatever cpu_kernels says: it is loaded once for every engine);
-    # here the products are compared exactly (the kernel's int8 inputs: test_expert_linear)
-    assert all(m.int8_inputs == (kind == "int8") for m in experts)
-    _exact_products(quantized)
     assert not any(isinstance(m.gate, Int8Linear) for m in model.modules()
                    if isinstance(m, SparseMoE))  # the router stays exact
     reference = _engine(model_dir, "none")
@@ -95,11 +99,10 @@ def test_quantized_experts_generate_as_the_values_they_hold(model_for, family, k
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_quantized_experts_in_the_compiled_batch_one_graph(model_for, kind):
+def test_quantized_experts_in_the_compiled_batch_one_graph(model_for, kind, exact_products):
     model_dir = model_for("qwen3moe", kind)
     compiled = _engine(model_dir, kind, compile="wait")
     assert compiled.runner.compiled is not None
-    _exact_products(compiled)  # (the batch-1 graph's experts are exact anyway)
     reference = _engine(model_dir, "none")
     _as_quantized_values(reference, kind)
     prompt = varied_prompts(compiled.model_config.vocab_size, count=1, seed=9, lengths=(30,))
@@ -127,3 +130,18 @@ def test_an_expert_width_the_groups_do_not_divide_is_a_start_up_error():
 
     with pytest.raises(ModelLoadError, match=r"experts' \(w2\) 48 inputs"):
         _check_expert_groups(Experts(2, 0, hidden=64, intermediate=48), 32)
+
+
+def test_int8_experts_take_int8_inputs_and_int4_ones_do_not():
+    """--quantization int8's experts meet x quantized to int8 where kvserve's CPU
+    kernels run (as llama.cpp's Q8_0 experts do); int4's and float ones do not."""
+    for kind, expected in (("int8", True), ("int4", False), (None, False)):
+        experts = FusedExperts(4, 0, hidden=64, intermediate=32)
+        with torch.no_grad():
+            experts.w13.normal_()
+            experts.w2.normal_()
+        if kind == "int8":
+            experts.quantize_int8()
+        elif kind == "int4":
+            experts.quantize_int4(32)
+        assert experts.int8_inputs is expected, kind

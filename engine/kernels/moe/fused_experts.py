@@ -70,7 +70,7 @@ def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
         w13.shape[-1] % DOT_BLOCK == 0 and w2.shape[-1] % DOT_BLOCK == 0
     dots = int8_inputs or (x.dtype == w13.dtype == w2.dtype == torch.bfloat16 and _bf16_dots())
     if activation == "silu" and b13 is None and b2 is None and \
-            _kernel_reads((w13, w13_scale), (w2, w2_scale)):
+            kernel_reads((w13, w13_scale), (w2, w2_scale)):
         y = _moe_experts(x, topk_ids, topk_weights, w13, w2, first_expert, w13_scale,
                          w2_scale, w13_min, w2_min, int8_inputs,
                          DOTS_MAX_ROWS if dots else EXPERT_LINEAR_MAX_ROWS)
@@ -139,7 +139,7 @@ def _moe_experts(*args) -> torch.Tensor | None:
     return y if y.dim() == 2 else None
 
 
-def _kernel_reads(*experts) -> bool:
+def kernel_reads(*experts) -> bool:
     """Whether kvserve's kernel can take these experts: loaded (engine/kernels/cpu:
     on x86 CPUs with AVX2 and FMA, unless --cpu-kernels torch) and reading them
     (float32, bf16, int8 with a scale per row, or a GGUF's int8 values or 4-bit codes
@@ -157,7 +157,7 @@ def _few_rows(pairs: int, counts: torch.Tensor, dots: bool, *experts) -> bool:
     """Whether kvserve's kernel takes this call: experts it reads, and few rows per
     active expert (more where it takes dot products: `dots`)."""
     most = DOTS_MAX_ROWS if dots else EXPERT_LINEAR_MAX_ROWS
-    return _kernel_reads(*experts) and pairs <= most * int(counts.count_nonzero())
+    return kernel_reads(*experts) and pairs <= most * int(counts.count_nonzero())
 
 
 def _expert_linear(rows: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
