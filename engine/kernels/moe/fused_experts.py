@@ -122,9 +122,11 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.uint8)
 
 def _bf16_dots() -> bool:
     """Whether the kernel takes bf16 rows against bf16 experts in AVX-512 BF16's dot
-    products on this CPU (asked once)."""
+    products on this CPU (asked once the kernels are loaded; without them, no)."""
     global _BF16_DOTS
     if _BF16_DOTS is None:
+        if not cpu_kernels_loaded():
+            return False
         _BF16_DOTS = bool(torch.ops.kvserve.expert_bf16_dots())
     return _BF16_DOTS
 

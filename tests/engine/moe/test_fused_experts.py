@@ -224,3 +224,18 @@ def test_int8_experts_equal_float_experts_of_their_values(monkeypatch, grouped, 
         torch.testing.assert_close(
             one_token_experts(*one, q13[part], q2[part], *extra, s13[part], s2[part]),
             fused_experts(*one, f13[part], f2[part], *extra), rtol=1e-5, atol=1e-5)
+
+
+def test_a_bf16_model_without_the_cpu_kernels_runs_torchs_gemms(monkeypatch):
+    """Where kvserve's CPU kernels are not loaded (--cpu-kernels torch, a CPU
+    without AVX2), bf16 experts are torch's grouped GEMMs: nothing asks the
+    kernels' ops."""
+    from kvserve.engine.kernels.moe import fused_experts as fe
+
+    monkeypatch.setattr(fe, "cpu_kernels_loaded", lambda: False)
+    monkeypatch.setattr(fe, "_BF16_DOTS", None)
+    x, ids, weights, w13, w2, _, _ = case(dtype=torch.bfloat16)
+    got = fe.fused_experts(x, ids, weights, w13, w2, 0)
+    want = loop(x, ids, weights, w13, w2, None, None)
+    assert (got.double() - want).norm() / want.norm() < 0.01
+    assert fe._BF16_DOTS is None  # asked again once the kernels are loaded
