@@ -15,7 +15,7 @@ from torch import nn
 
 from kvserve.engine.config.model_config import ModelConfig
 from kvserve.engine.kernels.cpu.build import loaded as cpu_kernels_loaded
-from kvserve.engine.kernels.moe.fused_experts import kernel_reads, one_token_experts
+from kvserve.engine.kernels.moe.fused_experts import one_token_experts
 from kvserve.engine.models import tp_comm as comm
 from kvserve.engine.models.layers import PlainWeight
 from kvserve.engine.models.linear import Linear
@@ -131,25 +131,16 @@ class FusedExperts(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
         args = (x, ids, weights, self.w13, self.w2, self.first, self.b13, self.b2,
                 *self.activation, self.w13_scale, self.w2_scale, self.w13_min, self.w2_min)
-        # One token in a compiled graph: traced as plain ops, unless kvserve's CPU
-        # kernels take it in one call (kvserve::moe_experts: SiLU experts without
-        # biases, 0.22 against 0.56 ms for 8 of 64 int8 experts of 1024 x 384 with
-        # int8 inputs, 0.39 against 0.57 in bf16, 2-core Zen 4), or a GGUF's
-        # group-quantized experts, faster through the op's kernel wherever it runs.
+        # One token in a compiled graph: traced as plain ops, cheaper there than the
+        # op's call for float and int8 experts (measured in the server: 25 against
+        # 40 tok/s at batch 1 through the op, though kvserve::moe_experts alone is
+        # 0.39 against 0.57 ms a layer: to find out why); a GGUF's group-quantized
+        # ones are faster through the op's kernel (kvserve::expert_linear).
         if x.shape[0] == 1 and x.device.type == "cpu" and torch.compiler.is_compiling() \
-                and not self._one_call_on_cpu():
+                and not (self.w13_scale is not None and self.w13_scale.dim() == 3
+                         and cpu_kernels_loaded()):
             return one_token_experts(*args)
         return torch.ops.kvserve.fused_experts(*args, self.int8_inputs)
-
-
-    def _one_call_on_cpu(self) -> bool:
-        """Whether kvserve's CPU kernels take these experts in one call."""
-        if not cpu_kernels_loaded():
-            return False
-        if self.w13_scale is not None and self.w13_scale.dim() == 3:
-            return True
-        return self.activation[0] == "silu" and self.b13 is None and \
-            kernel_reads((self.w13, self.w13_scale), (self.w2, self.w2_scale))
 
 
 class SparseMoE(nn.Module):
