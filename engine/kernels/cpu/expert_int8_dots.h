@@ -107,15 +107,10 @@ inline void int8_block(const Int8Expert& e, int64_t k_len, int64_t n, int64_t n0
   }
 }
 
-// Every (expert, block of kBlockRows weight rows) item, split across torch's threads.
+// Every (expert, block of kBlockRows weight rows) item (expert_linear.cpp's
+// for_each_block).
 inline void int8_grouped(const std::vector<Int8Expert>& experts, int64_t k_len, int64_t n) {
-  const int64_t blocks = (n + kBlockRows - 1) / kBlockRows;
-  const int64_t items = int64_t(experts.size()) * blocks;
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i % blocks;
-      int8_block(experts[i / blocks], k_len, n, b * kBlockRows,
-                 std::min(n, (b + 1) * kBlockRows));
-    }
+  for_each_block(experts, n, [&](const Int8Expert& e, int64_t n0, int64_t n1) {
+    int8_block(e, k_len, n, n0, n1);
   });
 }

@@ -214,16 +214,24 @@ void block(const Expert& e, int64_t k_len, int64_t groups, int64_t n, int64_t n0
   }
 }
 
-template <typename Row, bool kGroups = false>
-void grouped(const std::vector<Expert>& experts, int64_t k_len, int64_t groups, int64_t n) {
+// Every (active expert, block of kBlockRows output rows) item of a grouped product,
+// split evenly across torch's threads: block(expert, n0, n1) for each.
+template <typename ExpertT, typename Block>
+void for_each_block(const std::vector<ExpertT>& experts, int64_t n, const Block& block) {
   const int64_t blocks = (n + kBlockRows - 1) / kBlockRows;
   const int64_t items = int64_t(experts.size()) * blocks;
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i % blocks;
-      block<Row, kGroups>(experts[i / blocks], k_len, groups, n, b * kBlockRows,
-                          std::min(n, (b + 1) * kBlockRows));
+      block(experts[i / blocks], b * kBlockRows, std::min(n, (b + 1) * kBlockRows));
     }
+  });
+}
+
+template <typename Row, bool kGroups = false>
+void grouped(const std::vector<Expert>& experts, int64_t k_len, int64_t groups, int64_t n) {
+  for_each_block(experts, n, [&](const Expert& e, int64_t n0, int64_t n1) {
+    block<Row, kGroups>(e, k_len, groups, n, n0, n1);
   });
 }
 
