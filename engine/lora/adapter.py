@@ -125,8 +125,7 @@ def _refuse_unsupported(name: str, config: dict, keys) -> None:
     modules = {key.split(".lora_")[0] for key in keys}
     for option in ("rank_pattern", "alpha_pattern"):
         patterns = config.get(option) or {}
-        # PEFT's own match: the pattern at the end of the module's dotted name
-        if not any(re.match(rf"(.*\.)?({p})$", m) for p in patterns for m in modules):
+        if not any(_reaches(p, m) for p in patterns for m in modules):
             config = {**config, option: None}
     problems = {
         "use_dora": "DoRA", "modules_to_save": "modules_to_save (fully trained layers)",
@@ -140,6 +139,18 @@ def _refuse_unsupported(name: str, config: dict, keys) -> None:
     if config.get("bias", "none") != "none":
         raise LoRAAdapterError(f"adapter {name!r} trains biases (bias="
                                f"{config['bias']!r}), which is not supported")
+
+
+def _reaches(pattern, module: str) -> bool:
+    """Whether a PEFT per-module pattern names the module: PEFT's own match, the
+    pattern at the end of its dotted name. A pattern that is not a short regex
+    (the adapter's config is the client's) counts as reaching it: refused."""
+    if not isinstance(pattern, str) or len(pattern) > 256:
+        return True
+    try:
+        return re.match(rf"(.*\.)?({pattern})$", module) is not None
+    except re.error:
+        return True
 
 
 def _tensors(path: Path) -> dict[str, torch.Tensor]:

@@ -73,7 +73,8 @@ def test_an_adapter_we_cannot_serve_is_a_clear_error(tiny_model_dir, tmp_path):
                              ("modules_to_save", ["lm_head"], "modules_to_save"),
                              ("peft_type", "IA3", "only LoRA"),
                              ("rank_pattern", {r".*\.q_proj": 8}, "per-module ranks"),
-                             ("alpha_pattern", {"q_proj": 8}, "per-module alphas")]:
+                             ("alpha_pattern", {"q_proj": 8}, "per-module alphas"),
+                             ("rank_pattern", {"(": 8}, "per-module ranks")]:  # no regex
         config_file = tmp_path / "ok" / "adapter_config.json"
         original = config_file.read_text()
         config_file.write_text(json.dumps({**json.loads(original), key: value}))
