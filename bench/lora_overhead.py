@@ -28,7 +28,7 @@ from kvserve.engine.config.engine_config import EngineConfig
 from kvserve.engine.config.lora_config import LoRAConfig
 from kvserve.engine.config.model_config import ModelConfig
 from kvserve.engine.core.engine import Engine
-from kvserve.engine.lora.adapter import TARGETS, projection_shapes
+from kvserve.engine.lora.adapter import MLP_TARGETS, projection_shapes
 from kvserve.modelstore.default_model import default_model_dir
 from kvserve.scheduler.sampling_params import SamplingParams
 
@@ -38,10 +38,10 @@ def write_random_adapter(path: Path, cfg: ModelConfig, rank: int, seed: int) -> 
     (B small: the output stays near the base model's, as a trained adapter's does)."""
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
+    shapes = {m: shape for m, shape in projection_shapes(cfg).items() if shape[1]}  # its own
     for layer in range(cfg.num_layers):
-        for module, (fan_in, fan_out) in projection_shapes(cfg).items():
-            part = "self_attn" if module.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) \
-                else "mlp"
+        for module, (fan_in, fan_out) in shapes.items():
+            part = "mlp" if module in MLP_TARGETS else "self_attn"
             key = f"base_model.model.model.layers.{layer}.{part}.{module}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) \
                 / fan_in ** 0.5
@@ -49,7 +49,7 @@ def write_random_adapter(path: Path, cfg: ModelConfig, rank: int, seed: int) -> 
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "adapter_model.safetensors"))
     (path / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": list(TARGETS),
+        {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": list(shapes),
          "bias": "none"}))
 
 

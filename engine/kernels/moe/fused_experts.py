@@ -66,6 +66,15 @@ def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
         return triton_fused_experts(x, topk_ids, topk_weights, w13, w2, first_expert, b13,
                                     b2, activation, limit, alpha, (w13_scale, w13_min),
                                     (w2_scale, w2_min))
+    return _on_cpu(x, topk_ids, topk_weights, w13, w2, first_expert, b13, b2, activation,
+                   limit, alpha, w13_scale, w2_scale, w13_min, w2_min, int8_inputs)
+
+
+def _on_cpu(x, topk_ids, topk_weights, w13, w2, first_expert, b13, b2, activation, limit,
+            alpha, w13_scale, w2_scale, w13_min, w2_min, int8_inputs) -> torch.Tensor:
+    """fused_experts on CPU: kvserve's kernels in one call where they take it, else
+    the pairs sorted by expert here and their products by the kernel (few rows an
+    expert) or torch's GEMMs."""
     int8_inputs = int8_inputs and w13_scale is not None and w13_scale.dim() == 2 and \
         w13.shape[-1] % DOT_BLOCK == 0 and w2.shape[-1] % DOT_BLOCK == 0
     dots = int8_inputs or (x.dtype == w13.dtype == w2.dtype == torch.bfloat16 and _bf16_dots())
