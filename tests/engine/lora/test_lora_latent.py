@@ -81,6 +81,8 @@ def test_adapters_on_latent_attention_match_peft_merged(tiny_engine_factory, lat
 
 def test_latent_adapters_through_preemption_and_compiled_graphs(tiny_engine_factory, latent):
     family, path, refs = latent
+    if family != "deepseekv3":  # (V2-Lite's q_proj path: the test above; suite time)
+        pytest.skip("one family through preemption and the compiled graphs")
     small = _engine(tiny_engine_factory, family, path, num_kv_blocks=14,
                     max_num_batched_tokens=64)
     prompts = varied_prompts(small.model_config.vocab_size, count=6, seed=12,
