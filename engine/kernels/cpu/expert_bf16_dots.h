@@ -54,11 +54,7 @@ inline void bf16_dots(const BF16Expert& e, int64_t k_len, int64_t n, int64_t x_r
   }
   for (int m = 0; m < MR; ++m) {
     float sums[NR];
-    if constexpr (NR == 4) {
-      _mm_storeu_ps(sums, sum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
-    } else {
-      for (int j = 0; j < NR; ++j) sums[j] = hsum(acc[m][j]);
-    }
+    lane_sums<NR>(acc[m], sums);
     for (int j = 0; j < NR; ++j) {
       float sum = sums[j];
       for (int64_t t = whole; t < k_len; ++t)  // K's last inputs past a whole 16

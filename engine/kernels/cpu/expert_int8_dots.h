@@ -73,11 +73,7 @@ inline void int8_dots(const Int8Expert& e, int64_t k_len, int64_t n, int64_t x_r
   }
   for (int m = 0; m < MR; ++m) {
     float sums[NR];
-    if constexpr (NR == 4) {
-      _mm_storeu_ps(sums, sum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
-    } else {
-      for (int j = 0; j < NR; ++j) sums[j] = hsum(acc[m][j]);
-    }
+    lane_sums<NR>(acc[m], sums);
     for (int j = 0; j < NR; ++j) e.out[(x_row + m) * n + n0 + j] = sums[j] * e.scales[n0 + j];
   }
 }

@@ -111,6 +111,17 @@ inline __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
   return _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
 }
 
+// The sums of NR vectors' eight lanes each, four at once (one reduction, not four)
+// where NR is 4.
+template <int NR>
+inline void lane_sums(const __m256 (&acc)[NR], float (&sums)[NR]) {
+  if constexpr (NR == 4) {
+    _mm_storeu_ps(sums, sum4(acc[0], acc[1], acc[2], acc[3]));
+  } else {
+    for (int j = 0; j < NR; ++j) sums[j] = hsum(acc[j]);
+  }
+}
+
 struct Expert {
   const float* x;        // its rows of x, [rows, K]
   int64_t rows;
@@ -173,11 +184,7 @@ inline void dots(const Expert& e, int64_t k_len, int64_t groups, int64_t n, int6
   }
   for (int m = 0; m < MR; ++m) {
     float sums[NR];
-    if constexpr (NR == 4) {  // four rows' sums at once: one reduction, not four
-      _mm_storeu_ps(sums, sum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
-    } else {
-      for (int j = 0; j < NR; ++j) sums[j] = hsum(acc[m][j]);
-    }
+    lane_sums<NR>(acc[m], sums);
     for (int j = 0; j < NR; ++j) {
       float sum = sums[j];
       if constexpr (!kGroups) {
