@@ -14,79 +14,72 @@
 // (No include guard: it is meant to be included twice. expert_linear.cpp includes
 // what it needs first, Int8Expert included.)
 
-// Output rows [n0, n0 + NR) for MR rows of x (from x_row on).
-template <int MR, int NR>
-inline void int8_dots(const Int8Expert& e, int64_t k_len, int64_t n, int64_t x_row,
-                      int64_t n0) {
+// Blocks of kDotBlock inputs a weight row is read in at a time, each summed on its
+// own (the same count for both instruction sets: their sums are added in the same
+// order, so their results stay the same bits). One row at a time, front to back: a
+// thread's reads are one sequential stream, as in expert_bf16_dots.h.
+constexpr int kInt8Steps = 2;
+
+// Weight row j against MR rows of x (from x_row on): each row's float32 sums, lane
+// by lane, in sums[m], before the row's scale.
+template <int MR>
+inline void int8_row(const Int8Expert& e, int64_t k_len, int64_t x_row, int64_t j,
+                     __m256 (&sums)[MR]) {
   const int64_t blocks = k_len / kDotBlock;
-  const int8_t* w = e.weight + n0 * k_len;
+  const int8_t* w = e.weight + j * k_len;
   const int8_t* xq = e.x_q + x_row * k_len;
   const float* step = e.x_step + x_row * blocks;
-  const char* ahead = reinterpret_cast<const char*>(w + kAheadRows * k_len);
-  const __m256i zero = _mm256_setzero_si256();
 #if KV_VNNI
+  const __m256i zero = _mm256_setzero_si256();
   const __m256i offset = _mm256_set1_epi8(char(0x80));  // x + 128, read unsigned
 #else
   const __m256i ones = _mm256_set1_epi16(1);
 #endif
-  __m256 acc[MR][NR];
+  __m256 acc[MR][kInt8Steps];
 #pragma GCC unroll 4
   for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 4
-    for (int j = 0; j < NR; ++j) acc[m][j] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
+#pragma GCC unroll 2
+    for (int s = 0; s < kInt8Steps; ++s) acc[m][s] = _mm256_setzero_ps();
+  // One block into acc[.][s]: its 32 products summed as integers, scaled by x's step.
+  auto block = [&](int64_t b, int s) {
     const int64_t k = b * kDotBlock;
-    if (k % 64 == 0) {  // one line a row every 64 inputs (see dots)
-#pragma GCC unroll 4
-      for (int j = 0; j < NR; ++j) _mm_prefetch(ahead + j * k_len + k, _MM_HINT_T0);
-    }
-    __m256i wv[NR], prep[NR];
-#pragma GCC unroll 4
-    for (int j = 0; j < NR; ++j) {
-      wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * k_len + k));
+    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k));
 #if KV_VNNI
-      prep[j] = _mm256_sub_epi32(zero, _mm256_dpbusd_epi32(zero, offset, wv[j]));
+    const __m256i prep = _mm256_sub_epi32(zero, _mm256_dpbusd_epi32(zero, offset, wv));
 #else
-      prep[j] = _mm256_abs_epi8(wv[j]);
-      (void)zero;
+    const __m256i prep = _mm256_abs_epi8(wv);
 #endif
-    }
 #pragma GCC unroll 4
     for (int m = 0; m < MR; ++m) {
       __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * k_len + k));
 #if KV_VNNI
-      xv = _mm256_xor_si256(xv, offset);
-#endif
-      const __m256 s = _mm256_set1_ps(step[m * blocks + b]);
-#pragma GCC unroll 4
-      for (int j = 0; j < NR; ++j) {
-#if KV_VNNI
-        const __m256i sum = _mm256_dpbusd_epi32(prep[j], xv, wv[j]);
+      const __m256i sum = _mm256_dpbusd_epi32(prep, _mm256_xor_si256(xv, offset), wv);
 #else
-        // |w| * (x with w's sign): pairs at most 2 * 128 * 127, within int16
-        const __m256i sum = _mm256_madd_epi16(
-            _mm256_maddubs_epi16(prep[j], _mm256_sign_epi8(xv, wv[j])), ones);
+      // |w| * (x with w's sign): pairs at most 2 * 128 * 127, within int16
+      const __m256i sum = _mm256_madd_epi16(
+          _mm256_maddubs_epi16(prep, _mm256_sign_epi8(xv, wv)), ones);
 #endif
-        acc[m][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), s, acc[m][j]);
-      }
+      acc[m][s] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum),
+                                  _mm256_set1_ps(step[m * blocks + b]), acc[m][s]);
     }
+  };
+  const int64_t steps = blocks / kInt8Steps * kInt8Steps;
+  for (int64_t b = 0; b < steps; b += kInt8Steps) {
+#pragma GCC unroll 2
+    for (int s = 0; s < kInt8Steps; ++s) block(b + s, s);
   }
-  for (int m = 0; m < MR; ++m) {
-    float sums[NR];
-    lane_sums<NR>(acc[m], sums);
-    for (int j = 0; j < NR; ++j) e.out[(x_row + m) * n + n0 + j] = sums[j] * e.scales[n0 + j];
-  }
+  for (int64_t b = steps; b < blocks; ++b) block(b, 0);
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; ++m) sums[m] = _mm256_add_ps(acc[m][0], acc[m][1]);
 }
 
-// Output rows [n0, n1) for every row of x: NR weight rows at a time (AVX2's 16
-// registers hold 2 x 4 sums beside the four rows and their prepared forms; AVX-512's
-// 32 hold 3 x 4), then one at a time.
+// Output rows [n0, n1) for MR rows of x (from x_row on).
 template <int MR>
 inline void int8_rows(const Int8Expert& e, int64_t k_len, int64_t n, int64_t x_row,
                       int64_t n0, int64_t n1) {
-  int64_t j = n0;
-  for (; j + 4 <= n1; j += 4) int8_dots<MR, 4>(e, k_len, n, x_row, j);
-  for (; j < n1; ++j) int8_dots<MR, 1>(e, k_len, n, x_row, j);
+  rows_in_order<MR>(
+      n0, n1, [&](int64_t j, __m256(&sums)[MR]) { int8_row<MR>(e, k_len, x_row, j, sums); },
+      [&](int m, int64_t j, float sum) { e.out[(x_row + m) * n + j] = sum * e.scales[j]; });
 }
 
 constexpr int64_t kInt8Rows = KV_VNNI ? 3 : 2;  // rows of x a call takes

@@ -78,8 +78,7 @@ def _on_cpu(x, topk_ids, topk_weights, w13, w2, first_expert, b13, b2, activatio
     int8_inputs = int8_inputs and w13_scale is not None and w13_scale.dim() == 2 and \
         w13.shape[-1] % DOT_BLOCK == 0 and w2.shape[-1] % DOT_BLOCK == 0
     dots = int8_inputs or (x.dtype == w13.dtype == w2.dtype == torch.bfloat16 and _bf16_dots())
-    if activation == "silu" and b13 is None and b2 is None and \
-            kernel_reads((w13, w13_scale), (w2, w2_scale)):
+    if in_one_call(activation, b13, b2, (w13, w13_scale), (w2, w2_scale)):
         y = _moe_experts(x, topk_ids, topk_weights, w13, w2, first_expert, w13_scale,
                          w2_scale, w13_min, w2_min, int8_inputs,
                          DOTS_MAX_ROWS if dots else EXPERT_LINEAR_MAX_ROWS)
@@ -148,6 +147,13 @@ def _moe_experts(*args) -> torch.Tensor | None:
     and all, in one call), or None where more rows meet the experts than it takes."""
     y = torch.ops.kvserve.moe_experts(*args)
     return y if y.dim() == 2 else None
+
+
+def in_one_call(activation: str, b13: torch.Tensor | None, b2: torch.Tensor | None,
+                *experts) -> bool:
+    """Whether kvserve::moe_experts takes these experts (few rows an expert): SiLU
+    experts without biases that kvserve's kernel reads (experts: (weight, scale))."""
+    return activation == "silu" and b13 is None and b2 is None and kernel_reads(*experts)
 
 
 def kernel_reads(*experts) -> bool:
