@@ -15,7 +15,8 @@ from torch import nn
 
 from kvserve.engine.config.model_config import ModelConfig
 from kvserve.engine.kernels.moe.fused_experts import (in_one_call, kernel_reads,
-                                                      one_token_experts)
+                                                      one_token_experts,
+                                                      one_token_moe_experts)
 from kvserve.engine.models import tp_comm as comm
 from kvserve.engine.models.layers import PlainWeight
 from kvserve.engine.models.linear import Linear
@@ -131,18 +132,21 @@ class FusedExperts(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
         args = (x, ids, weights, self.w13, self.w2, self.first, self.b13, self.b2,
                 *self.activation, self.w13_scale, self.w2_scale, self.w13_min, self.w2_min)
-        # One token in a compiled graph: the op where kvserve's kernel takes the experts
-        # in one call (kvserve::moe_experts: 8 of 64 bf16 experts of 1024 x 384 drawn
-        # from memory at ~26 GB/s, int8 ones at ~25, against ~25 and ~17 for the traced
-        # ops, bench/moe_split.py) or a GGUF's group-quantized ones
-        # (kvserve::expert_linear); else traced as plain ops (Inductor's loops read the
+        # One token in a compiled graph: kvserve::moe_experts itself where it takes the
+        # experts in one call (8 of 64 experts of 1024 x 384 drawn from memory: bf16 at
+        # 30-41 GB/s against the traced ops' 27-29, int8 at 20-23 against 15-19,
+        # bench/moe_from_memory.py), the op (kvserve::expert_linear) for a GGUF's
+        # group-quantized ones; else traced as plain ops (Inductor's loops read the
         # chosen experts where they lie).
         experts = (self.w13, self.w13_scale), (self.w2, self.w2_scale)
-        if x.shape[0] == 1 and x.device.type == "cpu" and torch.compiler.is_compiling() \
-                and not (in_one_call(self.activation[0], self.b13, self.b2, *experts) or
-                         self.w13_scale is not None and self.w13_scale.dim() == 3
-                         and kernel_reads(*experts)):
-            return one_token_experts(*args)
+        if x.shape[0] == 1 and x.device.type == "cpu" and torch.compiler.is_compiling():
+            if in_one_call(self.activation[0], self.b13, self.b2, *experts):
+                return one_token_moe_experts(x, ids, weights, self.w13, self.w2, self.first,
+                                             self.w13_scale, self.w2_scale, self.w13_min,
+                                             self.w2_min, self.int8_inputs)
+            if not (self.w13_scale is not None and self.w13_scale.dim() == 3
+                    and kernel_reads(*experts)):
+                return one_token_experts(*args)
         return torch.ops.kvserve.fused_experts(*args, self.int8_inputs)
 
 

@@ -141,9 +141,10 @@ def huge_pages_for_weights() -> None:
     pages when THP_MEM_ALLOC_ENABLE is set before torch is imported (read once): the
     weights, streamed from memory every decode step, then cost a TLB entry every 2
     MiB rather than every 4 KiB. A mixture-of-experts decode step's experts came from
-    memory ~25% faster so (8 of 64 int8 experts of 1024 x 384 a layer over 24 layers:
-    0.41 -> 0.32 ms a layer; 16 tokens' bf16 ones 6.2 -> 4.8 ms; 2-core Zen 4, THP in
-    `madvise` mode). Where the kernel's THP mode is `never` nothing changes;
+    memory 1.07-1.6x faster so (bench/moe_from_memory.py, 64 experts of 1024 x 384 a
+    layer over 24 layers: one token's 8 bf16 ones 0.64 -> 0.46 ms a layer, int8 0.48
+    -> 0.41; 16 tokens' int8 ones 4.3 -> 2.7 ms; 2-core Zen 4, THP in `madvise`
+    mode). Where the kernel's THP mode is `never` nothing changes;
     THP_MEM_ALLOC_ENABLE=0 keeps 4 KiB pages."""
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 

@@ -75,9 +75,7 @@ def _on_cpu(x, topk_ids, topk_weights, w13, w2, first_expert, b13, b2, activatio
     """fused_experts on CPU: kvserve's kernels in one call where they take it, else
     the pairs sorted by expert here and their products by the kernel (few rows an
     expert) or torch's GEMMs."""
-    int8_inputs = int8_inputs and w13_scale is not None and w13_scale.dim() == 2 and \
-        w13.shape[-1] % DOT_BLOCK == 0 and w2.shape[-1] % DOT_BLOCK == 0
-    dots = int8_inputs or (x.dtype == w13.dtype == w2.dtype == torch.bfloat16 and _bf16_dots())
+    int8_inputs, dots = _dot_products(x, w13, w2, w13_scale, int8_inputs)
     if in_one_call(activation, b13, b2, (w13, w13_scale), (w2, w2_scale)):
         y = _moe_experts(x, topk_ids, topk_weights, w13, w2, first_expert, w13_scale,
                          w2_scale, w13_min, w2_min, int8_inputs,
@@ -110,6 +108,29 @@ def _on_cpu(x, topk_ids, topk_weights, w13, w2, first_expert, b13, b2, activatio
     return torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))
 
 
+def _dot_products(x, w13, w2, w13_scale, int8_inputs: bool) -> tuple[bool, bool]:
+    """(int8_inputs where the kernel can take them: int8 experts with row scales and
+    inputs in whole blocks; whether it takes dot products, int8 or bf16 ones)."""
+    int8_inputs = int8_inputs and w13_scale is not None and w13_scale.dim() == 2 and \
+        w13.shape[-1] % DOT_BLOCK == 0 and w2.shape[-1] % DOT_BLOCK == 0
+    dots = int8_inputs or (x.dtype == w13.dtype == w2.dtype == torch.bfloat16 and _bf16_dots())
+    return int8_inputs, dots
+
+
+def one_token_moe_experts(x, topk_ids, topk_weights, w13, w2, first_expert, w13_scale,
+                          w2_scale, w13_min, w2_min, int8_inputs: bool) -> torch.Tensor:
+    """kvserve::moe_experts itself for one token (x [1, H]) in a compiled graph, for
+    experts it takes in one call (in_one_call): a C++ op the graph calls as it is,
+    where kvserve::fused_experts's Python implementation cost ~70 us a layer around
+    it (~1.6 ms a batch-1 step over 24 layers). One token's pairs are one row an
+    expert, so it never declines them (its fake, engine/kernels/cpu/packing.py,
+    says [1, H])."""
+    int8_inputs, dots = _dot_products(x, w13, w2, w13_scale, int8_inputs)
+    return torch.ops.kvserve.moe_experts(x, topk_ids, topk_weights, w13, w2, first_expert,
+                                         w13_scale, w2_scale, w13_min, w2_min, int8_inputs,
+                                         DOTS_MAX_ROWS if dots else EXPERT_LINEAR_MAX_ROWS)
+
+
 # Rows an active expert takes on average up to which kvserve's CPU kernel
 # (kvserve::expert_linear, engine/kernels/cpu/expert_linear.cpp) runs the experts:
 # decode steps' narrow products, bound by reading the weights, which it does at ~20
@@ -128,6 +149,7 @@ DOTS_MAX_ROWS = 32
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.uint8)
 
 
+@torch._dynamo.assume_constant_result  # (asked once; a constant to a traced graph)
 def _bf16_dots() -> bool:
     """Whether the kernel takes bf16 rows against bf16 experts in AVX-512 BF16's dot
     products on this CPU (asked once the kernels are loaded; without them, no)."""
