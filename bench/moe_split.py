@@ -8,7 +8,9 @@ of running the experts' products, each forced: kvserve's kernel
 active expert, DOTS_MAX_ROWS where it takes dot products: bf16 rows and experts
 with AVX-512 BF16, int8 experts meeting x quantized to int8) and torch's grouped
 GEMM (bf16) or per-expert loop (int8), for bf16 and --quantization int8 experts,
-the latter with and without int8_inputs (as the engine runs them: with).
+the latter with and without int8_inputs (as the engine runs them: with). One
+layer's tensors are called again and again, so at 1 token its 8 experts stay in
+L3: bench/moe_from_memory.py reads them from memory, as a decode step does.
 
     python bench/moe_split.py [--json OUT.json]
 """

@@ -137,7 +137,8 @@ def one_token_moe_experts(x, topk_ids, topk_weights, w13, w2, first_expert, w13_
 # GB/s where torch's grouped GEMM read bf16 experts at ~11 (16 tokens, 64 experts of
 # 1024 x 384, top-8, 2-core Zen 4: 7.9 against 11.9 ms a layer); from ~8 rows an
 # expert on (64 tokens: 16.8 against 15.6 ms) oneDNN's GEMMs are faster
-# (bench/moe_split.py).
+# (bench/moe_split.py, measured before the kernel read its rows in order: it now
+# reads 16 tokens' bf16 experts from memory at ~27-29 GB/s, bench/moe_from_memory.py).
 EXPERT_LINEAR_MAX_ROWS = 6
 # The same where the kernel takes its products as dot products rather than widening
 # each weight: int8 experts meeting x quantized to int8 (int8_inputs; 4 products an
