@@ -89,10 +89,11 @@ def main() -> None:
             results.setdefault(name, []).append(got)
             print(f"round {round_ + 1} {name:10s} tok/s {got['tok_s']} idle CPU "
                   f"{got['idle_cpu_s_per_s']} s/s", flush=True)
-    flags = [f for f in Path("/proc/cpuinfo").read_text().split("flags")[1].split("\n")[0]
-             .split() if f.startswith(("avx", "amx", "fma", "f16c"))]
+    from kvserve.benchmarks.provenance import simd_flags
+    from kvserve.engine.platform.device import cpu_flags
+
     doc = {"model": args.model, "quantization": args.quantization, "tokens": args.tokens,
-           "cpu_flags": flags, "cpus": len(os.sched_getaffinity(0)),
+           "cpu_flags": simd_flags(cpu_flags()), "cpus": len(os.sched_getaffinity(0)),
            "variants": {k: VARIANTS[k] for k in results}, "results": results}
     if args.json:
         args.json.write_text(json.dumps(doc, indent=1) + "\n")
