@@ -41,9 +41,10 @@ serve: $(SERVE_STAMP)
 
 # The whole suite (CI runs exactly this), on one pytest-xdist worker per core; each
 # test file stays on one worker, so its module-scoped servers start once.
-# TEST_WORKERS=0 runs it in this process alone.
+# TEST_WORKERS=0 runs it in this process alone. The 30 slowest tests are listed at the
+# end, so a CI log shows where the suite's time goes.
 TEST_WORKERS ?= auto
-PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30
 test: $(TEST_STAMP)
 	$(PYTEST) $(ARGS)
 
