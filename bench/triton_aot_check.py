@@ -26,7 +26,8 @@ heads of 64), per tensor-parallel rank at 1/2/4/8 ranks; bf16, fp16, fp32; cache
 the model dtype and fp8 e4m3 (sm_90 only: engine/kernels/attention/selector.py refuses an fp8
 cache below compute capability 8.9; none under tensor parallelism, which refuses LoRA
 and CUDA graphs too); block sizes 16 (the default) and 32; LoRA max ranks 4-64 over 1
-or 4 slots; windowed, soft-capped and sink layers (Gemma 2, gpt-oss); the routed
+or 4 slots; windowed, soft-capped and sink layers (Gemma 2, gpt-oss); DeepSeek-V3's
+latent attention (LATENT_SHAPE), absorbed and expanded; the routed
 experts of Qwen3-30B-A3B, gpt-oss-20b and Mixtral-8x7B shapes (MOE_SHAPES), in the
 model dtypes and quantized (MOE_QUANT).
 
@@ -233,6 +234,38 @@ def run_attention(cfg, dtype: torch.dtype, fp8: bool, block_size: int, graphs: b
         backend.forward(q, k, v, *caches, backend.prepare(meta), scale, *scales, **mods)
 
 
+# Latent attention (engine/models/mla.py) at DeepSeek-V3's widths: the cache's one
+# head of latent + rotary (decodes and short chunks, absorbed:
+# triton/latent_absorbed.py) and, for prompt chunks past the break-even length,
+# heads of nope + rotary (triton/latent_expanded.py). The head count is no
+# compile-time constant of either: 16 (DeepSeek-V2-Lite's, V3's per rank at 8 ranks)
+# stands for every count.
+LATENT_SHAPE = dict(heads=16, latent=512, rotary=64, nope=128, v=128)
+LATENT_MAX_LEN = 163840
+
+
+def run_latent(shape: dict, dtype: torch.dtype, block_size: int) -> None:
+    """Every step of eager_steps and every CUDA-graph bucket through the Triton
+    backend's latent attention over one layer's latent cache."""
+    from kvserve.engine.kernels.attention.triton_backend import TritonBackend
+    from kvserve.engine.runner.cuda_graphs import batch_buckets
+
+    backend = TritonBackend()
+    heads, latent, rotary, nope = (shape[k] for k in ("heads", "latent", "rotary", "nope"))
+    cache = torch.empty(2, block_size, 1, latent + rotary, dtype=dtype)
+    kv_b = torch.empty(heads * (nope + shape["v"]), latent, dtype=dtype)
+    metas = [eager_metadata(s, n, block_size) for s, n in eager_steps(LATENT_MAX_LEN)]
+    metas += [graph_metadata(b, m, block_size) for m in graph_max_lens(LATENT_MAX_LEN)
+              for b in batch_buckets(MAX_NUM_SEQS)]
+    for meta in metas:
+        t = meta.num_tokens
+        q = torch.empty(t, heads, latent + rotary, dtype=dtype)
+        q_nope = torch.empty(t, heads, nope, dtype=dtype)
+        entry = torch.empty(t, 1, latent + rotary, dtype=dtype)
+        backend.latent_attention(q, q_nope, entry, cache, backend.prepare(meta),
+                                 (nope + rotary) ** -0.5, kv_b, nope)
+
+
 def run_lora(cfg, dtype: torch.dtype, slots: int, rank: int) -> None:
     """Each projection group's LoRA product through the BGMV kernels, as the model
     adds it, over the LoRA manager's own stacked buffers (one layer of them)."""
@@ -305,6 +338,10 @@ def run_moe(hidden: int, inter: int, top_k: int, oai: bool, dtype: torch.dtype,
 def configurations(target: Target, block_sizes: tuple[int, ...]
                    ) -> Iterator[tuple[str, object]]:
     """(label, a function running it) for every configuration the target serves."""
+    for dtype in DTYPES:
+        for bs in block_sizes:
+            yield (f"deepseek-v3 latent {str(dtype).removeprefix('torch.')} bs{bs}",
+                   lambda d=dtype, b=bs: run_latent(LATENT_SHAPE, d, b))
     for name, shape in MOE_SHAPES.items():
         for dtype in DTYPES:
             yield (f"{name} experts {str(dtype).removeprefix('torch.')}",
@@ -465,14 +502,18 @@ def replaced(func, replacement) -> Iterator[None]:
         yield
 
 
-def record(target: Target, block_sizes: tuple[int, ...]) -> list[Specialisation]:
-    """Every specialisation the target's configurations launch."""
+def record(target: Target, block_sizes: tuple[int, ...], only: str | None = None
+           ) -> list[Specialisation]:
+    """Every specialisation the target's configurations (those whose label holds
+    `only`, if given) launch."""
     import kvserve.engine.kernels.attention.triton_backend  # noqa: F401  (the helpers to replace)
     import kvserve.engine.kernels.lora.triton_kernels  # noqa: F401
 
     recorder = Recorder(target)
     with recorder.recording(), torch.inference_mode():
         for label, run in configurations(target, block_sizes):
+            if only is not None and only not in label:
+                continue
             recorder.label = label
             run()
     return list(recorder.found.values())
@@ -799,12 +840,13 @@ def modified_kernels() -> list[str]:
 
 
 def check(targets: list[int], block_sizes: tuple[int, ...], every: bool,
-          jobs: int) -> tuple[list[dict], dict]:
-    """(kernel variants, facts): every target's launches recorded, then compiled."""
+          jobs: int, only: str | None = None) -> tuple[list[dict], dict]:
+    """(kernel variants, facts): every target's launches recorded, then compiled;
+    with `only`, the configurations whose label holds it (coverage not checked)."""
     import triton
 
     started, modified = time.perf_counter(), modified_kernels()
-    specs = [s for arch in targets for s in record(TARGETS[arch], block_sizes)]
+    specs = [s for arch in targets for s in record(TARGETS[arch], block_sizes, only)]
     recorded = time.perf_counter() - started
     chosen = to_compile(specs, every)
     compiled = dict(zip((s.key() for s in chosen), compile_all(chosen, jobs)))
@@ -813,7 +855,8 @@ def check(targets: list[int], block_sizes: tuple[int, ...], every: bool,
             "ptxas": ptxas_version(), "date": time.strftime("%Y-%m-%d"), "jobs": jobs,
             "block_sizes": block_sizes, "every_specialisation": every,
             "recorded": len(specs), "configurations": len({u for s in specs for u in s.uses}),
-            "uncovered": uncovered(specs), "record_s": round(recorded, 1),
+            "uncovered": uncovered(specs) if only is None else [], "only": only,
+            "record_s": round(recorded, 1),
             "total_s": round(time.perf_counter() - started, 1)}
     return variants(specs, compiled), meta
 
@@ -831,12 +874,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write every specialisation here")
     parser.add_argument("--markdown", type=Path,
                         help="write the tables here (else print them all)")
+    parser.add_argument("--only", help="check only the configurations whose label holds "
+                        "this (e.g. 'latent'); coverage is then not checked")
     args = parser.parse_args(argv)
     targets = [int(t) for t in args.targets.split(",")]
     if unknown := [t for t in targets if t not in TARGETS]:
         parser.error(f"unknown targets {unknown}; known: {sorted(TARGETS)}")
     block_sizes = tuple(int(b) for b in args.block_sizes.split(","))
-    found, meta = check(targets, block_sizes, not args.one_per_variant, args.jobs)
+    found, meta = check(targets, block_sizes, not args.one_per_variant, args.jobs,
+                        args.only)
     if args.json:
         # One line per variant: a new run's diff shows the variants that changed.
         args.json.write_text("{\"meta\": " + json.dumps(meta) + ",\n\"variants\": [\n"

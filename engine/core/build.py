@@ -16,7 +16,7 @@ import torch
 from kvserve.engine.config.engine_config import EngineConfig
 from kvserve.engine.config.model_config import ModelConfig
 from kvserve.engine.core.kv_events import make_publisher
-from kvserve.engine.kernels.attention import AttentionBackendError, make_backend
+from kvserve.engine.kernels.attention.selector import check_layers_fit, make_backend
 from kvserve.engine.kernels.cpu.build import c_compiler
 from kvserve.engine.lora.manager import LoRAManager
 from kvserve.engine.models import tp_comm as comm
@@ -142,9 +142,8 @@ def _runner(ctx: EngineContext, model, lora, tp, matchers) -> ModelRunner:
     config = ctx.config
     backend = make_backend(config.attention_backend, ctx.device, config.block_size,
                            ctx.dtype, ctx.kv_format.dtype)
-    if backend.name == "flash-attn" and ctx.model_config.attention_sinks:
-        raise AttentionBackendError("flash-attn 2 has no attention sinks, which this model's "
-                                    "layers have (gpt-oss): use --attention-backend triton")
+    check_layers_fit(backend.name, sinks=bool(ctx.model_config.attention_sinks),
+                     latent=ctx.model_config.mla is not None)
     t0 = time.perf_counter()
     runner = ModelRunner(
         model, num_blocks=ctx.num_blocks, block_size=config.block_size, device=ctx.device,

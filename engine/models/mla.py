@@ -12,11 +12,12 @@ DeepSeek-V2 paper and vLLM do: q_nope[h] . (W_UK[h] c) = (W_UK[h]^T q_nope[h]) .
 so each head's query becomes [W_UK[h]^T q_nope[h], q_rot] and its keys are the cache
 rows themselves; the output sum_j p_j W_UV[h] c_j = W_UV[h] (sum_j p_j c_j) is the
 attention over the latents, then W_UV[h]. That is multi-query attention with one
-KV head, which every attention path (the torch reference, kvserve's CPU kernels,
-Triton, the compiled decode graphs) already runs: the cache tensor is passed as
-both K and V, and of each head's output only the latent part is kept (the rotary
-part is attention over k_rot, unused). Long prompt chunks are expanded per head
-instead where the backend can (fewer multiply-adds past ~170 queries at DeepSeek-V3's
+KV head, which the CPU paths (the torch reference, kvserve's CPU kernels, the
+compiled decode graphs) run as such: the cache tensor is passed as both K and V, and
+of each head's output only the latent part is kept (the rotary part is attention
+over k_rot, unused); Triton has latent kernels of its own that read each row once
+(engine/kernels/attention/triton/latent_absorbed.py). Long prompt chunks are
+expanded per head instead (fewer multiply-adds past ~170 queries at DeepSeek-V3's
 widths, as vLLM's prefill does): engine/kernels/attention/latent.py."""
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ from bench.triton_aot_check import describe, main, uncovered
 pytest.importorskip("triton")
 
 KERNELS = {"_store_kv_kernel", "_decode_split_kernel", "_merge_kernel", "_prefill_kernel",
+           "_latent_decode_kernel", "_latent_prefill_kernel",
            "_gate_up_kernel", "_down_kernel",
            "_shrink", "_expand"}
 

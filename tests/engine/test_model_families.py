@@ -254,6 +254,33 @@ def test_a_hybrid_models_layer_groups_through_the_triton_kernels(tiny_model_dir)
     assert engine.scheduler.kv.stats.window_dropped > 0
 
 
+@needs_kernel_device
+def test_latent_attention_through_the_triton_kernels(tiny_model_dir, monkeypatch):
+    """DeepSeek-V3's long prompt chunks expanded per head on the Triton path
+    (interpreted on CPU), its short ones and decodes absorbed, in the same steps."""
+    from kvserve.engine.kernels.attention import triton_backend
+
+    expanded_chunks = []
+
+    def counted(*args, **kwargs):
+        expanded_chunks.extend(count for _, count, _ in args[7])  # the runs
+        return expand(*args, **kwargs)
+
+    expand = triton_backend.expanded_prefill
+    monkeypatch.setattr(triton_backend, "expanded_prefill", counted)
+    model_dir = tiny_model_dir("deepseekv3")
+    engine = Engine(EngineConfig(model=str(model_dir), device=DEVICE, attention_backend="triton",
+                                 enforce_eager=True, num_kv_blocks=64,
+                                 max_num_batched_tokens=48))
+    prompts = varied_prompts(engine.model_config.vocab_size, count=3, seed=6,
+                             lengths=(90, 40, 5))
+    params = [greedy(8)] * len(prompts)
+    ref = load_reference(model_dir)
+    got = engine.generate(prompts, params)
+    assert_same_tokens(ref, prompts, got, reference(ref, prompts, params))
+    assert expanded_chunks  # chunks past 32 queries (the tiny widths' break-even)
+
+
 def test_a_draft_model_that_sees_everything_keeps_every_block(tiny_model_dir):
     """A full-attention draft model reads the same block tables: nothing is let go
     of (its drafts would read blocks the window dropped), and the cache caps the

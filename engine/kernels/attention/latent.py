@@ -7,9 +7,11 @@ expanded, a head's keys and values are first made from the latents (latent x (no
 v) a key), then each pair costs nope + rotary + v. A prompt chunk of Q queries is
 cheaper expanded once Q x (2 latent + rotary - (nope + rotary + v)) exceeds latent x
 (nope + v): about 170 queries at DeepSeek-V3's widths (512 / 64 / 128 / 128), and
-2.8x fewer multiply-adds for a fresh 2k-token prompt. Backends that can (the torch
-reference) expand such chunks; the others absorb every row."""
+2.8x fewer multiply-adds for a fresh 2k-token prompt. The torch reference and the
+Triton backend expand such chunks; the others absorb every row."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -46,3 +48,45 @@ def _latent_attention_shape(q, q_nope, entry, cache, kv_b, scale, nope_dim):
 def expands(query_len: int, latent: int, rotary: int, nope: int, v: int) -> bool:
     """Whether a prompt chunk of query_len queries costs fewer multiply-adds expanded."""
     return query_len * (2 * latent + rotary - (nope + rotary + v)) > latent * (nope + v)
+
+
+# An expanded chunk makes every head's keys and values for its whole context at once;
+# past this many bytes in one step the remaining chunks are absorbed instead (exact
+# either way), so a long cached prefix cannot claim gigabytes of scratch memory.
+EXPANSION_WORKSPACE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class LatentShape:
+    """One latent-attention call's widths, read from its tensors."""
+
+    heads: int
+    latent: int
+    rotary: int
+    nope: int
+    v: int
+
+    @classmethod
+    def of(cls, q: torch.Tensor, kv_b: torch.Tensor, nope: int) -> LatentShape:
+        heads, latent = q.shape[1], kv_b.shape[1]
+        return cls(heads, latent, q.shape[-1] - latent, nope, kv_b.shape[0] // heads - nope)
+
+    def workspace_bytes(self, context_len: int, itemsize: int) -> int:
+        """Scratch of one expanded chunk: the up-projected keys and values, then keys
+        [nope, rotary] and values padded to the same width (what the attention
+        kernels read)."""
+        per_token = self.heads * (self.nope + self.v + 2 * (self.nope + self.rotary))
+        return context_len * per_token * itemsize
+
+    def expanded(self, query_lens: list[int], context_lens: list[int],
+                 itemsize: int) -> list[bool]:
+        """Which of a step's prompt chunks to expand: those past the break-even
+        length, in order, while their scratch fits EXPANSION_WORKSPACE_BYTES."""
+        chosen, left = [], EXPANSION_WORKSPACE_BYTES
+        for query_len, context_len in zip(query_lens, context_lens):
+            need = self.workspace_bytes(context_len, itemsize)
+            expand = need <= left and expands(query_len, self.latent, self.rotary,
+                                              self.nope, self.v)
+            left -= need if expand else 0
+            chosen.append(expand)
+        return chosen

@@ -98,3 +98,17 @@ def _check_flash_attn(device: torch.device, block_size: int, dtype: torch.dtype)
         raise AttentionBackendError(
             f"flash-attn reads the paged KV cache in blocks of a multiple of "
             f"{FLASH_ATTN_PAGE_MULTIPLE} tokens; --block-size is {block_size}")
+
+
+def check_layers_fit(name: str, *, sinks: bool, latent: bool) -> None:
+    """Refuses a backend that lacks what a model's layers need: attention sinks
+    (gpt-oss) or latent attention (DeepSeek)."""
+    if name != "flash-attn":
+        return
+    if sinks:
+        raise AttentionBackendError("flash-attn 2 has no attention sinks, which this model's "
+                                    "layers have (gpt-oss): use --attention-backend triton")
+    if latent:
+        raise AttentionBackendError("flash-attn 2 has no latent-attention path (DeepSeek's "
+                                    "cache rows of latent + rotary values are wider than "
+                                    "its 256-wide heads): use --attention-backend triton")

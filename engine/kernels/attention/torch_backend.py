@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from kvserve.engine.kernels.attention import score_mods
 from kvserve.engine.kernels.attention.backend import AttentionBackend
 from kvserve.engine.kernels.attention.context import AttentionMetadata
-from kvserve.engine.kernels.attention.latent import expands
+from kvserve.engine.kernels.attention.latent import LatentShape
 from kvserve.engine.kernels.attention.cpu_paged import (PagedDecode, kernel_reads, paged_decode,
                                                         store_kv, widened)
 from kvserve.engine.kernels.attention.step_metadata import context_slots
@@ -190,15 +190,14 @@ class TorchBackend(AttentionBackend):
                          kv_b, nope):
         """kvserve::latent_attention (latent.py): prompt chunks long enough expanded,
         every other row absorbed."""
-        heads, latent = q.shape[1], kv_b.shape[1]
-        v_dim = kv_b.shape[0] // heads - nope
-        rotary = q.shape[-1] - latent
-        chosen = [expands(s.query_len, latent, rotary, nope, v_dim) for s in meta.prefills]
+        shape = LatentShape.of(q, kv_b, nope)
+        chosen = shape.expanded([s.query_len for s in meta.prefills],
+                                [s.context_len for s in meta.prefills], q.element_size())
         long = [s for s, expand in zip(meta.prefills, chosen) if expand]
         rest = replace(meta, prefills=[s for s, expand in zip(meta.prefills, chosen)
                                        if not expand], _windowed={}) if long else meta
         absorbed = self.forward(q, entry, entry, cache, cache, rest, scale)  # stores all
-        expanded = q.new_zeros(q.shape[0], heads, v_dim)
+        expanded = q.new_zeros(q.shape[0], shape.heads, shape.v)
         for span in long:
             rows = slice(span.query_start, span.query_start + span.query_len)
             absorbed[rows] = 0

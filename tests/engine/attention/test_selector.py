@@ -79,3 +79,11 @@ def test_cli_flag_reaches_the_engine_config(monkeypatch):
     assert build_parser().parse_args(["serve"]).attention_backend == "torch"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--attention-backend", "nope"])
+
+
+@pytest.mark.parametrize("sinks,latent,message", [
+    (True, False, "no attention sinks"), (False, True, "no latent-attention path")])
+def test_flash_attn_refuses_layers_it_cannot_run(sinks, latent, message):
+    with pytest.raises(AttentionBackendError, match=message):
+        selector.check_layers_fit("flash-attn", sinks=sinks, latent=latent)
+    selector.check_layers_fit("triton", sinks=sinks, latent=latent)  # served there

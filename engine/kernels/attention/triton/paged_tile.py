@@ -65,14 +65,21 @@ def attend_paged(q, q_pos, kv_start, kv_end, table_ptr, k_cache_ptr, v_cache_ptr
             s = soft_capped(s, softcap)
         visible = n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
         visible = visible & ((window == 0) | (offs_n[None, :] > q_pos[:, None] - window))
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, l_i, m_i = online_softmax(tl.where(visible, s, float("-inf")), v, acc, l_i, m_i,
+                                       DOT_PRECISION)
     return acc, l_i, m_i
+
+
+@triton.jit
+def online_softmax(s, v, acc, l_i, m_i, DOT_PRECISION: tl.constexpr):
+    """(acc, l, m) after one tile of base-2 scores s [M, N] (-inf where hidden) over
+    values v [N, D]: the running maxima raised, the old sums rescaled to them."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
 
 
 @triton.jit

@@ -24,9 +24,13 @@ def tiles(dtype: torch.dtype, block_d: int) -> tuple[int, int, int, int]:
     head_dim 128 with 8 warps, or a thread's share of Q, K, V and the accumulator
     outgrows its 255 registers (bf16 on sm_80: a spill at 4 warps). 16-bit models in
     64 x 64 tiles; fp32 ones (three tf32 products a dot) in 32 x 32, twice the bytes a
-    value, and below head_dim 128 unpipelined (sm_90, block size 32: 12 B spilled)."""
+    value, and below head_dim 128 unpipelined (sm_90, block size 32: 12 B spilled);
+    past head_dim 128 (latent attention's expanded heads of 192) 16 x 32 unpipelined
+    (32 x 32 spilled 692 B on sm_90)."""
     warps = 8 if block_d >= 128 else 4
     if dtype == torch.float32:
+        if block_d > 128:
+            return 16, 32, warps, 1
         return 32, 32, warps, 2 if block_d >= 128 else 1
     return 64, 64 if block_d <= 128 else 32, warps, 2
 
