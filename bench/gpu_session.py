@@ -20,6 +20,8 @@ Stages (`ONLY` picks some, in this order):
   families          every model family through the engine on the GPU (families.log)
   moe_kernels       the routed experts' Triton GEMMs at a Qwen3-30B-A3B layer: bf16,
                     int8 and int4 experts, 1-512 tokens, GB/s against the copy
+  latent_kernels    DeepSeek-V3's latent attention kernels: decode GB/s of the
+                    latent cache at batch 1-64, a prompt chunk absorbed and expanded
   profile_1b        the 1B preset's batch-1 step under torch.profiler, synchronous
                     and async: device busy time, the host's share, top kernels
   step_overhead_1b  one step at 256 running requests and the scheduler's share,
@@ -185,6 +187,9 @@ def stages(s: Settings) -> list[Stage]:
         Stage("moe_kernels", 60, [Run("", [
             *py, "bench/moe_triton_speed.py", *(["--small"] if s.dry else []),
             "--json", str(tmp / "moe_kernels.json")], tmp / "moe_kernels.json")]),
+        Stage("latent_kernels", 45, [Run("", [
+            *py, "bench/latent_triton_speed.py", *(["--small"] if s.dry else []),
+            "--json", str(tmp / "latent_kernels.json")], tmp / "latent_kernels.json")]),
         Stage("profile_1b", 90, modes(s.preset_1b, "profile_1b", profiled, [
             "", "--async-scheduling"])),
         Stage("step_overhead_1b", 110, [Run("", [

@@ -22,10 +22,15 @@
 #   families 120         every model family through the engine on CUDA (Triton
 #                        windows, soft-caps, sinks, fused-MoE kernels, CUDA graphs),
 #                        float32 parity with transformers; log in families.log
+#   moe_kernels 60       the fused-MoE Triton GEMMs at a Qwen3-30B-A3B layer
+#   latent_kernels 45    DeepSeek-V3's latent attention kernels: decode GB/s, a
+#                        prompt chunk absorbed against expanded
 #   profile_1b 90        the 1B batch-1 step under torch.profiler, sync and async:
 #                        GPU busy time, the host's share, the costliest kernels
 #   step_overhead_1b 110 a step at 256 running, scheduler share, sync and async
-#   ------------------   (470 s of limits: what follows runs if the above ended early)
+#   ------------------   (575 s of limits, past the 550 s a call has: a stage that
+#                        ends early gives its time to the next; what follows runs
+#                        only if the above ended early)
 #   quant_8b 300         8B: bf16, fp8, int8, int4 weights; fp8 KV cache at 4k context
 #   forward_1b 150       1B batch-1 decode: eager, CUDA graphs, int8, int4, compiled
 #   lora_1b 150          16 requests over 4 adapters against the base model
