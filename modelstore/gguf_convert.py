@@ -3,10 +3,14 @@
 check that the saved directory generates exactly what the GGUF did."""
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 from kvserve.modelstore.errors import DefaultModelError
 
@@ -27,14 +31,41 @@ def load_gguf(gguf_path: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf_path.parent, gguf_file=gguf_path.name, **dtype_kwargs()
-        )
+        with parsed_once():
+            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent,
+                                                      gguf_file=gguf_path.name)
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf_path.parent, gguf_file=gguf_path.name, **dtype_kwargs()
+            )
     except ImportError as exc:  # transformers raises this when the gguf package is absent
         raise DefaultModelError(f"Loading GGUF needs the 'gguf' package: pip install gguf ({exc})") from exc
     model.eval()
     return tokenizer, model
+
+
+@contextlib.contextmanager
+def parsed_once() -> Iterator[None]:
+    """transformers parses a GGUF file's metadata for the tokenizer, again for the
+    config and again for the weights (about 4.5 s each for the default model's
+    49,152-token vocabulary, read one field part at a time), and builds gguf's
+    tensor-name map anew for each of the model's ~400 modules (6 s): within this
+    block each file is parsed once and each map built once. Both are read, never
+    changed, by their callers."""
+    import gguf
+
+    readers: dict[tuple[str, str], object] = {}
+    parse = gguf.GGUFReader
+
+    def reader(path, mode: str = "r"):
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = parse(path, mode)
+        return readers[key]
+
+    with (mock.patch.object(gguf, "GGUFReader", reader),
+          mock.patch.object(gguf, "get_tensor_name_map",
+                            functools.cache(gguf.get_tensor_name_map))):
+        yield
 
 
 def save_model_dir(model, tokenizer, out_dir: Path) -> None:

@@ -17,7 +17,8 @@ log = logging.getLogger("kvserve.compile")
 # against, and Inductor's cache key does not cover our schemas: a graph cached
 # before an op gained an argument segfaults when loaded after (seen: a warm cache
 # from before fused_experts took int8 scales). So the cache is per version of them.
-OP_SOURCES = ("kernels/attention/context.py", "kernels/moe/fused_experts.py",
+OP_SOURCES = ("kernels/attention/context.py", "kernels/attention/latent.py",
+              "kernels/moe/fused_experts.py",
               "models/lora_step.py", "kernels/cpu/packed_gemm.cpp",
               "kernels/cpu/paged_decode.cpp", "kernels/cpu/paged_prefill.cpp")
 
