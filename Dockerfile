@@ -75,6 +75,6 @@ EXPOSE 8000
 # /health is 200 once the engine runs, 503 while draining or when it died. Loading
 # the model and the first Triton compiles take a while: hence the start period.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=300s --retries=3 \
-    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('KVSERVE_PORT', '8000'), timeout=4)"]
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/ready' % os.environ.get('KVSERVE_PORT', '8000'), timeout=4)"]
 ENTRYPOINT ["kvserve", "serve"]
 CMD []

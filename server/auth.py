@@ -1,7 +1,7 @@
 """API keys (`--api-key`, `--admin-api-key`): every /v1 route, /tokenize and
 /detokenize need `Authorization: Bearer <key>` when any key is set.
 
-/health, /version and /metrics stay open for probes and scrapers, unless
+/health, /ready, /version and /metrics stay open for probes and scrapers, unless
 `--protect-metrics` guards them too. /tokenize and /detokenize are behind the key
 (as in recent vLLM): they run the tokenizer, which costs the server CPU time.
 
@@ -98,7 +98,7 @@ class ApiKeyMiddleware:
         return Principal(given.hex(), sees_request_ids=admin)
 
 
-PROBE_PATHS = frozenset({"/health", "/version", "/metrics"})
+PROBE_PATHS = frozenset({"/health", "/ready", "/version", "/metrics"})
 TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize"})
 
 

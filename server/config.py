@@ -33,7 +33,7 @@ class ServerConfig:
         "key at all, everyone does); comma-separated and/or repeated",
         flag="--admin-api-key", secret_list=True, default_factory=list)
     protect_metrics: bool = setting(
-        False, "require the API key on /health, /version and /metrics too (needs "
+        False, "require the API key on /health, /ready, /version and /metrics too (needs "
         "--api-key; probes and scrapers must then send it)", parse=parse_bool)
     max_waiting_requests: int = setting(
         0, "answer 429 to new generation requests while this many wait to be scheduled "

@@ -21,10 +21,10 @@ class _QueueSource:
     def __init__(self):
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
 
-    def take(self, block: bool) -> list[EngineCommand]:
+    def take(self, wait: float | None) -> list[EngineCommand]:
         commands = []
         try:
-            commands.append(self.queue.get(block=block))
+            commands.append(self.queue.get(block=wait != 0, timeout=wait or None))
             while True:
                 commands.append(self.queue.get_nowait())
         except queue.Empty:

@@ -95,6 +95,8 @@ class EngineClient:
         self.structured_backend = info.structured_backend  # the front end checks specs
         self.adapters = Adapters(info.adapters, info.max_loras)  # LoRA's served names
         self.stats = ServingStats()
+        # Steps still eager while the compiled forward pass is built (/ready says so).
+        self.warming_up = info.warming_up
         # Guarded by _lock: reservations, adds not yet taken by the engine, and the
         # scheduler's queue lengths as of its last report.
         self._reserved = self._queued_adds = self._sched_waiting = self._sched_running = 0
@@ -280,6 +282,7 @@ class EngineClient:
         if rep.snapshot is not None and self.snapshot_listener is not None:
             self.snapshot_listener(rep.snapshot)
         self.adapters.on_report(rep)
+        self.warming_up = rep.warming_up
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         with self._lock:
             self._queued_adds -= rep.added

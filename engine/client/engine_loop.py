@@ -19,8 +19,14 @@ from kvserve.engine.core.engine import Engine
 
 
 class CommandSource(Protocol):
-    def take(self, block: bool) -> list[EngineCommand]:
-        """Every command waiting; with block, waits for at least one."""
+    def take(self, wait: float | None) -> list[EngineCommand]:
+        """Every command waiting; if there is none, waits up to `wait` seconds (None:
+        as long as it takes) for the first."""
+
+
+# How often an idle engine reports while its compiled graphs are being built, so the
+# front end's readiness (/ready) turns within this of their being done.
+WARMING_REPORT_S = 0.5
 
 
 class EngineLoop:
@@ -39,8 +45,7 @@ class EngineLoop:
         try:
             while not self.stopped:
                 rep = StepReport()
-                idle = not engine.has_unfinished_requests()
-                for command in self.commands.take(block=idle and not self._reads):
+                for command in self.commands.take(self._wait()):
                     self._handle(command, rep)
                 if engine.has_unfinished_requests() and not self.stopped:
                     self._step(rep)
@@ -52,6 +57,13 @@ class EngineLoop:
                 self.report(rep)
         finally:
             self._reader.shutdown(wait=False, cancel_futures=True)
+
+    def _wait(self) -> float | None:
+        """How long to wait for a command: not at all with work to do, a little while
+        warming up (a report then says when that ends), else until one comes."""
+        if self.engine.has_unfinished_requests() or self._reads:
+            return 0.0
+        return WARMING_REPORT_S if self.engine.runner.warming_up else None
 
     def _step(self, rep: StepReport) -> None:
         rep.step_start = time.monotonic()
@@ -72,6 +84,7 @@ class EngineLoop:
         rep.prefix_hits = now.prefix_hits - last.prefix_hits
         rep.preemptions = now.num_preemptions - last.num_preemptions
         rep.grammar_compile_seconds = list(now.grammar_compile_seconds)
+        rep.warming_up = now.warming_up
         if now.spec is not None:
             rep.spec = now.spec.since(last.spec)
         rep.lora_running, rep.lora_waiting = now.lora_running, now.lora_waiting

@@ -98,6 +98,7 @@ class StepReport:
     spec: SpecDecodeStats | None = None  # speculative decoding's counts (deltas), if on
     constrained: int = 0  # accepted adds with a structured output
     grammar_compile_seconds: list[float] = field(default_factory=list)  # since last
+    warming_up: bool = False  # steps still eager while the compiled graphs are built
     adapter_replies: list[AdapterReply] = field(default_factory=list)
     # With LoRA on: the adapters of running and of waiting requests (names, sorted).
     lora_running: tuple[str, ...] = ()

@@ -34,9 +34,9 @@ class _PipeSource:
     def __init__(self, conn: Connection):
         self.conn = conn
 
-    def take(self, block: bool) -> list[EngineCommand]:
+    def take(self, wait: float | None) -> list[EngineCommand]:
         commands = []
-        if block or self.conn.poll():
+        if self.conn.poll(wait):
             commands.append(self.conn.recv())
         while self.conn.poll():
             commands.append(self.conn.recv())

@@ -61,7 +61,8 @@ class Engine(RuntimeAdapters):
                           hidden_size=mc.hidden_size,
                           shorter_embeddings=mc.shorter_embeddings,
                           adapters=lora.names if lora is not None else None,
-                          max_loras=lora.config.max_loras if lora is not None else 0)
+                          max_loras=lora.config.max_loras if lora is not None else 0,
+                          warming_up=self.runner.warming_up)
 
     def stats(self) -> EngineStats:
         """Counters since start and the queues now; the grammar compiles that ended
@@ -80,7 +81,8 @@ class Engine(RuntimeAdapters):
             kv_usage=sched.kv_usage, lora_running=adapter_names(running),
             lora_waiting=adapter_names(waiting),
             grammar_compile_seconds=tuple(self.grammars.compiler.take_compile_seconds())
-            if self.grammars is not None else ())
+            if self.grammars is not None else (),
+            warming_up=self.runner.warming_up)
 
     def snapshot(self) -> EngineSnapshot:
         """The queues request by request, for the engine page."""

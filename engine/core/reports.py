@@ -21,6 +21,7 @@ class EngineInfo:
     shorter_embeddings: tuple[int, ...] | None = None  # lengths it may be cut to
     adapters: dict[str, str] | None = None  # served LoRA name -> path; None: LoRA off
     max_loras: int = 0
+    warming_up: bool = False  # as the engine started (reports say when it changes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +42,8 @@ class EngineStats:
     lora_waiting: tuple[str, ...]
     # Events since the previous snapshot: each is in exactly one.
     grammar_compile_seconds: tuple[float, ...]
+    # Steps run eagerly while the compiled forward pass is built (ModelRunner).
+    warming_up: bool = False
 
 
 @dataclass(frozen=True, slots=True)

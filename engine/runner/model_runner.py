@@ -77,6 +77,13 @@ class ModelRunner:
     compiling = property(lambda self: self.paths.compiling)
     compiled = property(lambda self: self.paths.compiled)
 
+    @property
+    def warming_up(self) -> bool:
+        """Steps run eagerly while the compiled forward pass is being built (several
+        times slower on CPU); False once it is built or has failed, or without one."""
+        building = self.paths.compiling
+        return building is not None and not building.ready.is_set()
+
     def use_decode_graphs(self, plan: DecodeGraphPlan) -> None:
         self.paths.use_decode_graphs(plan)
 

@@ -117,7 +117,7 @@ def serve(args) -> None:
             ValueError) as exc:  # ValueError: settings that contradict each other
         raise SystemExit(f"kvserve: {exc}") from None
     app = build_app(engine, names, model_root=path, config=config)
-    guarded = ("/v1, /tokenize, /detokenize" + (", /health, /version and /metrics"
+    guarded = ("/v1, /tokenize, /detokenize" + (", /health, /ready, /version and /metrics"
                                                 if config.protect_metrics else ""))
     keys = len(config.api_keys) + len(config.admin_api_keys)
     log.info("serving %s on http://%s:%d%s", ", ".join(names), config.host, config.port,

@@ -31,6 +31,9 @@ class EngineCollector:
                         "Requests waiting to be scheduled.", e.num_waiting)
         yield self._one(GaugeMetricFamily, "kv_cache_usage_perc",
                         "KV-cache usage. 1 means 100 percent usage.", stats.kv_usage)
+        yield self._one(GaugeMetricFamily, "warming_up",
+                        "1 while the compiled forward pass is being built and steps run "
+                        "eagerly (GET /ready answers 503), else 0.", e.warming_up)
         yield self._one(CounterMetricFamily, "prompt_tokens",
                         "Prompt tokens of the requests the engine accepted.",
                         stats.prompt_tokens)

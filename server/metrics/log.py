@@ -5,7 +5,8 @@
 
 A report listener: a line every `interval` seconds while the engine has work, one
 more for the tail of a busy period when it goes idle, and silence while idle (an
-idle engine sends no reports). Throughputs count what kvserve:prompt_tokens_total
+idle engine sends no reports but while warming up). A line written while the compiled
+forward pass is still being built ends "(eager: compiling)". Throughputs count what kvserve:prompt_tokens_total
 and kvserve:generation_tokens_total count, over the window; the hit rate is the
 window's prefix-cache hits over its queries (0 when it had none)."""
 from __future__ import annotations
@@ -53,4 +54,5 @@ class StatsLogger:
                 f"Avg generation throughput: {self.generation / seconds:.1f} tokens/s, "
                 f"Running: {rep.running} reqs, Waiting: {rep.waiting} reqs, "
                 f"KV cache usage: {rep.kv_usage * 100:.1f}%, "
-                f"Prefix cache hit rate: {hit_rate * 100:.1f}%")
+                f"Prefix cache hit rate: {hit_rate * 100:.1f}%"
+                + (" (eager: compiling)" if rep.warming_up else ""))

@@ -92,6 +92,7 @@ def test_the_replicas_profile_puts_two_replicas_behind_the_router():
     assert profiled == {"kvserve-a", "kvserve-b", "router"}
     command = services["router"]["command"]
     assert "--policy=cache_aware" in command
+    assert "--health-check-endpoint=/ready" in command  # no traffic while compiling
     assert {"http://kvserve-a:8000", "http://kvserve-b:8000"} <= set(command)
     gpus = [services[n]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
             for n in ("kvserve-a", "kvserve-b")]

@@ -64,4 +64,4 @@ def test_the_port_is_the_same_everywhere(where):
     if where == "ports":
         assert any(str(p).endswith(f":{port}") for p in service["ports"])
     else:
-        assert f"127.0.0.1:{port}/health" in " ".join(service["healthcheck"]["test"])
+        assert f"127.0.0.1:{port}/ready" in " ".join(service["healthcheck"]["test"])

@@ -1,6 +1,6 @@
 """The Dockerfile: hadolint finds nothing, and it is built the way the README says
 (CUDA runtime base, multi-stage, non-root, CUDA torch, kvserve[gpu], flash-attn
-behind a build argument, the default model baked in, a health check on /health);
+behind a build argument, the default model baked in, a health check on /ready);
 the router's image (deploy/router) runs as a non-root user too.
 No image is built here: there is no Docker engine on the CI machine."""
 from __future__ import annotations
@@ -61,7 +61,7 @@ def test_runtime_stage_is_cuda_runtime_non_root_with_a_health_check():
     (check,) = final.args("HEALTHCHECK")
     options, _, command = check.partition("CMD ")
     assert "--start-period=" in options
-    assert "/health" in " ".join(exec_form(command))
+    assert "/ready" in " ".join(exec_form(command))
     assert exec_form(final.args("ENTRYPOINT")[-1]) == ["kvserve", "serve"]
     assert final.args("EXPOSE") == [final.env()["KVSERVE_PORT"]]
 

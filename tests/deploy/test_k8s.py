@@ -96,11 +96,12 @@ def _env() -> dict[str, str | None]:
     return {e["name"]: e.get("value") for e in _container()["env"]}
 
 
-def test_a_replica_takes_a_gpu_and_is_probed_on_health():
+def test_a_replica_takes_a_gpu_and_is_probed_on_health_and_readiness():
     c = _container()
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    for probe in ("startupProbe", "livenessProbe"):
         assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
 
 
 def test_the_drain_fits_the_grace_period():

@@ -114,7 +114,7 @@ class _Commands:
     def __init__(self, *batches):
         self.batches = list(batches)
 
-    def take(self, block: bool):
+    def take(self, wait):
         return self.batches.pop(0) if self.batches else [Shutdown()]
 
 

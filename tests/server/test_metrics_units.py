@@ -95,3 +95,20 @@ def test_the_tail_of_a_busy_period_is_logged_then_silence(caplog):
         now[0] = 50.0
         logger(_report())  # an idle iteration (e.g. a stop command): no line
     assert len(caplog.messages) == 1
+
+
+def test_a_line_written_while_compiling_says_the_steps_are_eager(caplog):
+    now = [0.0]
+    logger = StatsLogger(interval=10.0, clock=lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="kvserve.stats"):
+        logger(_report(prompt_tokens=8, step_start=0.0, running=1, warming_up=True))
+        now[0] = 11.0
+        logger(_report(step_start=10.0, running=1, warming_up=True))
+        now[0] = 12.0
+        logger(_report(outputs=[RequestOutput("a", new_token_ids=[1], finished=True)],
+                       step_start=11.0))  # compiled by now
+        now[0] = 13.0
+        for _ in range(3):  # idle reports while warming up: no line
+            logger(_report(warming_up=True))
+    first, second = caplog.messages
+    assert first.endswith("(eager: compiling)") and "(eager" not in second

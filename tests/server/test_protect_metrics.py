@@ -1,4 +1,4 @@
-"""--protect-metrics: with API keys, /health, /version and /metrics need the key too
+"""--protect-metrics: with API keys, /health, /ready, /version and /metrics need the key too
 (/tokenize and /detokenize need it with or without the flag). Without a key the
 flag refuses to start rather than protect nothing."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ from tests.support.server import running_server
 
 MODEL = "tiny"
 KEY = "probe-key"
-PROBES = ["/health", "/version", "/metrics"]
+PROBES = ["/health", "/ready", "/version", "/metrics"]
 
 
 @pytest.fixture(scope="module")
