@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.moe_triton_speed import copy_gbps, timed  # noqa: E402
+from bench.moe_triton_speed import add_run_args, copy_gbps, on_gpu, timed  # noqa: E402
 
 
 def step(starts: list[int], lens: list[int], block_size: int, device):
@@ -45,16 +44,11 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--chunks", default="512,2048")
-    ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--small", action="store_true",
-                    help="tiny shapes and one repeat (a CPU dry run through the interpreter)")
-    ap.add_argument("--json", type=Path, required=True)
+    add_run_args(ap)
     args = ap.parse_args()
     import torch
 
-    cuda = torch.cuda.is_available()
-    if not cuda:
-        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels' modules are imported
+    cuda = on_gpu()
     from kvserve.engine.kernels.attention.latent import LatentShape
     from kvserve.engine.kernels.attention.triton.latent_absorbed import (latent_decode,
                                                                           latent_prefill)
@@ -107,7 +101,7 @@ def main() -> None:
                 common.block_tables, scale, latent, *run), args.repeats, sync)
             expanded_s = timed(lambda: expanded_prefill(
                 q, q_nope, cache, expanded, common.query_start_loc, common.seq_lens,
-                common.block_tables, [run], [0, chunk], [chunk], scale, kv_b, shape),
+                common.block_tables, [run], [0, chunk], [chunk], scale, kv_b),
                 args.repeats, sync)
             result["prefill"][f"h{heads}_q{chunk}"] = {
                 "absorbed_ms": round(absorbed_s * 1000, 3),

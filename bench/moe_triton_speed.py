@@ -68,6 +68,25 @@ def copy_gbps(device, mib: int, sync) -> float:
     return 2 * src.numel() / seconds / 1e9  # read and written
 
 
+def add_run_args(ap: argparse.ArgumentParser) -> None:
+    """The flags every GPU kernel benchmark of the session takes."""
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--small", action="store_true",
+                    help="tiny shapes and one repeat (a CPU dry run through the interpreter)")
+    ap.add_argument("--json", type=Path, required=True)
+
+
+def on_gpu() -> bool:
+    """Whether a GPU runs the kernels; else Triton's CPU interpreter does, switched on
+    here, before any kernel module is imported."""
+    import torch
+
+    if torch.cuda.is_available():
+        return True
+    os.environ["TRITON_INTERPRET"] = "1"
+    return False
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=2048)
@@ -75,16 +94,11 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--tokens", default="1,16,64,512")
-    ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--small", action="store_true",
-                    help="tiny shapes and one repeat (a CPU dry run through the interpreter)")
-    ap.add_argument("--json", type=Path, required=True)
+    add_run_args(ap)
     args = ap.parse_args()
     import torch
 
-    cuda = torch.cuda.is_available()
-    if not cuda:
-        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels' module is imported
+    cuda = on_gpu()
     from kvserve.engine.kernels.moe.triton_experts import triton_fused_experts
 
     device = torch.device("cuda" if cuda else "cpu")

@@ -104,3 +104,10 @@ def _device_name(device) -> str | None:
 
 if __name__ == "__main__":
     main()
+    # The engine compiles in the background on CPU; a compile thread still running
+    # cannot be stopped, and the interpreter's teardown under it aborts ("terminate
+    # called without an active exception", seen in the GPU dry run under CI's load).
+    from kvserve.engine.runner.compile_process import exit_if_compiling
+
+    sys.stdout.flush()
+    exit_if_compiling(0)

@@ -46,6 +46,26 @@ def install_ops(app: FastAPI, engine: EngineClient, model_names: list[str], vers
     app.include_router(tokenize_router(engine, model_names, tokenization,
                                        config.trust_request_chat_template))
 
+    _install_probes(app, engine, admission)
+
+    @app.get("/version")
+    async def version_info():
+        return {"version": version}
+
+    @app.get("/metrics")
+    async def metrics():
+        return server_metrics.response()
+
+    _document_errors(app, keys=config.any_keys, protect_metrics=config.protect_metrics,
+                     queue_limit=bool(config.max_waiting_requests
+                                      or config.max_waiting_tokens),
+                     body_limit=bool(config.max_request_body_bytes))
+    return server_metrics
+
+
+def _install_probes(app: FastAPI, engine: EngineClient, admission: Admission) -> None:
+    """/health (liveness) and /ready (readiness)."""
+
     @app.get("/health")
     async def health():
         if admission.draining:
@@ -68,20 +88,6 @@ def install_ops(app: FastAPI, engine: EngineClient, model_names: list[str], vers
             return JSONResponse({"status": "warming up: compiling the forward pass"},
                                 status_code=503)
         return JSONResponse({"status": "ready"})
-
-    @app.get("/version")
-    async def version_info():
-        return {"version": version}
-
-    @app.get("/metrics")
-    async def metrics():
-        return server_metrics.response()
-
-    _document_errors(app, keys=config.any_keys, protect_metrics=config.protect_metrics,
-                     queue_limit=bool(config.max_waiting_requests
-                                      or config.max_waiting_tokens),
-                     body_limit=bool(config.max_request_body_bytes))
-    return server_metrics
 
 
 _ERROR = {"description": "Error", "content": {"application/json": {

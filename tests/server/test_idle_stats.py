@@ -44,6 +44,10 @@ def test_an_idle_engine_sends_no_reports(tiny_model_dir, tiny_engine_factory, mo
     client.start()
     try:
         time.sleep(1.5)
-        assert reports == []
+        # No step runs; only while the forward pass compiles in the background (the
+        # process's default on CPU) does an idle engine report, to say when that ends.
+        assert all(r.step_start is None and not r.outputs and not r.step_tokens
+                   for r in reports)
+        assert all(r.warming_up for r in reports[:-1])
     finally:
         client.shutdown()

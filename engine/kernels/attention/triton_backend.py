@@ -90,7 +90,7 @@ class TritonBackend(AttentionBackend):
                                c.block_tables, scale, shape.latent, *run)
         if long:
             expanded_prefill(q, q_nope, cache, expanded, c.query_start_loc, c.seq_lens,
-                             c.block_tables, long, starts, seq_lens, scale, kv_b, shape)
+                             c.block_tables, long, starts, seq_lens, scale, kv_b)
             for first, count, _ in long:
                 absorbed[starts[first]:starts[first + count]] = 0
         return absorbed, expanded

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.engine.kernels.attention.latent import LatentShape
 from kvserve.engine.kernels.attention.triton.prefill import prefill_attention
 
 
@@ -20,40 +19,43 @@ def expanded_prefill(q: torch.Tensor, q_nope: torch.Tensor, cache: torch.Tensor,
                      out: torch.Tensor, query_start_loc: torch.Tensor,
                      seq_lens: torch.Tensor, block_tables: torch.Tensor,
                      runs: list[tuple[int, int, int]], host_starts: list[int],
-                     host_seq_lens: list[int], scale: float, kv_b: torch.Tensor,
-                     shape: LatentShape) -> None:
+                     host_seq_lens: list[int], scale: float, kv_b: torch.Tensor) -> None:
     """Writes out[rows of the runs' requests] [T, H, v]: attention in value space.
 
     q [T, H, latent + rotary] (its rotary part read), q_nope [T, H, nope]; cache
     [blocks, block_size, 1, latent + rotary] already holding this step's rows;
     query_start_loc, seq_lens, block_tables: the step's device metadata; runs:
     (first request, request count, longest chunk) of consecutive expanded requests;
-    host_starts, host_seq_lens: query_start_loc and seq_lens on the host."""
+    host_starts, host_seq_lens: query_start_loc and seq_lens on the host. kv_b [H x
+    (nope + v), latent]: each head's W_UK rows, then its W_UV rows."""
+    heads, latent = q.shape[1], kv_b.shape[1]
+    rotary, nope = q.shape[-1] - latent, q_nope.shape[-1]
+    v = kv_b.shape[0] // heads - nope
     block_size = cache.shape[1]
     requests = [r for first, count, _ in runs for r in range(first, first + count)]
     counts = [-(-host_seq_lens[r] // block_size) for r in requests]
     sources = torch.cat([block_tables[r, :n] for r, n in zip(requests, counts)]).long()
     rows = cache.index_select(0, sources).view(-1, cache.shape[-1])  # [N, L + R]
-    kv = (rows[:, :shape.latent] @ kv_b.t()).view(-1, shape.heads, shape.nope + shape.v)
-    width = shape.nope + shape.rotary
-    keys = torch.empty(rows.shape[0], shape.heads, width, dtype=q.dtype, device=q.device)
-    keys[..., :shape.nope] = kv[..., :shape.nope]
-    keys[..., shape.nope:] = rows[:, None, shape.latent:]
+    kv = (rows[:, :latent] @ kv_b.t()).view(-1, heads, nope + v)
+    width = nope + rotary
+    keys = torch.empty(rows.shape[0], heads, width, dtype=q.dtype, device=q.device)
+    keys[..., :nope] = kv[..., :nope]
+    keys[..., nope:] = rows[:, None, latent:]
     values = torch.zeros_like(keys)
-    values[..., :shape.v] = kv[..., shape.nope:]
-    scratch = (keys.view(-1, block_size, shape.heads, width),
-               values.view(-1, block_size, shape.heads, width))
+    values[..., :v] = kv[..., nope:]
+    scratch = (keys.view(-1, block_size, heads, width),
+               values.view(-1, block_size, heads, width))
     tables = torch.zeros(block_tables.shape[0], max(counts), dtype=torch.int32)
     first_block = 0
     for r, n in zip(requests, counts):
         tables[r, :n] = torch.arange(first_block, first_block + n, dtype=torch.int32)
         first_block += n
     tables = tables.to(q.device, non_blocking=True)
-    query = torch.cat((q_nope, q[..., shape.latent:]), dim=-1)  # [T, H, nope + R]
+    query = torch.cat((q_nope, q[..., latent:]), dim=-1)  # [T, H, nope + R]
     o = torch.empty_like(query)
     for first, count, longest in runs:
         prefill_attention(query, *scratch, o, query_start_loc, seq_lens, tables, scale,
                           first_req=first, num_reqs=count, max_query_len=longest)
     for r in requests:
         span = slice(host_starts[r], host_starts[r + 1])
-        out[span] = o[span, :, :shape.v]
+        out[span] = o[span, :, :v]
