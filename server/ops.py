@@ -64,30 +64,29 @@ def install_ops(app: FastAPI, engine: EngineClient, model_names: list[str], vers
 
 
 def _install_probes(app: FastAPI, engine: EngineClient, admission: Admission) -> None:
-    """/health (liveness) and /ready (readiness)."""
+    """/health (liveness) and /ready (readiness: alive, and at compiled speed)."""
+
+    def unavailable(warming_counts: bool) -> str | None:
+        """Why the server should get no traffic now, or None."""
+        if admission.draining:
+            return "draining"
+        if not engine.is_alive:
+            return "engine is not running"
+        if warming_counts and engine.warming_up:
+            # Steps run eagerly at a fraction of the compiled speed (a 16-token answer
+            # took 20-40 s on 2 cores): no traffic should be sent here yet.
+            return "warming up: compiling the forward pass"
+        return None
 
     @app.get("/health")
     async def health():
-        if admission.draining:
-            return JSONResponse({"status": "draining"}, status_code=503)
-        if engine.is_alive:
-            return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "engine is not running"}, status_code=503)
+        why = unavailable(warming_counts=False)
+        return JSONResponse({"status": why or "ok"}, status_code=503 if why else 200)
 
     @app.get("/ready")
     async def ready():
-        """Readiness, for load balancers and Kubernetes' readinessProbe: /health
-        (liveness) and, besides, not warming up: while the compiled forward pass is
-        built, steps run eagerly at a fraction of the compiled speed (a 16-token
-        answer took 20-40 s on 2 cores), so no traffic should be sent here yet."""
-        if admission.draining:
-            return JSONResponse({"status": "draining"}, status_code=503)
-        if not engine.is_alive:
-            return JSONResponse({"status": "engine is not running"}, status_code=503)
-        if engine.warming_up:
-            return JSONResponse({"status": "warming up: compiling the forward pass"},
-                                status_code=503)
-        return JSONResponse({"status": "ready"})
+        why = unavailable(warming_counts=True)
+        return JSONResponse({"status": why or "ready"}, status_code=503 if why else 200)
 
 
 _ERROR = {"description": "Error", "content": {"application/json": {
