@@ -335,15 +335,17 @@ def run_moe(hidden: int, inter: int, top_k: int, oai: bool, dtype: torch.dtype,
         triton_fused_experts(x, ids, weights, w13, w2, 0, *biases, *activation, q13, q2)
 
 
-def configurations(target: Target, block_sizes: tuple[int, ...]
+def configurations(target: Target, block_sizes: tuple[int, ...],
+                   dtypes: tuple[torch.dtype, ...] = DTYPES
                    ) -> Iterator[tuple[str, object]]:
-    """(label, a function running it) for every configuration the target serves."""
-    for dtype in DTYPES:
+    """(label, a function running it) for every configuration the target serves in
+    `dtypes` (quantized experts' activations: bf16, whatever `dtypes`)."""
+    for dtype in dtypes:
         for bs in block_sizes:
             yield (f"deepseek-v3 latent {str(dtype).removeprefix('torch.')} bs{bs}",
                    lambda d=dtype, b=bs: run_latent(LATENT_SHAPE, d, b))
     for name, shape in MOE_SHAPES.items():
-        for dtype in DTYPES:
+        for dtype in dtypes:
             yield (f"{name} experts {str(dtype).removeprefix('torch.')}",
                    lambda s=shape, d=dtype: run_moe(*s, d))
         for quant in MOE_QUANT:  # activations in bf16, as served
@@ -354,7 +356,7 @@ def configurations(target: Target, block_sizes: tuple[int, ...]
             rank = rank_config(cfg, tp)
             if rank is None:
                 continue
-            for dtype in DTYPES:
+            for dtype in dtypes:
                 dt = str(dtype).removeprefix("torch.")
                 caches = (False, True) if tp == 1 and target.fp8_cache else (False,)
                 for fp8, bs in ((f, b) for f in caches for b in block_sizes):
@@ -502,8 +504,8 @@ def replaced(func, replacement) -> Iterator[None]:
         yield
 
 
-def record(target: Target, block_sizes: tuple[int, ...], only: str | None = None
-           ) -> list[Specialisation]:
+def record(target: Target, block_sizes: tuple[int, ...], only: str | None = None,
+           dtypes: tuple[torch.dtype, ...] = DTYPES) -> list[Specialisation]:
     """Every specialisation the target's configurations (those whose label holds
     `only`, if given) launch."""
     import kvserve.engine.kernels.attention.triton_backend  # noqa: F401  (the helpers to replace)
@@ -511,7 +513,7 @@ def record(target: Target, block_sizes: tuple[int, ...], only: str | None = None
 
     recorder = Recorder(target)
     with recorder.recording(), torch.inference_mode():
-        for label, run in configurations(target, block_sizes):
+        for label, run in configurations(target, block_sizes, dtypes):
             if only is not None and only not in label:
                 continue
             recorder.label = label
@@ -840,20 +842,22 @@ def modified_kernels() -> list[str]:
 
 
 def check(targets: list[int], block_sizes: tuple[int, ...], every: bool,
-          jobs: int, only: str | None = None) -> tuple[list[dict], dict]:
+          jobs: int, only: str | None = None, dtypes: tuple[torch.dtype, ...] = DTYPES
+          ) -> tuple[list[dict], dict]:
     """(kernel variants, facts): every target's launches recorded, then compiled;
     with `only`, the configurations whose label holds it (coverage not checked)."""
     import triton
 
     started, modified = time.perf_counter(), modified_kernels()
-    specs = [s for arch in targets for s in record(TARGETS[arch], block_sizes, only)]
+    specs = [s for arch in targets for s in record(TARGETS[arch], block_sizes, only, dtypes)]
     recorded = time.perf_counter() - started
     chosen = to_compile(specs, every)
     compiled = dict(zip((s.key() for s in chosen), compile_all(chosen, jobs)))
     meta = {**provenance(), "targets": [f"sm_{a} ({TARGETS[a].gpus})" for a in targets],
             "modified": modified, "triton": triton.__version__,
             "ptxas": ptxas_version(), "date": time.strftime("%Y-%m-%d"), "jobs": jobs,
-            "block_sizes": block_sizes, "every_specialisation": every,
+            "block_sizes": block_sizes, "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
+            "every_specialisation": every,
             "recorded": len(specs), "configurations": len({u for s in specs for u in s.uses}),
             "uncovered": uncovered(specs) if only is None else [], "only": only,
             "record_s": round(recorded, 1),
@@ -876,13 +880,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="write the tables here (else print them all)")
     parser.add_argument("--only", help="check only the configurations whose label holds "
                         "this (e.g. 'latent'); coverage is then not checked")
+    parser.add_argument("--dtypes", default="bfloat16,float16,float32",
+                        help="model dtypes, comma-separated (of bfloat16, float16, float32)")
     args = parser.parse_args(argv)
+    names = {str(d).removeprefix("torch."): d for d in DTYPES}
+    if unknown_dtypes := [d for d in args.dtypes.split(",") if d not in names]:
+        parser.error(f"unknown dtypes {unknown_dtypes}; known: {list(names)}")
+    dtypes = tuple(names[d] for d in args.dtypes.split(","))
     targets = [int(t) for t in args.targets.split(",")]
     if unknown := [t for t in targets if t not in TARGETS]:
         parser.error(f"unknown targets {unknown}; known: {sorted(TARGETS)}")
     block_sizes = tuple(int(b) for b in args.block_sizes.split(","))
     found, meta = check(targets, block_sizes, not args.one_per_variant, args.jobs,
-                        args.only)
+                        args.only, dtypes)
     if args.json:
         # One line per variant: a new run's diff shows the variants that changed.
         args.json.write_text("{\"meta\": " + json.dumps(meta) + ",\n\"variants\": [\n"
