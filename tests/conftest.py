@@ -45,8 +45,10 @@ TEST_COMPILE = os.environ.get("KVSERVE_TEST_COMPILE", "off")
 
 @pytest.fixture(scope="session", autouse=True)
 def _compile_mode():
-    """Engines built in this process with compile, dtype or cpu_kernels "auto" get
-    TEST_COMPILE, float32 (on any device) and kvserve (CPUs with AVX2, FMA and F16C).
+    """Engines built in this process with compile, dtype, cpu_kernels or compile_cache
+    "auto" get TEST_COMPILE, float32 (on any device), kvserve (CPUs with AVX2, FMA
+    and F16C) and Dynamo's graphs (tests/engine/test_graph_packages.py asks for
+    packages).
     Session-wide, so module- and session-scoped engines get it too."""
     import dataclasses
 
@@ -60,6 +62,8 @@ def _compile_mode():
     def patched(self, config, *args, **kwargs):
         if config.compile == "auto":
             config = dataclasses.replace(config, compile=TEST_COMPILE)
+        if config.compile_cache == "auto":  # Dynamo's graphs: what their tests test
+            config = dataclasses.replace(config, compile_cache="off")
         on_cpu = resolve_device(config.device).type == "cpu"
         if config.dtype == "auto":
             config = dataclasses.replace(config, dtype="float32")

@@ -147,6 +147,17 @@ class EngineConfig:
         "CPU): background = serve eagerly while it compiles, wait = compile before "
         "serving; auto = background on CPU, off on CUDA",
         choices=["auto", "background", "wait", "off"])
+    # engine/runner/graph_packages.py: where they apply (CPU, a (K, V) pair per layer,
+    # no LoRA), the graphs as AOTInductor packages under $KVSERVE_CACHE/graphs, built
+    # by a process of their own (engine/core/package_build_process.py).
+    compile_cache: str = setting(
+        "auto", "how compiled graphs survive a restart. packages = the CPU forward "
+        "pass's graphs built ahead of time (AOTInductor) by a process of their own, "
+        "kept on disk under $KVSERVE_CACHE/graphs and loaded in seconds at later "
+        "starts (where they apply: CPU, no LoRA, no latent or sliding-window caches); "
+        "off = Dynamo compiles them in the serving process at every start; auto = "
+        "packages",
+        choices=["auto", "packages", "off"])
     # engine/kernels/cpu/: weights packed at load, eager and compiled steps alike;
     # the paged attention of compiled steps (engine/kernels/attention/cpu_paged.py,
     # torch_backend.py).

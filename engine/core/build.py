@@ -6,7 +6,7 @@ and none changed after it is made."""
 from __future__ import annotations
 
 import dataclasses
-
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -25,6 +25,7 @@ from kvserve.modelstore.errors import ModelLoadError
 from kvserve.engine.platform.device import resolve_device, resolve_dtype
 from kvserve.engine.ranks.group import TensorParallelGroup, start_group
 from kvserve.engine.runner.compile_process import use_cache_dir
+from kvserve.engine.core.package_build_process import build_in_child
 from kvserve.engine.runner.cuda_graphs import DecodeGraphPlan
 from kvserve.engine.runner.memory_budget import log_kv_cache, num_kv_blocks
 from kvserve.engine.runner.model_runner import ModelRunner
@@ -189,7 +190,12 @@ def _start_compiling(ctx: EngineContext, runner: ModelRunner, tp) -> None:
                     "install g++) or pass --enforce-eager to silence this")
         return
     use_cache_dir(str(cache_root()))
-    runner.compile_forward(background=mode == "background")
+    packages = cache_root() / "graphs" if config.compile_cache != "off" else None
+    # Packages missing from the cache are built by a process of their own
+    # (package_build_process.py), the serving process's steps running meanwhile.
+    build = functools.partial(build_in_child, config, packages) if packages else None
+    runner.compile_forward(background=mode == "background", packages=packages,
+                           build_packages=build)
 
 
 def _grammar_gate(ctx: EngineContext, matchers: Matchers | None) -> GrammarGate | None:

@@ -33,7 +33,11 @@ nothing to prepack and the weights stay graph inputs: the graphs then come from
 $KVSERVE_CACHE/inductor/<ops key> on a warm start (the default model's three: 174 s with an
 empty cache, 35 s warm, on a 2-core AVX2 CPU; decode steps as fast as frozen ones).
 Either way the graphs are built on a thread of their own by default while steps run
-eagerly."""
+eagerly.
+With --compile-cache packages (CPU, no LoRA, a (K, V) pair per layer) the three
+graphs are AOTInductor packages instead (packaged_forward.py): built once by a
+process of their own, kept on disk under a key, and loaded in about a second at
+every later start."""
 from __future__ import annotations
 
 import contextlib
@@ -53,6 +57,9 @@ from kvserve.engine.models.lora_step import LoRAStep
 from kvserve.engine.models.quantized.layer import QuantizedLinear
 from kvserve.engine.runner.compile_process import track_build
 from kvserve.engine.runner.direct_graph import DirectCall, GraphRecorder, model_tensors
+from kvserve.engine.runner.dynamic_marks import (dynamic, dynamic_groups, dynamic_lora,
+                                                 dynamic_paged, marking)
+from kvserve.engine.runner.packaged_forward import PackagedForward, Plan
 
 log = logging.getLogger("kvserve.compile")
 
@@ -118,8 +125,12 @@ class CompiledModel:
 
     def __init__(self, model: DecoderModel, paged_decode: bool = False,
                  lora: bool = False, cpp_wrapper: bool = False,
-                 device: torch.device = torch.device("cpu")):
+                 device: torch.device = torch.device("cpu"),
+                 packages: PackagedForward | None = None):
         self.model = model
+        # The graphs as AOTInductor packages (packaged_forward.py) instead of
+        # Dynamo's, where given.
+        self.packages = packages
         self.on_cpu = device.type == "cpu"
         # With LoRA on, each graph has a twin taking a step's adapters (LoRAStep's
         # stacks are graph inputs), built beside it so no step waits for one.
@@ -182,14 +193,16 @@ class CompiledModel:
         if not self.ready.is_set():
             return self.model.compute_logits(self.model(ids, positions, paged=paged,
                                                         lora=lora))
+        if self.packages is not None:
+            return self.packages.decode_logits(ids, positions, paged)
         with self._own_freezing():
             return self._compiled_decode(ids, positions, paged, lora)
 
     def _compiled_decode(self, ids, positions, paged, lora=None):
         if len(ids) == 1:
             return self._decode_alone(ids, positions, paged, lora)
-        return self._many(*_dynamic(ids, positions), _dynamic_paged(paged),
-                          _dynamic_lora(lora))
+        return self._many(*dynamic(ids, positions), dynamic_paged(paged),
+                          dynamic_lora(lora))
 
     def _decode_alone(self, ids, positions, paged, lora):
         """One request's decode step: the batch-1 graph called directly where it can
@@ -197,7 +210,7 @@ class CompiledModel:
         if paged is None or self._recorder is None or paged.groups:
             # (a hybrid model's layer groups' tables: not among the direct call's
             # flat inputs, so Dynamo's frame it is)
-            return self._one(ids, positions, _dynamic_groups(paged, batch=False), lora)
+            return self._one(ids, positions, dynamic_groups(paged, batch=False), lora)
         step_args = (ids, positions, *paged)
         if lora is None and self.direct_one is not None:
             out = self.direct_one(*step_args)
@@ -228,8 +241,10 @@ class CompiledModel:
         """Final hidden states of any step (the attention context set)."""
         if not self.ready.is_set() or len(ids) < 2:
             return self.model(ids, positions, lora=lora)
+        if self.packages is not None:
+            return self.packages.hidden(ids, positions)
         with self._own_freezing():
-            return self._hidden(*_dynamic(ids, positions), _dynamic_lora(lora))
+            return self._hidden(*dynamic(ids, positions), dynamic_lora(lora))
 
     def _own_freezing(self):
         """This model's freezing for a graph built again at a call (a guard failed:
@@ -246,7 +261,12 @@ class CompiledModel:
         decode, lora) runs fn(ids, positions) over a harmless step of that many
         tokens (decode: one per request, else one request's), its attention context
         set (the runner knows how), with adapter inputs if `lora`. background: on a thread, steps staying eager meanwhile. on_ready runs
-        once they are built, before steps use them."""
+        once they are built, before steps use them. Packages all on disk are loaded
+        and warmed up before this returns, background or not: a second or two, and
+        no step runs eagerly (loading held the GIL: a request sent meanwhile took
+        4.5x an idle eager one)."""
+        if self.packages is not None and self.packages.on_disk(self._package_plan()):
+            background = False
         if not background:
             self._build(run_step, on_ready)
             return None
@@ -255,6 +275,9 @@ class CompiledModel:
         track_build(thread)
         thread.start()
         return thread
+
+    def _package_plan(self) -> Plan:
+        return self.packages.plan(self.frozen, [BATCH_ONE, BATCH_ONE_FALLBACK])
 
     def _build(self, run_step, on_ready, t0: float | None = None) -> None:
         t0 = time.perf_counter() if t0 is None else t0
@@ -272,6 +295,10 @@ class CompiledModel:
             return
         self.seconds = time.perf_counter() - t0
         on_ready()
+        if self.packages is not None:
+            log.info("forward pass ready in %.1f s from AOTInductor packages (%s)",
+                     self.seconds, self.packages.store.root)
+            return self.ready.set()
         log.info("forward pass compiled in %.1f s (%s, %s wrappers; Inductor cache: %s)",
                  self.seconds, "weights frozen for torch's GEMMs, graphs built anew at "
                  "every start" if self.frozen else "weights as graph inputs, graphs cached",
@@ -280,10 +307,17 @@ class CompiledModel:
         self.ready.set()
 
     def _build_graphs(self, run_step) -> None:
+        if self.packages is not None:
+            try:
+                return self.packages.build_all(self._package_plan(), run_step)
+            except Exception as exc:  # noqa: BLE001 - Dynamo's graphs instead, said once
+                log.warning("building the forward pass ahead of time failed (%s); "
+                            "compiling it with Dynamo", exc, exc_info=True)
+                self.packages = None
         # Example sizes: what each graph mostly runs (oneDNN packs for them).
         plan = [("decode, 1 request", self._compiled_decode, 1, True),
                 ("decode, 2+ requests", self._compiled_decode, 16, True),
-                ("mixed steps", _marking(self._hidden), 256, False)]
+                ("mixed steps", marking(self._hidden), 256, False)]
         plan = [(what + suffix, *rest, lora) for lora, suffix in
                 ((False, ""), (True, ", LoRA"))[:1 + self.lora] for what, *rest in plan]
         # This model's choice even if another engine of the process set the global
@@ -305,46 +339,3 @@ class CompiledModel:
                      "GEMM of this model; oneDNN allowed where it does not")
             self._one = self._batch_one(BATCH_ONE_FALLBACK)
             run_step(fn, tokens, decode, lora)
-
-
-def _dynamic(ids: torch.Tensor, positions: torch.Tensor):
-    """The row count of these inputs may vary (at least 2) without a recompilation."""
-    for t in (ids, positions):
-        torch._dynamo.mark_dynamic(t, 0)
-    return ids, positions
-
-
-def _dynamic_paged(paged: PagedDecode | None) -> PagedDecode | None:
-    """A decode step's batch size and table width may vary."""
-    if paged is not None:
-        for t, dims in ((paged.block_tables, (0, 1)), (paged.seq_lens, (0,)),
-                        (paged.slots, (0,))):
-            for dim in dims:
-                torch._dynamo.mark_dynamic(t, dim)
-        _dynamic_groups(paged)
-    return paged
-
-
-def _dynamic_groups(paged: PagedDecode | None, batch: bool = True) -> PagedDecode | None:
-    """A hybrid model's layer groups' tables (and, batch: their rows and slots) vary
-    as the full group's."""
-    for tables, slots in paged.groups if paged is not None else ():
-        torch._dynamo.mark_dynamic(tables, 1)
-        if batch:
-            for t in (tables, slots):
-                torch._dynamo.mark_dynamic(t, 0)
-    return paged
-
-
-def _dynamic_lora(lora: LoRAStep | None) -> LoRAStep | None:
-    """A LoRA step's token count may vary."""
-    if lora is not None:
-        for t in (lora.token_slots, lora.mask):
-            if t is not None:
-                torch._dynamo.mark_dynamic(t, 0)
-    return lora
-
-
-def _marking(fn):
-    return lambda ids, positions, lora=None: fn(*_dynamic(ids, positions),
-                                                _dynamic_lora(lora))

@@ -22,6 +22,7 @@ as it was prepared)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -31,6 +32,8 @@ from kvserve.engine.kernels.attention.cpu_paged import PagedDecode
 from kvserve.engine.lora.manager import LoRAManager
 from kvserve.engine.runner.compiled_model import CompiledModel
 from kvserve.engine.runner.cuda_graphs import DecodeGraphPlan, DecodeGraphs
+from kvserve.engine.runner.graph_packages import GraphPackages, applies
+from kvserve.engine.runner.packaged_forward import PackagedForward
 from kvserve.engine.runner.step_batch import FlatBatch
 from kvserve.scheduler.output import ScheduledRequest
 
@@ -63,18 +66,24 @@ class ForwardPaths:
         if plan.capture:
             self.decode_graphs.capture_all()
 
-    def compile(self, background: bool, warm_up: WarmUp) -> CompiledModel:
+    def compile(self, background: bool, warm_up: WarmUp, packages: Path | None = None,
+                build_packages: Callable[[], None] | None = None) -> CompiledModel:
         """Steps go through Inductor-compiled graphs once they are built (on a thread
         of their own with `background`, steps staying eager meanwhile). Where the
         backend traces its paged decode (on CPU), decodes are traced into the graphs
         and prompt chunks read K/V in place too: the graphs are warmed up through the
         in-place reader, and steps prepare with it from when the graphs are ready (a
-        step keeps the path it was prepared on)."""
+        step keeps the path it was prepared on). packages: the graphs as AOTInductor
+        packages kept there, where they apply (graph_packages.py), those missing
+        built by build_packages (None: here)."""
         traced = self.backend.traces_paged_decode and self.device.type == "cpu"
+        packaged = (PackagedForward(GraphPackages(self.model, packages), build_packages)
+                    if packages is not None and traced
+                    and applies(self.model, self.device, self.lora is not None) else None)
         compiled = self.compiling = CompiledModel(self.model, paged_decode=traced,
                                                   lora=self.lora is not None,
                                                   cpp_wrapper=self.device.type == "cpu",
-                                                  device=self.device)
+                                                  device=self.device, packages=packaged)
         warm_backend = self.backend.in_place_reader() if traced else self.backend
 
         def ready() -> None:

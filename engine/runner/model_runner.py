@@ -3,7 +3,9 @@ forward pass over it, and sampling (with logprobs and prompt logprobs on request
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from itertools import accumulate
+from pathlib import Path
 
 import torch
 
@@ -87,8 +89,12 @@ class ModelRunner:
     def use_decode_graphs(self, plan: DecodeGraphPlan) -> None:
         self.paths.use_decode_graphs(plan)
 
-    def compile_forward(self, background: bool) -> CompiledModel:
-        return self.paths.compile(background, self._warm_up_step)
+    def compile_forward(self, background: bool, packages: Path | None = None,
+                        build_packages: Callable[[], None] | None = None) -> CompiledModel:
+        """packages: the graphs as AOTInductor packages kept in this folder, where
+        they apply (engine/runner/graph_packages.py); build_packages builds those
+        missing elsewhere (engine/core/package_build_process.py; None: here)."""
+        return self.paths.compile(background, self._warm_up_step, packages, build_packages)
 
     @torch.inference_mode()
     def _warm_up_step(self, backend: AttentionBackend, fn, num_tokens: int,
