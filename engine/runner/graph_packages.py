@@ -48,8 +48,9 @@ from kvserve.engine.platform.device import cpu_flags
 log = logging.getLogger("kvserve.compile")
 
 KINDS = ("decode_one", "decode_many", "hidden")
-# Samples of each weight's bytes in the key: a checkpoint changed anywhere in a
-# tensor (fine-tuned, merged, requantized) changes it at most sample points.
+# Samples of each weight's bytes in the key: fine-tuning, merging or requantizing
+# changes nearly every element, so any of them changes the samples; a change that
+# fell between two samples of every tensor would go unseen.
 SAMPLES_PER_TENSOR = 4096
 ENGINE = Path(__file__).resolve().parents[1]
 SOURCE_SUFFIXES = (".py", ".cpp", ".h")
