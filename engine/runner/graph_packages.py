@@ -230,7 +230,7 @@ class GraphPackages:
             except (OSError, ValueError):
                 continue
             if folder != kept and facts.get("kind") == kind and all(
-                    _jsonable(facts.get(k)) == v for k, v in model.items()):
+                    facts.get(k) == v for k, v in model.items()):
                 shutil.rmtree(folder, ignore_errors=True)
                 log.info("removed the %s graph's package of an older key: %s", kind, folder)
 

@@ -3,7 +3,8 @@ packaged_forward.py, engine/core/package_builder.py; --compile-cache packages): 
 process, then greedy output token-identical to eager steps through prompt chunks,
 prefix hits and every batch size; a second engine (a warm start) loads the packages
 with no build and no Dynamo graph, with the same output, and 200 random arrivals
-then run through them; the key covers the weights; a failed build is not retried.
+then run through them; through preemption the output is transformers'; the key
+covers the weights; a failed build is not retried.
 
 Tiny random-weight model, float32: on kvserve's packed GEMM (the suite's default on
 AVX2 CPUs, called as an op from the package) and, where torch does the GEMMs, with
@@ -22,7 +23,8 @@ from kvserve.engine.runner.compile_process import graphs_compiled
 from kvserve.engine.runner.graph_packages import GraphPackages, PackagedGraph, applies
 from kvserve.engine.runner.packaged_forward import PackagedForward
 from kvserve.scheduler.sampling_params import SamplingParams
-from tests.support.reference import varied_prompts
+from tests.support.reference import (assert_same_tokens, load_reference, reference_greedy,
+                                     varied_prompts)
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -79,6 +81,21 @@ def test_packages_give_eager_tokens(batch, first, tiny_engine_factory):
     eager = tiny_engine_factory(max_num_batched_tokens=37, compile="off")
     assert run(first, prompts, batch) == run(eager, prompts, batch)
     assert first.scheduler.kv.num_free_blocks == first.scheduler.kv.num_blocks
+
+
+def test_packages_through_preemption_match_transformers(make, tiny_model_dir):
+    """A KV cache too small for the batch (requests preempted and recomputed) loads
+    the same packages (their block count is dynamic), and greedy output is
+    transformers' in float32 (parting only at a float32 tie, as vLLM's tests allow)."""
+    prompts = varied_prompts(400, count=32, seed=32, lengths=(12, 40, 77, 100, 5, 63))
+    params = [SamplingParams(max_tokens=16 + (i * 7) % 40, temperature=0.0,
+                             ignore_eos=True) for i in range(32)]
+    tight = make(num_kv_blocks=40, max_num_seqs=32)
+    got = tight.generate(prompts, params)
+    assert tight.scheduler.num_preemptions > 0
+    ref = load_reference(tiny_model_dir("llama"))
+    assert_same_tokens(ref, prompts, got, [reference_greedy(ref, p, n.max_tokens)
+                                           for p, n in zip(prompts, params)])
 
 
 def test_a_warm_start_loads_the_packages(first, make, caplog):
