@@ -61,9 +61,11 @@ def test_ready_waits_for_the_compiled_graphs(warming):
         assert done.status_code == 200  # served meanwhile, eagerly
         assert http.get("/ready").status_code == 503
         built.set()  # the graphs are ready; the engine is idle
-        waited = _until(lambda: http.get("/ready").status_code == 200,
-                        3 * engine_loop.WARMING_REPORT_S + 2)
-        assert waited < 3 * engine_loop.WARMING_REPORT_S + 2
+        # With no step to run, only the idle engine's reports (every
+        # WARMING_REPORT_S) can carry it. The bound is loose: under CI's load (two
+        # workers, servers building graphs beside them) one took over 3.5 s.
+        _until(lambda: http.get("/ready").status_code == 200,
+               60 * engine_loop.WARMING_REPORT_S)
         assert http.get("/ready").json() == {"status": "ready"}
         assert _gauge(http.get("/metrics").text) == 0
 
