@@ -60,10 +60,13 @@ class EngineLoop:
 
     def _wait(self) -> float | None:
         """How long to wait for a command: not at all with work to do, a little while
-        warming up (a report then says when that ends), else until one comes."""
+        warming up (a report then says when that ends), else until one comes. The
+        last report's state counts too: graphs done after it was made but before this
+        call must still be reported, or the front end would wait for them forever."""
         if self.engine.has_unfinished_requests() or self._reads:
             return 0.0
-        return WARMING_REPORT_S if self.engine.runner.warming_up else None
+        warming = self._last.warming_up or self.engine.runner.warming_up
+        return WARMING_REPORT_S if warming else None
 
     def _step(self, rep: StepReport) -> None:
         rep.step_start = time.monotonic()

@@ -15,6 +15,7 @@ import pytest
 
 from kvserve.engine.client import engine_loop
 from kvserve.engine.client.async_engine import AsyncEngine, _QueueSource
+from kvserve.engine.client.engine_loop import EngineLoop
 from kvserve.engine.client.messages import Shutdown
 from kvserve.engine.client.process_engine import _PipeSource
 from kvserve.server.entrypoints.app import build_app
@@ -62,12 +63,32 @@ def test_ready_waits_for_the_compiled_graphs(warming):
         assert http.get("/ready").status_code == 503
         built.set()  # the graphs are ready; the engine is idle
         # With no step to run, only the idle engine's reports (every
-        # WARMING_REPORT_S) can carry it. The bound is loose: under CI's load (two
-        # workers, servers building graphs beside them) one took over 3.5 s.
+        # WARMING_REPORT_S) can carry it; the bound leaves room for CI's load.
         _until(lambda: http.get("/ready").status_code == 200,
-               60 * engine_loop.WARMING_REPORT_S)
+               20 * engine_loop.WARMING_REPORT_S)
         assert http.get("/ready").json() == {"status": "ready"}
         assert _gauge(http.get("/metrics").text) == 0
+
+
+def test_graphs_done_just_after_a_report_are_still_reported(warming):
+    """The graphs end between a report that says 'warming' and the loop's next wait:
+    that wait must stay bounded, so the next report says they are done (a wait for
+    a command with no end here left /ready at 503 for good)."""
+    engine, built = warming
+    waits, reports = [], []
+
+    class Source:
+        def take(self, wait):
+            waits.append(wait)
+            return [Shutdown()] if len(waits) == 3 else []
+
+    def report(rep):
+        reports.append(rep.warming_up)
+        built.set()  # done right after the first report was made
+
+    EngineLoop(engine, Source(), report).run()
+    assert reports == [True, False, False]
+    assert waits == [engine_loop.WARMING_REPORT_S, engine_loop.WARMING_REPORT_S, None]
 
 
 def test_without_compiling_ready_at_once(tiny_engine_factory):
