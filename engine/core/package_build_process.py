@@ -33,6 +33,9 @@ def _below_and_bound_to_parent() -> None:
     (a server stopped or crashed mid-build leaves no build running; Linux only)."""
     os.nice(NICENESS)
     if sys.platform == "linux":
+        # SCHED_IDLE: only on a core nothing else wants, and preempted as soon as a
+        # serving thread wakes (niceness 19 alone still takes a slice of a busy core).
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 

@@ -7,8 +7,8 @@ which Inductor's graph cache refuses ("mkldnn tensors unpickleable"): the defaul
 model's three graphs took 210 s to build on every start of a 2-core Zen 4
 (bench/results/startup_cpu_2026-11-29.md). A package is the graph exported
 (torch.export), compiled ahead of time by Inductor with the same options (frozen
-weights, the batch-1 GEMV template) and saved with its constants; loading one is a
-dlopen and a read of its weights.
+weights, the batch-1 GEMV template) and saved with its constants, unpacked: loading
+one is a dlopen and a copy of its weights (0.2 s for the default model's).
 
 What a package takes: the step's inputs (ids, positions, and for the decode graphs
 the step's `PagedDecode` tensors) and every layer's KV cache tensors, as inputs it
@@ -35,6 +35,7 @@ import logging
 import os
 import shutil
 import time
+import zipfile
 from collections.abc import Callable
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
@@ -122,15 +123,43 @@ class _WithCaches(nn.Module):
 
 
 class PackagedGraph:
-    """One loaded package: called with the step's inputs, it passes the KV caches."""
+    """One loaded package: called with the step's inputs, it passes the KV caches.
 
-    def __init__(self, path: Path, caches: list[torch.Tensor]):
-        self.loader = torch._inductor.aoti_load_package(str(path)).loader
+    Loaded from the package's model folder, kept unpacked (`unpack`): the package
+    loader would extract its ~300 MB library to a temporary folder at every load
+    (and aoti_load_package tries another loader first), holding the GIL 0.4-0.7 s a
+    graph where the library's own runner takes 0.2 s, a stall every step waits out
+    when a finished build is handed to a serving process."""
+
+    def __init__(self, folder: Path, caches: list[torch.Tensor]):
+        (library,) = folder.glob("*.so")  # its .json beside it: the custom ops' calls
+        self.runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(library), 1)
         self.caches = caches
 
     def __call__(self, *step: torch.Tensor) -> torch.Tensor:
-        # boxed_run: no pytree pass over ~65 inputs a step (the package's __call__)
-        return self.loader.boxed_run([*step, *self.caches])[0]
+        # The runner's own call: no pytree pass over ~65 inputs a step (a package's)
+        return self.runner.run([*step, *self.caches])[0]
+
+
+def unpack(package: Path, folder: Path) -> None:
+    """The package's model files (its library, the library's .json, sources and
+    metadata) into `folder`, written under a temporary name and renamed."""
+    partial = folder.with_name(f".{folder.name}.{os.getpid()}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        with zipfile.ZipFile(package) as archive:
+            for entry in archive.infolist():
+                if "/data/aotinductor/model/" in entry.filename and not entry.is_dir():
+                    with archive.open(entry) as src, open(
+                            partial / Path(entry.filename).name, "wb") as dst:
+                        shutil.copyfileobj(src, dst, 1 << 22)
+        if not list(partial.glob("*.so")):
+            raise RuntimeError(f"{package} holds no compiled library")
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(partial, folder)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def step_inputs(kind: str, ids: torch.Tensor, positions: torch.Tensor,
@@ -184,12 +213,13 @@ class GraphPackages:
         return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:24]
 
     def path(self, kind: str, options: dict) -> Path:
-        return self.root / self.key(kind, options) / f"{kind}.pt2"
+        """The package's model folder (unpacked)."""
+        return self.root / self.key(kind, options) / kind
 
     def load(self, kind: str, options: dict) -> PackagedGraph | None:
         """The package of this key if one was saved, loaded; else None."""
         path = self.path(kind, options)
-        if not path.is_file():
+        if not path.is_dir():
             return None
         t0 = time.perf_counter()
         graph = PackagedGraph(path, self.caches)
@@ -208,10 +238,13 @@ class GraphPackages:
                                        dynamic_shapes=_dynamic_shapes(kind, self.caches),
                                        strict=False)
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f".{path.name}.{os.getpid()}.partial.pt2")
-        torch._inductor.aoti_compile_and_package(exported, package_path=str(partial),
-                                                 inductor_configs=dict(options))
-        os.replace(partial, path)
+        package = path.with_name(f".{kind}.{os.getpid()}.pt2")
+        try:
+            torch._inductor.aoti_compile_and_package(exported, package_path=str(package),
+                                                     inductor_configs=dict(options))
+            unpack(package, path)
+        finally:
+            package.unlink(missing_ok=True)
         (path.parent / "key.json").write_text(json.dumps(
             {**self.facts, "kind": kind, "options": _jsonable(options)}, indent=1))
         log.info("compiled the %s graph ahead of time in %.1f s: %s", kind,

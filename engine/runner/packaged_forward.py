@@ -9,6 +9,7 @@ beside it would trip over."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -18,6 +19,8 @@ from kvserve.engine.runner.graph_packages import GraphPackages, PackagedGraph, s
 
 log = logging.getLogger("kvserve.compile")
 
+# Seconds between loading one built graph and the next in a serving process.
+HANDOVER_GAP_S = 1.0
 # (kind, warm-up tokens, decode, Inductor's options to try in turn): a graph's plan.
 Plan = list[tuple[str, int, bool, list[dict]]]
 
@@ -54,12 +57,17 @@ class PackagedForward:
             log.warning("loading the forward pass's packages failed: %s", exc)
             return False
 
-    def load(self, plan: Plan) -> bool:
-        """Every graph's package found under its key loaded; whether all were."""
+    def load(self, plan: Plan, gap: float = 0.0) -> bool:
+        """Every graph's package found under its key loaded, `gap` seconds apart;
+        whether all were."""
+        loaded = 0
         for kind, _, _, choices in plan:
             for options in choices:
-                if kind not in self.graphs and (graph := self.store.load(kind, options)):
-                    self.graphs[kind] = graph
+                if kind in self.graphs:
+                    break
+                time.sleep(gap if loaded else 0.0)
+                if graph := self.store.load(kind, options):
+                    self.graphs[kind], loaded = graph, loaded + 1
         return len(self.graphs) == len(plan)
 
     def build_all(self, plan: Plan, run_step: Callable) -> None:
@@ -80,7 +88,9 @@ class PackagedForward:
                 marker.parent.mkdir(parents=True, exist_ok=True)
                 marker.write_text(str(exc))
                 raise
-            if not self.load(plan):
+            # Handed to a serving process: each load holds the GIL ~0.2 s, so a
+            # request's steps wait out one of them at most.
+            if not self.load(plan, gap=HANDOVER_GAP_S):
                 raise RuntimeError("the build process left no package under this "
                                    "process's keys")
         with torch.inference_mode():

@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import threading
 from collections import Counter
 
 import torch
 from torch import nn
 
-from kvserve.engine.kernels.cpu.build import BuildError, load_kernels
+from kvserve.engine.kernels.cpu.build import BuildError, ensure_built, load_kernels
 from kvserve.engine.kernels.cpu.packing import register_fake
 from kvserve.engine.models.linear import Linear
 from kvserve.engine.models.quantized.layer import QuantizedLinear
-from kvserve.engine.platform.device import cpu_flags
+from kvserve.engine.platform.device import cpu_flags, resolve_device
 from kvserve.engine.weights.quantization import model_bytes
 from kvserve.modelstore.default_model import cache_root
 from kvserve.modelstore.errors import ModelLoadError
@@ -124,3 +126,33 @@ def load_once() -> None:
     BuildError, and tries again at the next call, if they cannot be."""
     load_kernels(cache_root())
     register_fake()
+
+
+def build_in_background(mode: str, device: str) -> threading.Thread | None:
+    """Where the engine will want the kernels (a CPU with their flags, --cpu-kernels
+    not torch): a thread building the library into the cache while the server does
+    other things (converting its model, starting its engine: most of the 20-30 s
+    build is then off a cold start's path). The engine's own load waits for it
+    (build.py waits for a live process's build); a failure is left for that load
+    to meet and report."""
+    flags = cpu_flags()
+    try:
+        on_cpu = resolve_device(device).type == "cpu"
+    except ModelLoadError:  # the engine says so as it starts
+        return None
+    if mode == "torch" or not on_cpu or not all(f in flags for f in NEEDED_FLAGS):
+        return None
+
+    def build() -> None:
+        try:
+            # At the lowest priority (Linux's niceness is a thread's, and the compilers
+            # this thread starts inherit it): the conversion beside it keeps its core,
+            # and the compilers take what it leaves.
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            ensure_built(cache_root())
+        except BuildError as exc:
+            log.debug("building the CPU kernels ahead of the engine failed: %s", exc)
+
+    thread = threading.Thread(target=build, name="kvserve-cpu-kernels", daemon=True)
+    thread.start()
+    return thread

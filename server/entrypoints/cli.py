@@ -101,6 +101,7 @@ def serve(args) -> None:
     from kvserve.engine.config.model_config import ModelConfigError
     from kvserve.engine.platform.heap import freeze_startup_heap
     from kvserve.engine.client.launch import start_engine
+    from kvserve.engine.weights.cpu_packing import build_in_background
     from kvserve.engine.weights.loader import ModelLoadError
     from kvserve.engine.client.process_engine import EngineStartError
     from kvserve.server.entrypoints.app import build_app
@@ -110,6 +111,9 @@ def serve(args) -> None:
         config = server_config_from_args(args)
     except ValueError as exc:  # settings that contradict each other
         raise SystemExit(f"kvserve: {exc}") from None
+    # The CPU kernels build (g++, off the GIL) while the default model converts and
+    # the engine starts; the engine waits for this build rather than start its own.
+    build_in_background(args.cpu_kernels, args.device)
     path, names = resolve_model(args)
     try:
         engine = start_engine(engine_config_from_args(args, path), config.engine_mode)

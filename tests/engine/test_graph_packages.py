@@ -14,13 +14,14 @@ from __future__ import annotations
 import json
 import logging
 import random
+import zipfile
 from collections import Counter
 
 import pytest
 import torch
 
 from kvserve.engine.runner.compile_process import graphs_compiled
-from kvserve.engine.runner.graph_packages import GraphPackages, PackagedGraph, applies
+from kvserve.engine.runner.graph_packages import GraphPackages, PackagedGraph, applies, unpack
 from kvserve.engine.runner.packaged_forward import PackagedForward
 from kvserve.scheduler.sampling_params import SamplingParams
 from tests.support.reference import (assert_same_tokens, load_reference, reference_greedy,
@@ -98,9 +99,15 @@ def test_packages_through_preemption_match_transformers(make, tiny_model_dir):
                                            for p, n in zip(prompts, params)])
 
 
-def test_a_warm_start_loads_the_packages(first, make, caplog):
+def test_a_warm_start_loads_the_packages(first, make, cache, caplog):
     """The second engine finds every package under its key: no build process is
-    started, Dynamo builds no graph, and the tokens are the first engine's."""
+    started, Dynamo builds no graph, and the tokens are the first engine's. Each
+    package is kept unpacked (its library and the library's .json), nothing else."""
+    for kind in ("decode_one", "decode_many", "hidden"):
+        (folder,) = cache.glob(f"graphs/*/{kind}")
+        assert [p.suffix for p in folder.glob("*.wrapper.*")].count(".so") == 1
+        assert list(folder.glob("*.wrapper.json")) and (folder.parent / "key.json").exists()
+    assert [p for p in cache.rglob("*") if ".partial" in p.name or p.suffix == ".pt2"] == []
     prompts = prompts_with_a_shared_prefix(first.model_config.vocab_size)
     want = run(first, prompts, 4)
     dynamo_graphs = graphs_compiled()
@@ -209,3 +216,12 @@ def test_only_where_each_layer_has_a_kv_pair_and_no_lora(first):
     assert applies(model, torch.device("cpu"), lora=False)
     assert not applies(model, torch.device("cpu"), lora=True)
     assert not applies(model, torch.device("meta"), lora=False)
+
+
+def test_a_package_without_a_library_is_not_unpacked(tmp_path):
+    package = tmp_path / "hidden.pt2"
+    with zipfile.ZipFile(package, "w") as archive:
+        archive.writestr("hidden/data/aotinductor/model/x.wrapper.json", "{}")
+    with pytest.raises(RuntimeError, match="holds no compiled library"):
+        unpack(package, tmp_path / "key" / "hidden")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["hidden.pt2", "key"]

@@ -29,6 +29,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -38,12 +39,21 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.cpp")))
 HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))  # included by the sources
+# The sources compiled as two translation units, each including its sources in turn:
+# torch's headers (4.5 s of each source's 6-10 s here) are then parsed twice, not
+# five times: 20 s of compiling rather than 38, which a cold start waits for. The
+# attention's unit is the one every x86 CPU uses; the GEMMs' the other.
+ATTENTION_SOURCES = ("paged_decode.cpp", "paged_prefill.cpp")
+UNITS = {"attention": tuple(s for s in SOURCES if s.name in ATTENTION_SOURCES),
+         "linear": tuple(s for s in SOURCES if s.name not in ATTENTION_SOURCES)}
 # AVX2, FMA and F16C only (every AVX2 CPU has F16C): the library runs on any x86-64
 # CPU that has them, whichever machine built it (a container image built on one host
 # runs on others).
 FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC",
          "-Wno-unused-parameter")
 
+
+BUILD_WAIT_S = 300.0  # the longest another process's build of the library is waited for
 
 _loaded = False  # by this process (setup.load_once)
 
@@ -91,14 +101,7 @@ def load_kernels(cache_root: Path) -> Path:
     """Builds the library if this machine has none yet (or none that passes the
     checks above), loads it, and returns its path. Raises BuildError saying why it
     cannot. (Load it once a process: setup.load_once.)"""
-    compiler = c_compiler()
-    if compiler is None:
-        raise BuildError("no C++ compiler found (g++ or $CXX)")
-    path = library_path(cache_root, compiler)
-    try:
-        _make_dirs(path.parent)
-    except OSError as exc:
-        raise BuildError(f"cannot create {path.parent}: {exc}") from exc
+    compiler, path = _compiler_and_path(cache_root)
     unsafe = _unsafe_directory(path.parent)
     if unsafe is not None:
         # Anyone who can write there can put their own library under this name.
@@ -110,17 +113,48 @@ def load_kernels(cache_root: Path) -> Path:
                     "writable by no one else (chown, chmod go-w) or set KVSERVE_CACHE "
                     "to a private one to build it once", path.parent, unsafe)
         return _load_private(compiler, path.name)
+    _build_if_needed(compiler, path)
+    _load_library(path)
+    return path
+
+
+def ensure_built(cache_root: Path) -> Path | None:
+    """The library built under cache_root, without loading it, if this machine has
+    none yet (or none that passes the checks above): so a server can build it while
+    it converts its model, before its engine loads it. None where the cache is not
+    to be trusted (load_kernels then builds a private copy)."""
+    compiler, path = _compiler_and_path(cache_root)
+    if _unsafe_directory(path.parent) is not None:
+        return None
+    _build_if_needed(compiler, path)
+    return path
+
+
+def _compiler_and_path(cache_root: Path) -> tuple[str, Path]:
+    compiler = c_compiler()
+    if compiler is None:
+        raise BuildError("no C++ compiler found (g++ or $CXX)")
+    path = library_path(cache_root, compiler)
+    try:
+        _make_dirs(path.parent)
+    except OSError as exc:
+        raise BuildError(f"cannot create {path.parent}: {exc}") from exc
+    return compiler, path
+
+
+def _build_if_needed(compiler: str, path: Path) -> None:
+    """In a directory of this user's alone (checked): a library missing or failing
+    its checks is built, in its place."""
+    if not path.exists():
+        _wait_for_other_builds(path)
     built = None
     if not path.exists():
         built = _build(compiler, path)
     elif (problem := _check_library(path, _recorded_digest(path))) is not None:
-        # In a directory of this user's alone: built again, in its place.
         log.warning("not loading %s: %s; building it again", path, problem)
         built = _build(compiler, path)
     if built is not None and (problem := _check_library(path, built)) is not None:
         raise BuildError(f"the library just built at {path} fails its checks: {problem}")
-    _load_library(path)
-    return path
 
 
 def _load_private(compiler: str, name: str) -> Path:
@@ -251,23 +285,59 @@ def _install(partial: Path, path: Path) -> str:
     return digest
 
 
+def _wait_for_other_builds(path: Path) -> None:
+    """Processes starting together (a server's build ahead of its engine, test
+    workers, tensor-parallel ranks) build the library once: while another live
+    process builds it, wait (up to BUILD_WAIT_S, then build it here anyway)."""
+    deadline = time.monotonic() + BUILD_WAIT_S
+    while not path.exists() and _builders(path) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def _builders(path: Path) -> list[int]:
+    """The live processes building this library: each marks its build with a file
+    named after its pid (removed when it ends; a killed one's pid is gone)."""
+    pids = []
+    for marker in path.parent.glob(f".{path.name}.*.building"):
+        pid = marker.name[len(path.name) + 2:-len(".building")]
+        if pid.isdigit() and _alive(int(pid)):
+            pids.append(int(pid))
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _build(compiler: str, path: Path) -> str:
-    """Each source compiled at once beside the others (the cores build it in about
-    the time of the largest), then linked; every file is this process's own until
-    the library is renamed into place. Returns the library's SHA-256."""
+    """Each unit compiled at once beside the other, then linked; every file is this
+    process's own until the library is renamed into place. Returns the library's
+    SHA-256."""
     _make_dirs(path.parent)
     own = f"{os.getpid()}.tmp"
-    objs = [path.with_name(f".{path.stem}.{s.stem}.{own}.o") for s in SOURCES]
+    units = {name: path.with_name(f".{path.stem}.{name}.{own}.cpp") for name in UNITS}
+    objs = [unit.with_suffix(".o") for unit in units.values()]
     partial = path.with_name(f".{path.name}.{own}")
+    marker = path.with_name(f".{path.name}.{os.getpid()}.building")
     log.info("building kvserve's CPU kernels once for this machine -> %s", path)
+    marker.touch()
     try:
-        compiling = [subprocess.Popen(_compile_command(compiler, s, o), text=True,
+        for name, unit in units.items():
+            unit.write_text("".join(f'#include "{s}"\n' for s in UNITS[name]))
+        compiling = [subprocess.Popen(_compile_command(compiler, u, o), text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-                     for s, o in zip(SOURCES, objs)]
-        for source, proc in zip(SOURCES, compiling):
+                     for u, o in zip(units.values(), objs)]
+        for name, proc in zip(units, compiling):
             output = proc.communicate()[0]
             if proc.returncode != 0:
-                raise BuildError(f"{compiler} failed to build {source.name}:\n"
+                raise BuildError(f"{compiler} failed to build "
+                                 f"{', '.join(s.name for s in UNITS[name])}:\n"
                                  f"{output.strip()[-2000:]}")
         done = subprocess.run(_link_command(compiler, objs, partial), capture_output=True,
                               text=True)
@@ -276,5 +346,5 @@ def _build(compiler: str, path: Path) -> str:
                              f"{done.stderr.strip()[-2000:]}")
         return _install(partial, path)
     finally:
-        for leftover in (*objs, partial):
+        for leftover in (*units.values(), *objs, partial, marker):
             leftover.unlink(missing_ok=True)

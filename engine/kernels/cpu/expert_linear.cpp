@@ -50,7 +50,7 @@ using kvserve_cpu::hsum;
 using kvserve_cpu::kDotBlock;
 
 constexpr int64_t kBlockRows = 16;  // output rows an item takes (32 KiB of bf16 at K 1024)
-constexpr int64_t kMaxRows = 3;     // rows of x a dot kernel call takes
+constexpr int64_t kExpertRows = 3;     // rows of x a dot kernel call takes
 
 struct F32Row {
   using T = float;
@@ -223,8 +223,8 @@ inline void dot_rows(const Expert& e, int64_t k_len, int64_t groups, int64_t n,
 template <typename Row, bool kGroups>
 void block(const Expert& e, int64_t k_len, int64_t groups, int64_t n, int64_t n0,
            int64_t n1) {
-  for (int64_t row = 0; row < e.rows; row += kMaxRows) {
-    switch (std::min(kMaxRows, e.rows - row)) {
+  for (int64_t row = 0; row < e.rows; row += kExpertRows) {
+    switch (std::min(kExpertRows, e.rows - row)) {
       case 3: dot_rows<3, Row, kGroups>(e, k_len, groups, n, row, n0, n1); break;
       case 2: dot_rows<2, Row, kGroups>(e, k_len, groups, n, row, n0, n1); break;
       default: dot_rows<1, Row, kGroups>(e, k_len, groups, n, row, n0, n1);

@@ -1,0 +1,87 @@
+"""Building the CPU kernels off a cold start's path: a server builds them on a thread
+of its own at the lowest priority while it converts its model, and the engine's load
+waits for a live process's build instead of starting a second one (a killed
+builder's mark is not waited for)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from kvserve.engine.kernels.cpu import build
+from kvserve.engine.weights import cpu_packing
+
+
+def _mark(path, pid: int):
+    marker = path.with_name(f".{path.name}.{pid}.building")
+    marker.touch()
+    return marker
+
+
+def test_a_live_builders_library_is_waited_for(tmp_path):
+    path = tmp_path / "kernels-x.so"
+    _mark(path, os.getpid())  # this process: alive
+    threading.Timer(0.5, path.write_bytes, args=(b"built",)).start()
+    start = time.monotonic()
+    build._wait_for_other_builds(path)
+    assert path.exists() and 0.4 < time.monotonic() - start < 10
+
+
+def test_a_dead_builders_mark_is_not_waited_for(tmp_path, monkeypatch):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    path = tmp_path / "kernels-x.so"
+    _mark(path, gone.pid)
+    _mark(path.with_name("kernels-other.so"), os.getpid())  # another library's build
+    assert build._builders(path) == []
+    start = time.monotonic()
+    build._wait_for_other_builds(path)
+    assert not path.exists() and time.monotonic() - start < 1
+
+
+def test_a_build_that_never_ends_is_waited_for_only_so_long(tmp_path, monkeypatch):
+    monkeypatch.setattr(build, "BUILD_WAIT_S", 0.3)
+    path = tmp_path / "kernels-x.so"
+    _mark(path, os.getpid())
+    start = time.monotonic()
+    build._wait_for_other_builds(path)
+    assert 0.3 <= time.monotonic() - start < 5
+
+
+def test_each_unit_takes_its_sources_once():
+    units = [s for unit in build.UNITS.values() for s in unit]
+    assert sorted(units) == sorted(build.SOURCES)
+    assert {s.name for s in build.UNITS["attention"]} == set(build.ATTENTION_SOURCES)
+
+
+def test_the_background_build_runs_at_the_lowest_priority(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_packing, "cpu_flags", lambda: {"avx2", "fma", "f16c"})
+    seen = {}
+
+    def ensure_built(root):
+        seen["root"] = root
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        raise build.BuildError("no compiler")  # left for the engine's load to report
+
+    monkeypatch.setattr(cpu_packing, "ensure_built", ensure_built)
+    thread = cpu_packing.build_in_background("auto", "cpu")
+    thread.join(10)
+    assert seen == {"root": tmp_path, "nice": 19}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < 19  # ours kept
+
+
+@pytest.mark.parametrize("mode, device, flags", [
+    ("torch", "cpu", {"avx2", "fma", "f16c"}),  # torch's kernels wanted
+    ("auto", "cpu", {"avx2"}),  # a CPU the kernels cannot run on
+    ("auto", "cuda", {"avx2", "fma", "f16c"}),  # no CUDA here: the engine says so
+])
+def test_no_background_build_where_the_engine_wants_no_kernels(monkeypatch, mode, device,
+                                                               flags):
+    monkeypatch.setattr(cpu_packing, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(cpu_packing, "ensure_built", pytest.fail)
+    assert cpu_packing.build_in_background(mode, device) is None
