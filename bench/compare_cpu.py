@@ -51,6 +51,15 @@ WORKLOADS: dict[str, tuple[str, list[str]]] = {
           ["--dataset", "prefix", "--num-prompts", "32", "--max-concurrency", "16",
            "--num-prefixes", "4", "--prefix-len", "512", "--input-len", "32",
            "--output-len", "64"]),
+    # Issue 53: prompts of thousands of tokens (prefill-bound: TTFT is the figure), and
+    # far more clients than a server runs at once (64 for kvserve, 64 slots for
+    # llama-server): the queue, admission and the step's batch at its widest.
+    "e": ("long prompts: 2 clients, 8 requests, 4096-token prompts, 32 out",
+          ["--dataset", "random", "--num-prompts", "8", "--max-concurrency", "2",
+           "--input-len", "4096", "--output-len", "32"]),
+    "f": ("high concurrency: 128 clients, 256 requests, 128 in / 64 out",
+          ["--dataset", "random", "--num-prompts", "256", "--max-concurrency", "128",
+           "--input-len", "128", "--output-len", "64"]),
 }
 WARMUP = ["--dataset", "random", "--num-prompts", "2", "--max-concurrency", "2",
           "--input-len", "32", "--output-len", "8"]

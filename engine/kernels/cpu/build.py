@@ -6,8 +6,10 @@ $KVSERVE_CACHE/cpu_kernels, and loaded into torch's operator registry
 The library's name is a hash of everything that shapes it (the sources and headers,
 the flags, the compiler, torch's version), so a change builds a new one beside the old. It is
 compiled to a file of this process's own and renamed into place, which is atomic:
-processes starting together (test workers, tensor-parallel ranks) may each build it,
-but none waits on a lock that a killed one left behind, and none loads half a file.
+none loads half a file. Processes starting together (a server's early build and its
+engine, test workers, tensor-parallel ranks) wait for a live one's build, marked by a
+file named after its pid; a killed builder's mark is not waited for, so none waits
+on a lock that a killed one left behind.
 torch.utils.cpp_extension.load would take a lock file for that, and a process
 killed while building leaves it behind for every later start to wait on.
 
@@ -29,10 +31,11 @@ import stat
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+
+from kvserve.engine.kernels.cpu.other_builds import build_mark, wait_for_other_builds
 
 log = logging.getLogger("kvserve.cpu_kernels")
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -52,8 +55,6 @@ UNITS = {"attention": tuple(s for s in SOURCES if s.name in ATTENTION_SOURCES),
 FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC",
          "-Wno-unused-parameter")
 
-
-BUILD_WAIT_S = 300.0  # the longest another process's build of the library is waited for
 
 _loaded = False  # by this process (setup.load_once)
 
@@ -146,7 +147,7 @@ def _build_if_needed(compiler: str, path: Path) -> None:
     """In a directory of this user's alone (checked): a library missing or failing
     its checks is built, in its place."""
     if not path.exists():
-        _wait_for_other_builds(path)
+        wait_for_other_builds(path)
     built = None
     if not path.exists():
         built = _build(compiler, path)
@@ -285,36 +286,6 @@ def _install(partial: Path, path: Path) -> str:
     return digest
 
 
-def _wait_for_other_builds(path: Path) -> None:
-    """Processes starting together (a server's build ahead of its engine, test
-    workers, tensor-parallel ranks) build the library once: while another live
-    process builds it, wait (up to BUILD_WAIT_S, then build it here anyway)."""
-    deadline = time.monotonic() + BUILD_WAIT_S
-    while not path.exists() and _builders(path) and time.monotonic() < deadline:
-        time.sleep(0.1)
-
-
-def _builders(path: Path) -> list[int]:
-    """The live processes building this library: each marks its build with a file
-    named after its pid (removed when it ends; a killed one's pid is gone)."""
-    pids = []
-    for marker in path.parent.glob(f".{path.name}.*.building"):
-        pid = marker.name[len(path.name) + 2:-len(".building")]
-        if pid.isdigit() and _alive(int(pid)):
-            pids.append(int(pid))
-    return pids
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _build(compiler: str, path: Path) -> str:
     """Each unit compiled at once beside the other, then linked; every file is this
     process's own until the library is renamed into place. Returns the library's
@@ -324,7 +295,7 @@ def _build(compiler: str, path: Path) -> str:
     units = {name: path.with_name(f".{path.stem}.{name}.{own}.cpp") for name in UNITS}
     objs = [unit.with_suffix(".o") for unit in units.values()]
     partial = path.with_name(f".{path.name}.{own}")
-    marker = path.with_name(f".{path.name}.{os.getpid()}.building")
+    marker = build_mark(path)
     log.info("building kvserve's CPU kernels once for this machine -> %s", path)
     marker.touch()
     try:
