@@ -84,7 +84,8 @@ def parse_peer(spec: str) -> tuple[str, str, str, list[str] | None]:
     """`[LABEL=]KIND[:ARG][@W1,W2]` -> (label, kind, arg, workloads or None for all).
     Kinds: kvserve (ARG: extra `kvserve serve` flags, space-separated), kvserve-src
     (ARG: another source tree of kvserve, e.g. an older commit's `git archive`, served
-    with its defaults: two commits side by side), llama (ARG: a GGUF file),
+    with its defaults: two commits side by side), llama (ARG: a GGUF file, then any
+    extra llama-server flags, space-separated, e.g. `-kvu`),
     transformers / transformers-nocb (ARG: a model directory, default the kvserve
     cache's; continuous batching on / off)."""
     spec, _, only = spec.partition("@")
@@ -184,7 +185,8 @@ class Peer:
         if self.kind == "kvserve-src":
             return [str(PEERS_DIR / "kvserve.sh"), str(self.port), *self.extra]
         if self.kind == "llama":
-            return [str(PEERS_DIR / "llama_server.sh"), str(self.port), self.arg, *self.extra]
+            return [str(PEERS_DIR / "llama_server.sh"), str(self.port), *self.arg.split(),
+                    *self.extra]
         return [str(PEERS_DIR / "transformers.sh"), str(self.port), self.model_dir(args), *self.extra]
 
     def model_dir(self, args) -> str:

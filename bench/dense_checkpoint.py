@@ -11,7 +11,6 @@ llama-server gets the same values from llama.cpp's `convert_hf_to_gguf.py OUT_DI
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 from pathlib import Path
 
@@ -30,6 +29,7 @@ ROPE_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
 def build(out: Path, shape: str, seed: int) -> int:
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from bench.moe_checkpoint import save_with_tokenizer
     from kvserve.modelstore.default_model import ensure_default_model
 
     hidden, intermediate, layers, heads, kv_heads, head_dim = SHAPES[shape]
@@ -43,12 +43,7 @@ def build(out: Path, shape: str, seed: int) -> int:
         eos_token_id=2, initializer_range=0.02)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out))
-    for f in tokenizer_dir.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")) or \
-                f.name == "chat_template.jinja":
-            shutil.copy(f, out / f.name)
+    save_with_tokenizer(model, out, tokenizer_dir)
     total = sum(p.numel() for p in model.parameters())
     print(f"{out}: Llama-3.2-{shape.upper()}'s shape, {total / 1e9:.2f}B parameters")
     return total

@@ -22,6 +22,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+def save_with_tokenizer(model, out: Path, tokenizer_dir: Path) -> None:
+    """The model's safetensors and config, and the tokenizer's files, into `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out))
+    for f in tokenizer_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")) or \
+                f.name == "chat_template.jinja":
+            shutil.copy(f, out / f.name)
+
+
 def build(out: Path, layers: int, experts: int, top_k: int, hidden: int,
           expert_size: int, seed: int) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -39,12 +49,7 @@ def build(out: Path, layers: int, experts: int, top_k: int, hidden: int,
         initializer_range=0.02)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out))
-    for f in tokenizer_dir.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")) or \
-                f.name == "chat_template.jinja":
-            shutil.copy(f, out / f.name)
+    save_with_tokenizer(model, out, tokenizer_dir)
     total = sum(p.numel() for p in model.parameters())
     active = total - layers * (experts - top_k) * 3 * hidden * expert_size
     print(f"{out}: {total / 1e9:.2f}B parameters, {active / 1e9:.2f}B active a token")

@@ -36,6 +36,15 @@ def test_parse_peer():
         cc.parse_peer("kvserve-src")
 
 
+def test_a_llama_peer_takes_extra_flags_after_its_gguf():
+    """`llama:FILE -kvu`: the long-prompt workload's llama-server shares one KV pool."""
+    peer = cc.Peer(*cc.parse_peer("llama kvu=llama:/m/x.gguf -kvu@e"), port=8191)
+    assert peer.only == ["e"]
+    assert peer.command(None)[1:] == ["8191", "/m/x.gguf", "-kvu"]
+    assert cc.Peer(*cc.parse_peer("llama:/m/x.gguf"), port=8191).command(None)[1:] == [
+        "8191", "/m/x.gguf"]
+
+
 def test_a_source_tree_peer_serves_that_tree():
     """kvserve-src:DIR runs bench/peers/kvserve.sh with KVSERVE_SRC=DIR: two commits
     side by side in one run (the launcher finds the CLI in old layouts too)."""
