@@ -66,8 +66,14 @@ def attention_wanted(mode: str, device: torch.device, dtype: torch.dtype,
     the same blocks in bf16 (2.1-4.9x in float32) at 1-32 requests of 200-600
     positions, the prompt kernel 1.2-2.0x faster than gather + SDPA
     (bench/results/cpu_paged_{decode,prefill}_avx512_2026-11-27.md)."""
+    return dtype in ATTENTION_DTYPES and kernels_run_here(mode, device, flags)
+
+
+def kernels_run_here(mode: str, device: torch.device, flags: set[str] | None = None) -> bool:
+    """Whether --cpu-kernels lets them run and this device can (a CPU with AVX2, FMA
+    and F16C): where the attention of some cache dtype would use them."""
     flags = cpu_flags() if flags is None else flags
-    return (mode != "torch" and device.type == "cpu" and dtype in ATTENTION_DTYPES
+    return (mode != "torch" and device.type == "cpu"
             and all(f in flags for f in NEEDED_FLAGS))
 
 
@@ -135,12 +141,11 @@ def build_in_background(mode: str, device: str) -> threading.Thread | None:
     build is then off a cold start's path). The engine's own load waits for it
     (build.py waits for a live process's build); a failure is left for that load
     to meet and report."""
-    flags = cpu_flags()
     try:
-        on_cpu = resolve_device(device).type == "cpu"
-    except ModelLoadError:  # the engine says so as it starts
+        wanted = kernels_run_here(mode, resolve_device(device), cpu_flags())
+    except ModelLoadError:  # no such device: the engine says so as it starts
         return None
-    if mode == "torch" or not on_cpu or not all(f in flags for f in NEEDED_FLAGS):
+    if not wanted:
         return None
 
     def build() -> None:
