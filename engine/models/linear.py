@@ -31,5 +31,5 @@ class Linear(nn.Linear):
         weight (the LM head's, the embedding's) stays with the embedding.
         round_to_int8: a weight on no such grid is rounded to GGUF's Q8_0 (int8, a
         float16 scale per 32 inputs) instead of kept in float panels (pack_weight)."""
-        self.packed = PackedWeight(pack_weight(self.weight.detach(), round_to_int8))
+        self.packed = PackedWeight(pack_weight(self.weight.detach().float(), round_to_int8))
         self.weight = None

@@ -37,12 +37,13 @@ class VocabParallelEmbedding(nn.Embedding):
         """Rows from now on looked up in a tied LM head's packed weight
         (engine/kernels/cpu/packing.py), and the table of its own let go."""
         self.packed = packed
+        self.rows_dtype = self.weight.dtype  # the panels give float32 rows
         self.weight = None
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.embedding(ids, self.weight)
-        return self.packed.rows(ids)
+        return self.packed.rows(ids).to(self.rows_dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if comm.shard().size == 1:

@@ -313,8 +313,10 @@ def test_the_op_refuses_what_it_cannot_read(kernels):
     packed = pack_weight(weight(32, 16, True))
     op = torch.ops.kvserve.packed_linear
     panels = packed.panels
-    with pytest.raises(RuntimeError, match="2-D float32"):
-        op(torch.randn(2, 16, dtype=torch.bfloat16), panels, 32, None)
+    with pytest.raises(RuntimeError, match="2-D float32 or bfloat16"):
+        op(torch.randn(2, 16, dtype=torch.float16), panels, 32, None)
+    with pytest.raises(RuntimeError, match="values of x's dtype"):
+        op(torch.randn(2, 16, dtype=torch.bfloat16), panels, 32, torch.zeros(32))
     with pytest.raises(RuntimeError, match="not packed for 8 inputs"):
         op(torch.randn(2, 8), panels, 32, None)
     with pytest.raises(RuntimeError, match="not packed for 16 inputs and 40 outputs"):

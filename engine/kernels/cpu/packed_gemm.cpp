@@ -1,5 +1,6 @@
 // kvserve::packed_linear: y = x W^T (+ bias) on x86 CPUs with AVX2 and FMA, for
-// float32 rows x and a weight packed once at load (engine/kernels/cpu/packing.py).
+// float32 rows x (or bfloat16 ones, summed in float32) and a weight packed once at
+// load (engine/kernels/cpu/packing.py).
 //
 // The packed weight is a run of panels, each 16 output columns wide and K deep:
 // [P, K, 16], so one step along K reads 16 consecutive values of one panel. They
@@ -562,8 +563,9 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, int64_t 
                          const std::optional<at::Tensor>& bias,
                          const std::optional<at::Tensor>& scales,
                          const std::optional<at::Tensor>& mins, bool int8_inputs) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat,
-              "packed_linear: x must be 2-D float32, got ", x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "packed_linear: x must be 2-D float32 or bfloat16, got ", x.sizes(), " ",
+              x.scalar_type());
   const auto type = weight.scalar_type();
   const int64_t row_elems = type == at::kByte ? kPanel / 2 : kPanel;
   TORCH_CHECK(weight.dim() == 3 && weight.size(1) == x.size(1) &&
@@ -572,9 +574,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, int64_t 
               "packed_linear: weight ", weight.sizes(), " is not packed for ", x.size(1),
               " inputs and ", n, " outputs");
   const bool has_bias = bias.has_value() && bias->defined();
-  TORCH_CHECK(!has_bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
-                            bias->numel() == n),
-              "packed_linear: the bias must be ", n, " contiguous float32 values");
+  TORCH_CHECK(!has_bias || (bias->scalar_type() == x.scalar_type() && bias->numel() == n),
+              "packed_linear: the bias must be ", n, " values of x's dtype");
   const bool has_scales = scales.has_value() && scales->defined();
   const bool has_mins = mins.has_value() && mins->defined();
   const int64_t k = x.size(1);
@@ -604,12 +605,16 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, int64_t 
     groups.len = k / scales->size(1);
   }
   if (has_mins) groups.mins = reinterpret_cast<const uint16_t*>(mins->data_ptr());
-  const at::Tensor rows = x.contiguous();
+  // bfloat16 rows (a bf16 model's quantized layers) are summed in float32 like any
+  // others: widened once here, the products rounded back to bf16 at the end (a
+  // decode step's rows are a few KiB; the weights are what the kernel reads).
+  const at::Tensor rows = x.to(at::kFloat).contiguous();
+  const at::Tensor bias32 = has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
   at::Tensor out = at::empty({rows.size(0), n}, rows.options());
-  if (rows.size(0) == 0 || n == 0) return out;
+  if (rows.size(0) == 0 || n == 0) return out.to(x.scalar_type());
   // (K = 0 needs no case of its own: the sums stay 0 and the bias is added.)
   const Problem q{rows.data_ptr<float>(), rows.size(0), k, weight.data_ptr(), groups, n,
-                  col_scale, has_bias ? bias->data_ptr<float>() : nullptr,
+                  col_scale, has_bias ? bias32.data_ptr<float>() : nullptr,
                   out.data_ptr<float>(), int8_inputs};
   if (type == at::kFloat)
     gemm<F32Panel>(q);
@@ -621,7 +626,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, int64_t 
     quantized_gemm<I8GroupPanel>(q);
   else
     quantized_gemm<I8Panel>(q);
-  return out;
+  return out.to(x.scalar_type());
 }
 
 }  // namespace

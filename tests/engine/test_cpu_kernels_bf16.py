@@ -1,0 +1,139 @@
+"""kvserve's CPU GEMM under a bf16 model: the op takes bf16 rows (summed in float32,
+rounded back at the end), and on AVX-512 CPUs, where oneDNN keeps the float GEMMs,
+auto still packs a quantized model's int8 / int4 layers and rounds its LM head to
+Q8_0 (cpu_packing.quantized_packing_wanted)."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from kvserve.engine.kernels.cpu.packing import pack_weight, reference_product, unpack_weight
+from kvserve.engine.models.linear import Linear
+from kvserve.engine.models.quantized.layer import QuantizedLinear
+from kvserve.engine.platform.device import cpu_flags
+from kvserve.engine.weights.cpu_packing import (load_once, pack_model,
+                                                quantized_packing_wanted)
+from kvserve.engine.weights.loader import load_model
+from tests.engine.test_cpu_kernels import packed_kind
+from tests.support.tiny_gguf import INT4_SHAPES
+from tests.support.tiny_models import make_tiny_model
+
+AVX2 = {"avx2", "fma", "f16c"}
+AVX512 = AVX2 | {"avx512f", "avx512_bf16"}
+CPU = torch.device("cpu")
+BF16 = torch.bfloat16
+needs_avx2 = pytest.mark.skipif(not AVX2 <= cpu_flags(),
+                                reason="the kernels need AVX2, FMA and F16C")
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    load_once()
+
+
+@needs_avx2
+@pytest.mark.parametrize("kind", ["float32", "bf16", "int8", "int8-groups", "int4"])
+@pytest.mark.parametrize("rows", [1, 5, 13, 40])
+def test_bf16_rows_give_the_float32_product_rounded_to_bf16(kernels, kind, rows):
+    """The op widens bf16 rows (exact) and the bias, sums as it does for float32
+    rows, and rounds once: bit for bit the float32 call's product in bf16."""
+    packed, _ = packed_kind(kind, 40, 64)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 64, generator=gen).to(BF16)
+    bias = torch.randn(40, generator=gen).to(BF16)
+    op = torch.ops.kvserve.packed_linear
+    for int8_inputs in (False, True):
+        got = op(x, packed.panels, 40, bias, packed.scales, packed.mins, int8_inputs)
+        want = op(x.float(), packed.panels, 40, bias.float(), packed.scales, packed.mins,
+                  int8_inputs)
+        assert got.dtype == BF16 and got.shape == (rows, 40)
+        assert torch.equal(got, want.to(BF16))
+
+
+def test_auto_packs_quantized_layers_under_bf16_wherever_the_kernels_run():
+    assert quantized_packing_wanted("auto", CPU, BF16, AVX512)
+    assert quantized_packing_wanted("auto", CPU, BF16, AVX2)
+    assert quantized_packing_wanted("auto", CPU, torch.float32, AVX2)  # as the float layers
+    assert not quantized_packing_wanted("auto", CPU, torch.float32, AVX512)  # oneDNN's float32
+    assert not quantized_packing_wanted("auto", CPU, torch.float16, AVX512)
+    assert not quantized_packing_wanted("auto", CPU, BF16, {"avx2", "avx512f"})  # no FMA
+    assert not quantized_packing_wanted("torch", CPU, BF16, AVX512)
+    assert not quantized_packing_wanted("auto", torch.device("cuda"), BF16, AVX512)
+
+
+@pytest.fixture(scope="module")
+def tied_dir(tmp_path_factory):
+    # rows in blocks of 64, as int4 quantization keeps them (torch's int4 layout)
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-tied-bf16"), dtype=BF16,
+                           tie_word_embeddings=True, **INT4_SHAPES)
+
+
+@needs_avx2
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_a_bf16_quantized_model_is_packed_on_avx512_and_computes_the_same(
+        kernels, tied_dir, quantization, caplog):
+    """auto on an AVX512-BF16 CPU (the flags given): the quantized layers read their
+    panels, the head is rounded to Q8_0 and the tied table reads its panels in bf16;
+    the logits stay those of torch's kernels over the same weights (bf16 rounding
+    apart), the head's share computed from the Q8_0 values."""
+    from kvserve.engine.config.model_config import ModelConfig
+    from kvserve.engine.weights.quantization import quantize_model
+
+    cfg = ModelConfig.from_pretrained(str(tied_dir))
+    model = load_model(tied_dir, cfg, BF16, CPU, 256)
+    quantize_model(model, quantization)
+    ids = torch.tensor([1, 5, 9, 17, 33, 2, 7])
+    quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    inputs = [torch.randn(3, m.in_features).to(BF16) for m in quantized]
+    with torch.inference_mode():
+        before = model.embed_tokens(ids).float()
+        torch_products = [m(x).float() for m, x in zip(quantized, inputs)]
+    with caplog.at_level(logging.INFO, logger="kvserve.cpu_kernels"):
+        packed = pack_model(model, "auto", CPU, BF16, AVX512, int8_head=True)
+    assert packed == len(quantized) + 1 and all(m.packed is not None for m in quantized)
+    assert "LM head and tied embedding packed as int8" in caplog.text
+    assert ", bfloat16 elsewhere" in caplog.text
+    head = model.lm_head.packed
+    assert head.panels.dtype == torch.int8 and model.embed_tokens.packed is head
+    table = unpack_weight(head.contents(), cfg.vocab_size)
+    with torch.inference_mode():
+        rows = model.embed_tokens(ids)
+        assert rows.dtype == BF16
+        torch.testing.assert_close(rows.float(), before, rtol=0.02, atol=0.02)
+        assert torch.equal(rows, table[ids].to(BF16))
+        x = torch.randn(4, cfg.hidden_size).to(BF16)
+        torch.testing.assert_close(model.compute_logits(x).float(),
+                                   (x.float() @ table.t()).to(BF16).float(),
+                                   rtol=0.02, atol=0.02)
+        for m, x, want in zip(quantized, inputs, torch_products):
+            got = m(x)
+            assert got.dtype == BF16
+            # the kernel's own product (int4 layers take x quantized to int8 at a few
+            # rows, llama.cpp's way), then rounded once to bf16
+            exact = reference_product(x.float(), m.packed.contents(), m.out_features, True)
+            torch.testing.assert_close(got.double(), exact, rtol=0.01, atol=1e-3)
+            assert (got.float() - want).norm() / want.norm() < 0.02  # torch's, within that
+
+
+@needs_avx2
+def test_a_plain_bf16_model_keeps_onednn_on_avx512(kernels, tied_dir):
+    """No quantized layer: nothing packed, the head stays bf16 for oneDNN."""
+    from kvserve.engine.config.model_config import ModelConfig
+
+    cfg = ModelConfig.from_pretrained(str(tied_dir))
+    model = load_model(tied_dir, cfg, BF16, CPU, 256)
+    assert pack_model(model, "auto", CPU, BF16, AVX512, int8_head=True) == 0
+    assert all(m.packed is None for m in model.modules() if isinstance(m, Linear))
+    assert model.lm_head.weight.dtype == BF16
+
+
+def test_pack_weight_takes_bf16_weights_through_linear_pack():
+    """Linear.pack widens a bf16 weight first (pack_weight packs float32)."""
+    linear = Linear(64, 32, bias=False).to(BF16)
+    w = linear.weight.detach().float().clone()
+    linear.pack()
+    assert linear.weight is None
+    assert torch.equal(unpack_weight(linear.packed.contents(), 32), w)
+    assert torch.equal(pack_weight(w).panels, linear.packed.panels)
