@@ -9,7 +9,8 @@ import logging
 import pytest
 import torch
 
-from kvserve.engine.kernels.cpu.packing import pack_weight, reference_product, unpack_weight
+from kvserve.engine.kernels.cpu.packing import (ONEDNN_ROWS, pack_weight, reference_product,
+                                                unpack_weight)
 from kvserve.engine.models.linear import Linear
 from kvserve.engine.models.quantized.layer import QuantizedLinear
 from kvserve.engine.platform.device import cpu_flags
@@ -33,12 +34,18 @@ def kernels():
     load_once()
 
 
+def through_onednn(kind: str, rows: int) -> bool:
+    return kind not in ("float32", "bf16") and rows > ONEDNN_ROWS and \
+        "avx512_bf16" in cpu_flags()
+
+
 @needs_avx2
 @pytest.mark.parametrize("kind", ["float32", "bf16", "int8", "int8-groups", "int4"])
-@pytest.mark.parametrize("rows", [1, 5, 13, 40])
+@pytest.mark.parametrize("rows", [1, 5, 13, ONEDNN_ROWS])
 def test_bf16_rows_give_the_float32_product_rounded_to_bf16(kernels, kind, rows):
     """The op widens bf16 rows (exact) and the bias, sums as it does for float32
     rows, and rounds once: bit for bit the float32 call's product in bf16."""
+    assert not through_onednn(kind, rows)
     packed, _ = packed_kind(kind, 40, 64)
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 64, generator=gen).to(BF16)
@@ -50,6 +57,32 @@ def test_bf16_rows_give_the_float32_product_rounded_to_bf16(kernels, kind, rows)
                   int8_inputs)
         assert got.dtype == BF16 and got.shape == (rows, 40)
         assert torch.equal(got, want.to(BF16))
+
+
+@needs_avx2
+@pytest.mark.skipif("avx512_bf16" not in cpu_flags(), reason="oneDNN's bf16 GEMM is slow here")
+@pytest.mark.parametrize("kind", ["int8", "int8-groups", "int4"])
+@pytest.mark.parametrize("rows,n,k", [(ONEDNN_ROWS + 1, 40, 64), (70, 100, 320),
+                                      (130, 33, 96)])
+def test_many_bf16_rows_go_through_a_bf16_matrix_and_onednn(kernels, kind, rows, n, k):
+    """Past ONEDNN_ROWS bf16 rows the quantized weight is widened into a plain bf16
+    matrix (its values rounded once to bf16) for oneDNN's bf16 GEMM: the product of
+    x and those rounded values, summed in float32."""
+    assert through_onednn(kind, rows)
+    packed, _ = packed_kind(kind, n, k, seed=rows)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=gen).to(BF16)
+    bias = torch.randn(n, generator=gen).to(BF16)
+    got = torch.ops.kvserve.packed_linear(x, packed.panels, n, bias, packed.scales,
+                                          packed.mins, True)
+    assert got.dtype == BF16 and got.shape == (rows, n) and got.is_contiguous()
+    matrix = unpack_weight(packed, n).to(BF16).double()  # the bf16 matrix's values
+    want = x.double() @ matrix.t() + bias.double()
+    torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2 * want.abs().max())
+    # the same call again: the matrix buffer is reused (and across the cases, resized)
+    again = torch.ops.kvserve.packed_linear(x, packed.panels, n, bias, packed.scales,
+                                            packed.mins, True)
+    assert torch.equal(again, got)
 
 
 def test_auto_packs_quantized_layers_under_bf16_wherever_the_kernels_run():

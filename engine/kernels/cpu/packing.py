@@ -203,6 +203,9 @@ def unpack_weight(packed: Packed, n: int) -> torch.Tensor:
 # int8_inputs (packed_gemm.cpp: kDotRows, micro_dot).
 INT4_DOT_ROWS = 12
 DOT_BLOCK = 32
+# Past this many bf16 rows, on a CPU with AVX512-BF16, quantized panels are widened
+# into a plain bf16 matrix for oneDNN's bf16 GEMM (packed_gemm.cpp: kOneDnnRows).
+ONEDNN_ROWS = 64
 
 
 def quantized_for_dot(x: torch.Tensor) -> torch.Tensor:
