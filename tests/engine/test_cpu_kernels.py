@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.engine.kernels.cpu import build
-from kvserve.engine.kernels.cpu.packing import INT4_DOT_ROWS as DOT_ROWS
+from kvserve.engine.kernels.cpu.packing import int4_dot_rows
 from kvserve.engine.kernels.cpu.packing import (Packed, PackedWeight, exact_in_bf16,
                                                 exact_int8_groups, pack_int4, pack_int8,
                                                 pack_weight, packed_linear, packed_rows,
@@ -32,6 +32,7 @@ AVX2 = {"avx2", "fma", "f16c"}
 needs_avx2 = pytest.mark.skipif(not AVX2 <= cpu_flags(),
                                 reason="the kernels need AVX2, FMA and F16C")
 GREEDY_48 = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+DOT_ROWS = int4_dot_rows()  # 12, or 64 with AVX512-VNNI
 
 
 @pytest.fixture(scope="module")
@@ -232,7 +233,7 @@ def test_every_row_block_and_panel_count(kernels, rows, kind):
 
 @needs_avx2
 @pytest.mark.parametrize("group", [32, 64, 128])
-def test_int4_takes_integer_products_up_to_12_rows_and_floats_past_them(kernels, group):
+def test_int4_takes_integer_products_up_to_the_dot_rows_and_floats_past_them(kernels, group):
     """With int8_inputs (a quantized layer's panels) the switch between the two ways
     sits where the reference says (a row more or less and one of these fails), for
     every group size --quantization int4 takes; without (a float checkpoint's

@@ -5,12 +5,16 @@ Q8_0 (cpu_packing.quantized_packing_wanted)."""
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from kvserve.engine.kernels.cpu.packing import (ONEDNN_ROWS, pack_weight, reference_product,
-                                                unpack_weight)
+from kvserve.engine.kernels.cpu.packing import (INT4_DOT_ROWS, ONEDNN_ROWS, int4_dot_rows,
+                                                pack_weight, reference_product, unpack_weight)
 from kvserve.engine.models.linear import Linear
 from kvserve.engine.models.quantized.layer import QuantizedLinear
 from kvserve.engine.platform.device import cpu_flags
@@ -170,3 +174,28 @@ def test_pack_weight_takes_bf16_weights_through_linear_pack():
     assert linear.weight is None
     assert torch.equal(unpack_weight(linear.packed.contents(), 32), w)
     assert torch.equal(pack_weight(w).panels, linear.packed.panels)
+
+
+@needs_avx2
+@pytest.mark.skipif(int4_dot_rows() == INT4_DOT_ROWS, reason="no VNNI here: the AVX2 "
+                    "integer products are what every other test runs")
+def test_the_avx2_integer_products_still_run_where_vnni_would(tmp_path):
+    """$KVSERVE_NO_VNNI makes a VNNI CPU take micro_dot (vpmaddubsw), as a CPU without
+    VNNI does: int4 panels at every row block and a partial panel against the
+    reference, in a process of its own (the op reads the variable once)."""
+    script = (
+        "import os, torch\n"
+        "from kvserve.engine.weights.cpu_packing import load_once\n"
+        "from kvserve.engine.kernels.cpu.packing import int4_dot_rows, INT4_DOT_ROWS\n"
+        "from tests.engine.test_cpu_kernels import check_product\n"
+        "load_once()\n"
+        "assert int4_dot_rows() == INT4_DOT_ROWS\n"
+        "for rows in (1, 2, 3, 6, 7, 12, 13):\n"
+        "    for n in (16, 48, 73):\n"
+        "        check_product(rows, n, 96, 'int4', bias=n % 2 == 1)\n"
+        "print('ok')\n")
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True,
+                          text=True, timeout=600,
+                          env={**os.environ, "KVSERVE_NO_VNNI": "1"})
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]

@@ -39,6 +39,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -112,11 +113,15 @@ struct U4Panel {
   }
 };
 
-// The same int4 panels multiplied by x quantized to int8 (micro_dot), not widened.
+// The same int4 panels multiplied by x quantized to int8 (micro_dot), not widened;
+// on CPUs with AVX512-VNNI and VBMI, by their dot-product instruction (micro_dot_vnni).
 struct U4DotPanel : U4Panel {};
+struct U4VnniPanel : U4Panel {};
 
 template <typename Panel>
-constexpr bool kDot = std::is_same_v<Panel, U4DotPanel>;
+constexpr bool kVnni = std::is_same_v<Panel, U4VnniPanel>;
+template <typename Panel>
+constexpr bool kDot = std::is_same_v<Panel, U4DotPanel> || kVnni<Panel>;
 
 // Per-group float16 scales (and minimums), [P, groups, 16], for grouped panels.
 struct Groups {
@@ -376,6 +381,93 @@ inline void micro_dot(int64_t lda, const uint8_t* __restrict b, int64_t k_len,
   store_tile<MR, NP>(acc, c, ldc, col_scale, bias, n_left);
 }
 
+// What micro_dot_vnni is compiled for; called only where the CPU has it (vnni_here),
+// and not where $KVSERVE_NO_VNNI is set (the tests' way to reach micro_dot there).
+#define KVSERVE_VNNI_TARGET "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi"
+
+bool vnni_here() {
+  static const bool here = std::getenv("KVSERVE_NO_VNNI") == nullptr &&
+                           __builtin_cpu_supports("avx512vnni") &&
+                           __builtin_cpu_supports("avx512vbmi") &&
+                           __builtin_cpu_supports("avx512vl") &&
+                           __builtin_cpu_supports("avx512bw");
+  return here;
+}
+
+// micro_dot with AVX512-VNNI (vpdpbusd on 256-bit registers: four unsigned 4-bit
+// weights times four signed 8-bit inputs summed into each 32-bit lane, 32 products an
+// instruction with no 16-bit intermediate) where micro_dot needs vpmaddubsw, a 16-bit
+// add and a widening at the end of the block. A 32-byte load holds K rows k..k+3 as
+// 8 bytes each; one byte permutation (vpermb) puts each column's four rows side by
+// side, so lane j holds column j's low nibbles (columns 0-7) or high ones (8-15).
+// Cheap enough per row that it pays for many rows, not only a decode's few (at 16-64
+// rows the widening path's float32 FMAs are the limit). No lambdas here: they would
+// not inherit the function's target.
+template <int MR, int NP>
+__attribute__((target(KVSERVE_VNNI_TARGET))) void micro_dot_vnni(
+    int64_t lda, const uint8_t* __restrict b, int64_t k_len, const Groups& g,
+    float* __restrict c, int64_t ldc, const float* __restrict col_scale,
+    const float* __restrict bias, int64_t n_left) {
+  const int64_t panel_stride = k_len * U4Panel::kRowElems;
+  const int64_t groups = k_len / g.len, blocks = k_len / kDotBlock;
+  const __m256i quads = _mm256_setr_epi8(0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11,
+                                         19, 27, 4, 12, 20, 28, 5, 13, 21, 29, 6, 14, 22,
+                                         30, 7, 15, 23, 31);
+  const __m256i nibble = _mm256_set1_epi8(15);
+  alignas(32) float acc[MR][NP][kPanel] = {};
+  const int64_t blocks_per_group = g.len / kDotBlock;
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    __m256 part[MR][NP][2];
+    clear(part, _mm256_setzero_ps());
+    for (int64_t bi = gi * blocks_per_group; bi < (gi + 1) * blocks_per_group; ++bi) {
+      __m256i sum[MR][NP][2];
+      clear(sum, _mm256_setzero_si256());
+      const int64_t k0 = bi * kDotBlock;
+#pragma GCC unroll 8
+      for (int64_t k = k0; k < k0 + kDotBlock; k += 4) {
+        if ((k - k0) % 8 == 0) {
+#pragma GCC unroll 8
+          for (int p = 0; p < NP; ++p)
+            _mm_prefetch(reinterpret_cast<const char*>(
+                             b + p * panel_stride + (k + U4Panel::kPrefetchRows) * U4Panel::kRowElems),
+                         _MM_HINT_T0);
+        }
+        __m256i lo[NP], hi[NP];
+#pragma GCC unroll 8
+        for (int p = 0; p < NP; ++p) {
+          const __m256i v = _mm256_permutexvar_epi8(
+              quads, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                         b + p * panel_stride + k * U4Panel::kRowElems)));
+          lo[p] = _mm256_and_si256(v, nibble);
+          hi[p] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        }
+#pragma GCC unroll 8
+        for (int m = 0; m < MR; ++m) {
+          int32_t four;
+          std::memcpy(&four, g.x_q + m * lda + k, sizeof(four));
+          const __m256i x = _mm256_set1_epi32(four);
+#pragma GCC unroll 8
+          for (int p = 0; p < NP; ++p) {
+            sum[m][p][0] = _mm256_dpbusd_epi32(sum[m][p][0], lo[p], x);
+            sum[m][p][1] = _mm256_dpbusd_epi32(sum[m][p][1], hi[p], x);
+          }
+        }
+      }
+#pragma GCC unroll 8
+      for (int m = 0; m < MR; ++m) {
+        const __m256 step = _mm256_set1_ps(g.x_step[m * blocks + bi]);
+#pragma GCC unroll 8
+        for (int p = 0; p < NP; ++p)
+#pragma GCC unroll 2
+          for (int h = 0; h < 2; ++h)
+            part[m][p][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[m][p][h]), step, part[m][p][h]);
+      }
+    }
+    fold_group<MR, NP, U4Panel>(part, acc, g, gi, groups);
+  }
+  store_tile<MR, NP>(acc, c, ldc, col_scale, bias, n_left);
+}
+
 struct Problem {
   const float* x;
   int64_t rows, k_len;
@@ -406,7 +498,13 @@ void sweep(const Problem& q, const typename Panel::T* weight, const Groups& grou
     }
     const float* col_scale = q.col_scale ? q.col_scale + p * kPanel : nullptr;
     const float* bias = q.bias ? q.bias + p * kPanel : nullptr;
-    if constexpr (kDot<Panel>) {
+    if constexpr (kVnni<Panel>) {
+      g.x_q += row * q.k_len;
+      g.x_step += row * (q.k_len / kDotBlock);
+      micro_dot_vnni<MR, decltype(np)::value>(q.k_len, weight + p * panel_stride, q.k_len, g,
+                                              c + p * kPanel, q.n, col_scale, bias,
+                                              q.n - p * kPanel);
+    } else if constexpr (kDot<Panel>) {
       g.x_q += row * q.k_len;
       g.x_step += row * (q.k_len / kDotBlock);
       micro_dot<MR, decltype(np)::value>(q.k_len, weight + p * panel_stride, q.k_len, g,
@@ -428,6 +526,8 @@ void sweep(const Problem& q, const typename Panel::T* weight, const Groups& grou
 // and with too few left the compiler keeps some sums in memory.
 template <typename Panel, int MR>
 constexpr int panels_per_call() {
+  // VNNI: two panels' sums for up to 3 rows fit AVX-512's 32 registers
+  if constexpr (kVnni<Panel>) return MR <= 3 ? 2 : 1;
   if constexpr (kDot<Panel>) return 1;  // one row: 20% faster than two panels a call
   if constexpr (MR >= 4) return 1;
   if constexpr (Panel::kIntegers) return MR == 3 ? 1 : 2;
@@ -476,6 +576,10 @@ constexpr int64_t kWidenInRegistersRows = 12;
 // a grid): at one row 1.4x the widening's speed (the default model's int4 layers,
 // 2-core Zen 3), never slower up to 12. packing.py's INT4_DOT_ROWS says the same.
 constexpr int64_t kDotRows = kWidenInRegistersRows;
+// With AVX512-VNNI the integer products stay the faster way up to as many rows as
+// reach oneDNN's bf16 path; past them, in float32, the widening (packing.py's
+// int4_dot_rows says the same).
+constexpr int64_t kVnniDotRows = 64;
 
 // Panels [p0, p1) of quantized weights, widened (and group-scaled) to float32 panels.
 template <typename Panel>
@@ -509,26 +613,48 @@ void widen(const Problem& q, int64_t p0, int64_t p1, float* out) {
 }
 
 
+// Each row's sum of x over each group, [rows, K / group]: the minimums' share of
+// every column.
+std::vector<float> group_sums(const Problem& q) {
+  const int64_t groups = q.k_len / q.groups.len;
+  std::vector<float> sums(q.rows * groups, 0.0f);
+  for (int64_t r = 0; r < q.rows; ++r)
+    for (int64_t k = 0; k < q.k_len; ++k)
+      sums[r * groups + k / q.groups.len] += q.x[r * q.k_len + k];
+  return sums;
+}
+
+// Int4 panels times x quantized to int8 (micro_dot or micro_dot_vnni).
+template <typename DotPanel>
+void dot_gemm(const Problem& q) {
+  const std::vector<float> sums = group_sums(q);
+  std::vector<int8_t> x_q(q.rows * q.k_len);
+  std::vector<float> x_step(q.rows * q.k_len / kDotBlock);
+  quantize_for_dot(q.x, q.rows, q.k_len, x_q.data(), x_step.data());
+  Problem dots = q;
+  dots.groups.x_sums = sums.data();
+  dots.groups.x_q = x_q.data();
+  dots.groups.x_step = x_step.data();
+  gemm<DotPanel>(dots);
+}
+
 template <typename Panel>
 void quantized_gemm(const Problem& q) {
+  if constexpr (Panel::kMins) {
+    const bool vnni = vnni_here();
+    if (q.int8_inputs && q.groups.len % kDotBlock == 0 &&
+        q.rows <= (vnni ? kVnniDotRows : kDotRows))
+      return vnni ? dot_gemm<U4VnniPanel>(q) : dot_gemm<U4DotPanel>(q);
+  }
   if (q.rows <= kWidenInRegistersRows) {
-    if constexpr (!Panel::kMins) return gemm<Panel>(q);
-    // Each row's sum over each group, once: the minimums' share of every column.
-    const int64_t groups = q.k_len / q.groups.len;
-    std::vector<float> sums(q.rows * groups, 0.0f);
-    for (int64_t r = 0; r < q.rows; ++r)
-      for (int64_t k = 0; k < q.k_len; ++k)
-        sums[r * groups + k / q.groups.len] += q.x[r * q.k_len + k];
-    Problem with_sums = q;
-    with_sums.groups.x_sums = sums.data();
-    if (!q.int8_inputs || q.rows > kDotRows || q.groups.len % kDotBlock != 0)
+    if constexpr (!Panel::kMins) {
+      return gemm<Panel>(q);
+    } else {
+      const std::vector<float> sums = group_sums(q);
+      Problem with_sums = q;
+      with_sums.groups.x_sums = sums.data();
       return gemm<Panel>(with_sums);
-    std::vector<int8_t> x_q(q.rows * q.k_len);
-    std::vector<float> x_step(q.rows * q.k_len / kDotBlock);
-    quantize_for_dot(q.x, q.rows, q.k_len, x_q.data(), x_step.data());
-    with_sums.groups.x_q = x_q.data();
-    with_sums.groups.x_step = x_step.data();
-    return gemm<U4DotPanel>(with_sums);
+    }
   }
   const int64_t panels = (q.n + kPanel - 1) / kPanel;
   const int64_t panel_floats = std::max<int64_t>(1, q.k_len) * kPanel;

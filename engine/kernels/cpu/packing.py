@@ -18,10 +18,13 @@ safetensors are) is packed as int4 or int8: the same values in fewer bytes.
 Group scales and minimums are [P, K / group, 16] float16."""
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
 from torch import nn
+
+from kvserve.engine.platform.device import cpu_flags
 
 PANEL = 16
 HALF = PANEL // 2
@@ -200,12 +203,24 @@ def unpack_weight(packed: Packed, n: int) -> torch.Tensor:
 
 # Up to this many rows, int4 panels whose groups are whole blocks of DOT_BLOCK inputs
 # are multiplied by x quantized to int8 in blocks of DOT_BLOCK where the op is told
-# int8_inputs (packed_gemm.cpp: kDotRows, micro_dot).
+# int8_inputs (packed_gemm.cpp: kDotRows, micro_dot); up to VNNI_DOT_ROWS on CPUs
+# with AVX512-VNNI and VBMI (kVnniDotRows, micro_dot_vnni).
 INT4_DOT_ROWS = 12
+VNNI_DOT_ROWS = 64
+VNNI_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi")
 DOT_BLOCK = 32
 # Past this many bf16 rows, on a CPU with AVX512-BF16, quantized panels are widened
 # into a plain bf16 matrix for oneDNN's bf16 GEMM (packed_gemm.cpp: kOneDnnRows).
 ONEDNN_ROWS = 64
+
+
+def int4_dot_rows(flags: set[str] | None = None) -> int:
+    """How many rows int4 panels take integer products for on this CPU (or one of
+    `flags`), as the op decides ($KVSERVE_NO_VNNI: as on a CPU without VNNI)."""
+    flags = cpu_flags() if flags is None else flags
+    if os.environ.get("KVSERVE_NO_VNNI"):
+        return INT4_DOT_ROWS
+    return VNNI_DOT_ROWS if all(f in flags for f in VNNI_FLAGS) else INT4_DOT_ROWS
 
 
 def quantized_for_dot(x: torch.Tensor) -> torch.Tensor:
@@ -223,11 +238,11 @@ def reference_product(x: torch.Tensor, packed: Packed, n: int,
                       int8_inputs: bool = False) -> torch.Tensor:
     """x W^T in float64 as packed_linear computes it (the tests' and benchmarks'
     oracle): exact products of the weight's values, but with int8_inputs for int4
-    panels at up to INT4_DOT_ROWS rows (groups of whole blocks), whose integers' share
+    panels at up to int4_dot_rows() rows (groups of whole blocks), whose integers' share
     comes from x quantized (quantized_for_dot) and the minimums' share from x itself."""
     w = unpack_weight(packed, n).double()
     k = x.shape[1]
-    if not int8_inputs or packed.mins is None or len(x) > INT4_DOT_ROWS or k == 0 or \
+    if not int8_inputs or packed.mins is None or len(x) > int4_dot_rows() or k == 0 or \
             (k // packed.mins.shape[1]) % DOT_BLOCK:
         return x.double() @ w.t()
     mins = unpack_weight(packed._replace(panels=torch.zeros_like(packed.panels)), n).double()
@@ -255,7 +270,7 @@ def packed_rows(packed: Packed, ids: torch.Tensor) -> torch.Tensor:
 def packed_linear(x: torch.Tensor, packed: Packed, n: int, bias: torch.Tensor | None,
                   int8_inputs: bool = False) -> torch.Tensor:
     """x [..., K] float32 times the packed weight, plus bias: [..., n]. int8_inputs:
-    int4 panels may take x quantized to int8 (see INT4_DOT_ROWS)."""
+    int4 panels may take x quantized to int8 (see int4_dot_rows)."""
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # the model's flat tokens
     y = torch.ops.kvserve.packed_linear(rows, packed.panels, n, bias, packed.scales,
                                         packed.mins, int8_inputs)
