@@ -30,6 +30,9 @@ class Linear(nn.Linear):
         exactly), and the float32 weight let go: this layer holds one copy. A tied
         weight (the LM head's, the embedding's) stays with the embedding.
         round_to_int8: a weight on no such grid is rounded to GGUF's Q8_0 (int8, a
-        float16 scale per 32 inputs) instead of kept in float panels (pack_weight)."""
-        self.packed = PackedWeight(pack_weight(self.weight.detach().float(), round_to_int8))
+        float16 scale per 32 inputs) instead of kept in float panels (pack_weight), and
+        multiplies inputs quantized to int8 where the kernel can, as llama.cpp's Q8_0
+        head does (a quantized model's head: int8_inputs)."""
+        self.packed = PackedWeight(pack_weight(self.weight.detach().float(), round_to_int8),
+                                   int8_inputs=round_to_int8)
         self.weight = None

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.engine.kernels.cpu import build
-from kvserve.engine.kernels.cpu.packing import int4_dot_rows
+from kvserve.engine.kernels.cpu.packing import int4_dot_rows, takes_dots
 from kvserve.engine.kernels.cpu.packing import (Packed, PackedWeight, exact_in_bf16,
                                                 exact_int8_groups, pack_int4, pack_int8,
                                                 pack_weight, packed_linear, packed_rows,
@@ -692,7 +692,8 @@ def test_package_data_ships_the_kernel_source():
     assert set(build.SOURCES) | set(build.HEADERS) <= {p for g in globs for p in folder.glob(g)}
     assert {h.name for h in build.HEADERS} == {"attention_shared.h", "bf16_rows.h",
                                                 "expert_bf16_dots.h", "expert_int8_dots.h",
-                                                "expert_linear.h", "int8_inputs.h"}
+                                                "expert_linear.h", "int8_inputs.h",
+                                                "vnni_dots.h"}
     assert {s.name for s in build.SOURCES} == {"expert_linear.cpp", "moe_experts.cpp",
                                                "packed_gemm.cpp", "paged_decode.cpp",
                                                "paged_prefill.cpp"}
@@ -774,8 +775,8 @@ def test_quantized_layers_packed_compute_what_they_did(kernels, kind, rows):
     assert not any(t is not None and t.dtype.is_floating_point and t.numel() >= 64 * 96
                    for t in layer.buffers())  # no float copy of the weights
     assert after.shape == before.shape == (2, rows, 64)
-    if kind == "int4" and 2 * rows <= DOT_ROWS:  # x quantized: the same weights
-        flat = x.reshape(-1, 96)
+    flat = x.reshape(-1, 96)
+    if takes_dots(layer.packed.contents(), len(flat), 96):  # x quantized: the same weights
         w = unpack_weight(layer.packed.contents(), 64).double()
         torch.testing.assert_close(before.reshape(-1, 64).double(),
                                    flat.double() @ w.t() + linear.bias.double(),
@@ -796,14 +797,25 @@ def test_pack_model_packs_quantized_layers_too(kernels, tied_bf16_dir):
     model = load_model(tied_bf16_dir, cfg, F32, CPU, 256)
     quantize_model(model, "int8")
     x = torch.randn(3, cfg.hidden_size)
+    mlp = model.layers[0].mlp
     with torch.inference_mode():
-        before = model.layers[0].mlp(x)
+        before = mlp(x)
         assert pack_model(model, "kvserve", CPU, F32) == 4 * cfg.num_layers + 1
-        after = model.layers[0].mlp(x)
-    kinds = {m.packed.panels.dtype for m in model.layers[0].modules()
-             if isinstance(getattr(m, "packed", None), PackedWeight)}
-    assert kinds == {torch.int8}
-    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+        after = mlp(x)
+        kinds = {m.packed.panels.dtype for m in model.layers[0].modules()
+                 if isinstance(getattr(m, "packed", None), PackedWeight)}
+        assert kinds == {torch.int8}
+        gate_up = mlp.gate_up_proj.packed
+        if not takes_dots(gate_up.contents(), len(x), cfg.hidden_size):
+            torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+            return
+        # VNNI: x quantized to int8 as well, so the layer's own product is the
+        # reference's and the MLP's within the inputs' rounding
+        torch.testing.assert_close(
+            mlp.gate_up_proj(x).double(),
+            reference_product(x, gate_up.contents(), mlp.gate_up_proj.out_features, True),
+            rtol=1e-5, atol=1e-5)
+        assert (after - before).norm() / before.norm() < 0.02
 
 
 @needs_avx2
@@ -832,7 +844,9 @@ def test_a_quantized_models_lm_head_and_tied_table_are_packed_as_q8_0(kernels, t
     x = torch.randn(5, cfg.hidden_size)
     with torch.inference_mode():
         assert torch.equal(model.embed_tokens(ids), table[ids])
-        torch.testing.assert_close(model.compute_logits(x).double(), x.double() @ table.double().t(),
+        # the head takes x quantized to int8 where the kernel does (VNNI), as llama.cpp's
+        torch.testing.assert_close(model.compute_logits(x).double(),
+                                   reference_product(x, head.contents(), cfg.vocab_size, True),
                                    rtol=1e-5, atol=1e-5)
 
 

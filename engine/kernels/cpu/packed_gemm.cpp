@@ -115,13 +115,19 @@ struct U4Panel {
 
 // The same int4 panels multiplied by x quantized to int8 (micro_dot), not widened;
 // on CPUs with AVX512-VNNI and VBMI, by their dot-product instruction (micro_dot_vnni).
+// int8 panels likewise, by VNNI only (micro_dot_i8_vnni).
 struct U4DotPanel : U4Panel {};
 struct U4VnniPanel : U4Panel {};
+struct I8VnniPanel : I8Panel {};
+struct I8GroupVnniPanel : I8GroupPanel {};
 
 template <typename Panel>
 constexpr bool kVnni = std::is_same_v<Panel, U4VnniPanel>;
 template <typename Panel>
-constexpr bool kDot = std::is_same_v<Panel, U4DotPanel> || kVnni<Panel>;
+constexpr bool kI8Vnni = std::is_same_v<Panel, I8VnniPanel> ||
+                         std::is_same_v<Panel, I8GroupVnniPanel>;
+template <typename Panel>
+constexpr bool kDot = std::is_same_v<Panel, U4DotPanel> || kVnni<Panel> || kI8Vnni<Panel>;
 
 // Per-group float16 scales (and minimums), [P, groups, 16], for grouped panels.
 struct Groups {
@@ -381,92 +387,9 @@ inline void micro_dot(int64_t lda, const uint8_t* __restrict b, int64_t k_len,
   store_tile<MR, NP>(acc, c, ldc, col_scale, bias, n_left);
 }
 
-// What micro_dot_vnni is compiled for; called only where the CPU has it (vnni_here),
-// and not where $KVSERVE_NO_VNNI is set (the tests' way to reach micro_dot there).
-#define KVSERVE_VNNI_TARGET "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi"
-
-bool vnni_here() {
-  static const bool here = std::getenv("KVSERVE_NO_VNNI") == nullptr &&
-                           __builtin_cpu_supports("avx512vnni") &&
-                           __builtin_cpu_supports("avx512vbmi") &&
-                           __builtin_cpu_supports("avx512vl") &&
-                           __builtin_cpu_supports("avx512bw");
-  return here;
-}
-
-// micro_dot with AVX512-VNNI (vpdpbusd on 256-bit registers: four unsigned 4-bit
-// weights times four signed 8-bit inputs summed into each 32-bit lane, 32 products an
-// instruction with no 16-bit intermediate) where micro_dot needs vpmaddubsw, a 16-bit
-// add and a widening at the end of the block. A 32-byte load holds K rows k..k+3 as
-// 8 bytes each; one byte permutation (vpermb) puts each column's four rows side by
-// side, so lane j holds column j's low nibbles (columns 0-7) or high ones (8-15).
-// Cheap enough per row that it pays for many rows, not only a decode's few (at 16-64
-// rows the widening path's float32 FMAs are the limit). No lambdas here: they would
-// not inherit the function's target.
-template <int MR, int NP>
-__attribute__((target(KVSERVE_VNNI_TARGET))) void micro_dot_vnni(
-    int64_t lda, const uint8_t* __restrict b, int64_t k_len, const Groups& g,
-    float* __restrict c, int64_t ldc, const float* __restrict col_scale,
-    const float* __restrict bias, int64_t n_left) {
-  const int64_t panel_stride = k_len * U4Panel::kRowElems;
-  const int64_t groups = k_len / g.len, blocks = k_len / kDotBlock;
-  const __m256i quads = _mm256_setr_epi8(0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11,
-                                         19, 27, 4, 12, 20, 28, 5, 13, 21, 29, 6, 14, 22,
-                                         30, 7, 15, 23, 31);
-  const __m256i nibble = _mm256_set1_epi8(15);
-  alignas(32) float acc[MR][NP][kPanel] = {};
-  const int64_t blocks_per_group = g.len / kDotBlock;
-  for (int64_t gi = 0; gi < groups; ++gi) {
-    __m256 part[MR][NP][2];
-    clear(part, _mm256_setzero_ps());
-    for (int64_t bi = gi * blocks_per_group; bi < (gi + 1) * blocks_per_group; ++bi) {
-      __m256i sum[MR][NP][2];
-      clear(sum, _mm256_setzero_si256());
-      const int64_t k0 = bi * kDotBlock;
-#pragma GCC unroll 8
-      for (int64_t k = k0; k < k0 + kDotBlock; k += 4) {
-        if ((k - k0) % 8 == 0) {
-#pragma GCC unroll 8
-          for (int p = 0; p < NP; ++p)
-            _mm_prefetch(reinterpret_cast<const char*>(
-                             b + p * panel_stride + (k + U4Panel::kPrefetchRows) * U4Panel::kRowElems),
-                         _MM_HINT_T0);
-        }
-        __m256i lo[NP], hi[NP];
-#pragma GCC unroll 8
-        for (int p = 0; p < NP; ++p) {
-          const __m256i v = _mm256_permutexvar_epi8(
-              quads, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                         b + p * panel_stride + k * U4Panel::kRowElems)));
-          lo[p] = _mm256_and_si256(v, nibble);
-          hi[p] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-        }
-#pragma GCC unroll 8
-        for (int m = 0; m < MR; ++m) {
-          int32_t four;
-          std::memcpy(&four, g.x_q + m * lda + k, sizeof(four));
-          const __m256i x = _mm256_set1_epi32(four);
-#pragma GCC unroll 8
-          for (int p = 0; p < NP; ++p) {
-            sum[m][p][0] = _mm256_dpbusd_epi32(sum[m][p][0], lo[p], x);
-            sum[m][p][1] = _mm256_dpbusd_epi32(sum[m][p][1], hi[p], x);
-          }
-        }
-      }
-#pragma GCC unroll 8
-      for (int m = 0; m < MR; ++m) {
-        const __m256 step = _mm256_set1_ps(g.x_step[m * blocks + bi]);
-#pragma GCC unroll 8
-        for (int p = 0; p < NP; ++p)
-#pragma GCC unroll 2
-          for (int h = 0; h < 2; ++h)
-            part[m][p][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[m][p][h]), step, part[m][p][h]);
-      }
-    }
-    fold_group<MR, NP, U4Panel>(part, acc, g, gi, groups);
-  }
-  store_tile<MR, NP>(acc, c, ldc, col_scale, bias, n_left);
-}
+// The micro-kernels for CPUs with AVX512-VNNI (they use clear, fold_group and
+// store_tile above).
+#include "vnni_dots.h"
 
 struct Problem {
   const float* x;
@@ -498,15 +421,20 @@ void sweep(const Problem& q, const typename Panel::T* weight, const Groups& grou
     }
     const float* col_scale = q.col_scale ? q.col_scale + p * kPanel : nullptr;
     const float* bias = q.bias ? q.bias + p * kPanel : nullptr;
-    if constexpr (kVnni<Panel>) {
+    if constexpr (kDot<Panel>) {
       g.x_q += row * q.k_len;
       g.x_step += row * (q.k_len / kDotBlock);
+    }
+    if constexpr (kI8Vnni<Panel>) {
+      using Base = std::conditional_t<Panel::kGroupScales, I8GroupPanel, I8Panel>;
+      micro_dot_i8_vnni<MR, decltype(np)::value, Base>(
+          q.k_len, weight + p * panel_stride, q.k_len, g, c + p * kPanel, q.n, col_scale,
+          bias, q.n - p * kPanel);
+    } else if constexpr (kVnni<Panel>) {
       micro_dot_vnni<MR, decltype(np)::value>(q.k_len, weight + p * panel_stride, q.k_len, g,
                                               c + p * kPanel, q.n, col_scale, bias,
                                               q.n - p * kPanel);
     } else if constexpr (kDot<Panel>) {
-      g.x_q += row * q.k_len;
-      g.x_step += row * (q.k_len / kDotBlock);
       micro_dot<MR, decltype(np)::value>(q.k_len, weight + p * panel_stride, q.k_len, g,
                                          c + p * kPanel, q.n, col_scale, bias,
                                          q.n - p * kPanel);
@@ -528,6 +456,7 @@ template <typename Panel, int MR>
 constexpr int panels_per_call() {
   // VNNI: two panels' sums for up to 3 rows fit AVX-512's 32 registers
   if constexpr (kVnni<Panel>) return MR <= 3 ? 2 : 1;
+  if constexpr (kI8Vnni<Panel>) return 2;  // 16 columns a 512-bit register
   if constexpr (kDot<Panel>) return 1;  // one row: 20% faster than two panels a call
   if constexpr (MR >= 4) return 1;
   if constexpr (Panel::kIntegers) return MR == 3 ? 1 : 2;
@@ -624,15 +553,19 @@ std::vector<float> group_sums(const Problem& q) {
   return sums;
 }
 
-// Int4 panels times x quantized to int8 (micro_dot or micro_dot_vnni).
+// Quantized panels times x quantized to int8 (micro_dot, micro_dot_vnni,
+// micro_dot_i8_vnni).
 template <typename DotPanel>
 void dot_gemm(const Problem& q) {
-  const std::vector<float> sums = group_sums(q);
+  std::vector<float> sums;
+  if constexpr (DotPanel::kMins) sums = group_sums(q);
   std::vector<int8_t> x_q(q.rows * q.k_len);
   std::vector<float> x_step(q.rows * q.k_len / kDotBlock);
   quantize_for_dot(q.x, q.rows, q.k_len, x_q.data(), x_step.data());
+  if constexpr (kI8Vnni<DotPanel>)  // x_q + 128 as unsigned bytes: see micro_dot_i8_vnni
+    for (int8_t& v : x_q) v = static_cast<int8_t>(static_cast<uint8_t>(v) ^ 0x80u);
   Problem dots = q;
-  dots.groups.x_sums = sums.data();
+  dots.groups.x_sums = sums.empty() ? nullptr : sums.data();
   dots.groups.x_q = x_q.data();
   dots.groups.x_step = x_step.data();
   gemm<DotPanel>(dots);
@@ -640,11 +573,17 @@ void dot_gemm(const Problem& q) {
 
 template <typename Panel>
 void quantized_gemm(const Problem& q) {
+  const bool vnni = vnni_here();
   if constexpr (Panel::kMins) {
-    const bool vnni = vnni_here();
     if (q.int8_inputs && q.groups.len % kDotBlock == 0 &&
         q.rows <= (vnni ? kVnniDotRows : kDotRows))
       return vnni ? dot_gemm<U4VnniPanel>(q) : dot_gemm<U4DotPanel>(q);
+  } else {
+    const int64_t group_len = Panel::kGroupScales ? q.groups.len : q.k_len;
+    if (vnni && q.int8_inputs && q.k_len > 0 && group_len % kDotBlock == 0 &&
+        q.rows <= kVnniDotRows)
+      return dot_gemm<std::conditional_t<Panel::kGroupScales, I8GroupVnniPanel,
+                                         I8VnniPanel>>(q);
   }
   if (q.rows <= kWidenInRegistersRows) {
     if constexpr (!Panel::kMins) {

@@ -203,8 +203,8 @@ def unpack_weight(packed: Packed, n: int) -> torch.Tensor:
 
 # Up to this many rows, int4 panels whose groups are whole blocks of DOT_BLOCK inputs
 # are multiplied by x quantized to int8 in blocks of DOT_BLOCK where the op is told
-# int8_inputs (packed_gemm.cpp: kDotRows, micro_dot); up to VNNI_DOT_ROWS on CPUs
-# with AVX512-VNNI and VBMI (kVnniDotRows, micro_dot_vnni).
+# int8_inputs (packed_gemm.cpp: kDotRows, micro_dot); on CPUs with AVX512-VNNI and
+# VBMI, int4 and int8 panels up to VNNI_DOT_ROWS (kVnniDotRows, vnni_dots.h).
 INT4_DOT_ROWS = 12
 VNNI_DOT_ROWS = 64
 VNNI_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi")
@@ -214,13 +214,21 @@ DOT_BLOCK = 32
 ONEDNN_ROWS = 64
 
 
-def int4_dot_rows(flags: set[str] | None = None) -> int:
-    """How many rows int4 panels take integer products for on this CPU (or one of
-    `flags`), as the op decides ($KVSERVE_NO_VNNI: as on a CPU without VNNI)."""
+def vnni_here(flags: set[str] | None = None) -> bool:
+    """Whether the op takes VNNI's integer products on this CPU (or one of `flags`)
+    ($KVSERVE_NO_VNNI: as on a CPU without them)."""
     flags = cpu_flags() if flags is None else flags
-    if os.environ.get("KVSERVE_NO_VNNI"):
-        return INT4_DOT_ROWS
-    return VNNI_DOT_ROWS if all(f in flags for f in VNNI_FLAGS) else INT4_DOT_ROWS
+    return not os.environ.get("KVSERVE_NO_VNNI") and all(f in flags for f in VNNI_FLAGS)
+
+
+def int4_dot_rows(flags: set[str] | None = None) -> int:
+    """Up to how many rows int4 panels take integer products, as the op decides."""
+    return VNNI_DOT_ROWS if vnni_here(flags) else INT4_DOT_ROWS
+
+
+def int8_dot_rows(flags: set[str] | None = None) -> int:
+    """Likewise for int8 panels: only with VNNI."""
+    return VNNI_DOT_ROWS if vnni_here(flags) else 0
 
 
 def quantized_for_dot(x: torch.Tensor) -> torch.Tensor:
@@ -234,17 +242,29 @@ def quantized_for_dot(x: torch.Tensor) -> torch.Tensor:
             ).reshape(x.shape)
 
 
+def takes_dots(packed: Packed, rows: int, k: int) -> bool:
+    """Whether packed_linear, told int8_inputs, multiplies `rows` rows of K inputs by
+    these panels as integers (x quantized to int8): int4 and int8 panels whose groups
+    (int8: or K) are whole blocks of DOT_BLOCK, up to int4_dot_rows / int8_dot_rows."""
+    if k == 0 or packed.panels.dtype not in (torch.uint8, torch.int8):
+        return False
+    grouped = packed.scales is not None and packed.scales.dim() == 3
+    group = k // packed.scales.shape[1] if grouped else k
+    limit = int4_dot_rows() if packed.panels.dtype == torch.uint8 else int8_dot_rows()
+    return group % DOT_BLOCK == 0 and rows <= limit
+
+
 def reference_product(x: torch.Tensor, packed: Packed, n: int,
                       int8_inputs: bool = False) -> torch.Tensor:
     """x W^T in float64 as packed_linear computes it (the tests' and benchmarks'
-    oracle): exact products of the weight's values, but with int8_inputs for int4
-    panels at up to int4_dot_rows() rows (groups of whole blocks), whose integers' share
-    comes from x quantized (quantized_for_dot) and the minimums' share from x itself."""
+    oracle): exact products of the weight's values, but with int8_inputs where the op
+    takes integer products (takes_dots) the integers' share comes from x quantized
+    (quantized_for_dot) and int4's minimums' share from x itself."""
     w = unpack_weight(packed, n).double()
-    k = x.shape[1]
-    if not int8_inputs or packed.mins is None or len(x) > int4_dot_rows() or k == 0 or \
-            (k // packed.mins.shape[1]) % DOT_BLOCK:
+    if not int8_inputs or not takes_dots(packed, len(x), x.shape[1]):
         return x.double() @ w.t()
+    if packed.mins is None:
+        return quantized_for_dot(x) @ w.t()
     mins = unpack_weight(packed._replace(panels=torch.zeros_like(packed.panels)), n).double()
     return quantized_for_dot(x) @ (w - mins).t() + x.double() @ mins.t()
 
