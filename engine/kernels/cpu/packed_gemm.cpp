@@ -19,10 +19,14 @@
 // summed, then scaled once (see micro). Up to 12 rows, int4 panels of a quantized
 // layer (int8_inputs) are not widened at all: x is quantized to int8 in blocks of 32
 // inputs and multiplied as integers (micro_dot, llama.cpp's way with its Q8
-// activations): 1.4x faster at one row than widening. Past 12 rows the widening
-// would be repeated for every block of rows, so each thread widens its chunk of
-// panels once into a float32 buffer and runs the float32 kernel over it (x stays
-// float32).
+// activations): 1.4x faster at one row than widening. On CPUs with AVX512-VNNI and
+// VBMI, int4 and int8 panels of a quantized layer take integer products up to 64
+// rows by vpdpbusd (vnni_dots.h), 2-4x the widening's speed at 16-64 rows. Past the
+// rows that take integer products the widening would be repeated for every block of
+// rows, so each thread widens its chunk of panels once into a float32 buffer and runs
+// the float32 kernel over it (x stays float32); bf16 rows past 64 on an AVX512-BF16
+// CPU go to oneDNN's bf16 GEMM over the panels widened into a plain matrix instead
+// (onednn_product).
 //
 // Each thread takes a contiguous range of panels (at::parallel_for, torch's own
 // OpenMP pool). Within it, panels are taken in chunks that stay in the L2 cache
@@ -510,37 +514,39 @@ constexpr int64_t kDotRows = kWidenInRegistersRows;
 // int4_dot_rows says the same).
 constexpr int64_t kVnniDotRows = 64;
 
-// Panels [p0, p1) of quantized weights, widened (and group-scaled) to float32 panels.
+// Rows [k0, k1) of panel p widened (and group-scaled) to float32, [k1 - k0, 16].
 template <typename Panel>
-void widen(const Problem& q, int64_t p0, int64_t p1, float* out) {
-  const auto* weight = static_cast<const typename Panel::T*>(q.weight);
-  const int64_t group_len = Panel::kGroupScales ? q.groups.len : q.k_len;
-  const int64_t groups = group_len > 0 ? q.k_len / group_len : 0;
-  for (int64_t p = p0; p < p1; ++p) {
-    const typename Panel::T* src = weight + p * q.k_len * Panel::kRowElems;
-    for (int64_t gi = 0; gi < groups; ++gi) {
-      __m256 s_lo = _mm256_set1_ps(1.0f), s_hi = s_lo;
-      __m256 m_lo = _mm256_setzero_ps(), m_hi = m_lo;
-      const int64_t at = (p * groups + gi) * kPanel;
-      if constexpr (Panel::kGroupScales) {
+void widen_rows(const Problem& q, int64_t p, int64_t k0, int64_t k1, float* out) {
+  const auto* src = static_cast<const typename Panel::T*>(q.weight) +
+                    p * q.k_len * Panel::kRowElems;
+  const int64_t groups = Panel::kGroupScales ? q.k_len / q.groups.len : 1;
+  __m256 s_lo = _mm256_set1_ps(1.0f), s_hi = s_lo, m_lo = _mm256_setzero_ps(), m_hi = m_lo;
+  for (int64_t k = k0; k < k1; ++k) {
+    if constexpr (Panel::kGroupScales) {
+      if (k == k0 || k % q.groups.len == 0) {
+        const int64_t at = (p * groups + k / q.groups.len) * kPanel;
         s_lo = half8(q.groups.scales + at);
         s_hi = half8(q.groups.scales + at + 8);
-      }
-      if constexpr (Panel::kMins) {
-        m_lo = half8(q.groups.mins + at);
-        m_hi = half8(q.groups.mins + at + 8);
-      }
-      for (int64_t k = gi * group_len; k < (gi + 1) * group_len; ++k) {
-        __m256 lo, hi;
-        Panel::load(src + k * Panel::kRowElems, lo, hi);
-        _mm256_storeu_ps(out, _mm256_fmadd_ps(lo, s_lo, m_lo));
-        _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(hi, s_hi, m_hi));
-        out += kPanel;
+        if constexpr (Panel::kMins) {
+          m_lo = half8(q.groups.mins + at);
+          m_hi = half8(q.groups.mins + at + 8);
+        }
       }
     }
+    __m256 lo, hi;
+    Panel::load(src + k * Panel::kRowElems, lo, hi);
+    _mm256_storeu_ps(out, _mm256_fmadd_ps(lo, s_lo, m_lo));
+    _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(hi, s_hi, m_hi));
+    out += kPanel;
   }
 }
 
+// Panels [p0, p1) of quantized weights, widened (and group-scaled) to float32 panels.
+template <typename Panel>
+void widen(const Problem& q, int64_t p0, int64_t p1, float* out) {
+  for (int64_t p = p0; p < p1; ++p, out += q.k_len * kPanel)
+    widen_rows<Panel>(q, p, 0, q.k_len, out);
+}
 
 // Each row's sum of x over each group, [rows, K / group]: the minimums' share of
 // every column.
@@ -630,37 +636,9 @@ bool onednn_bf16_is_fast() {
   return fast;
 }
 
-// Rows [k0, k1) of panel p widened, group-scaled and column-scaled to float32,
-// [k1 - k0, 16]: one block of the plain matrix onednn_product builds.
-template <typename Panel>
-void widen_rows(const Problem& q, int64_t p, int64_t k0, int64_t k1, float* out) {
-  const auto* src = static_cast<const typename Panel::T*>(q.weight) +
-                    p * q.k_len * Panel::kRowElems;
-  const int64_t groups = Panel::kGroupScales ? q.k_len / q.groups.len : 1;
-  __m256 s_lo = _mm256_set1_ps(1.0f), s_hi = s_lo, m_lo = _mm256_setzero_ps(), m_hi = m_lo;
-  for (int64_t k = k0; k < k1; ++k) {
-    if constexpr (Panel::kGroupScales) {
-      if (k == k0 || k % q.groups.len == 0) {
-        const int64_t at = (p * groups + k / q.groups.len) * kPanel;
-        s_lo = half8(q.groups.scales + at);
-        s_hi = half8(q.groups.scales + at + 8);
-        if constexpr (Panel::kMins) {
-          m_lo = half8(q.groups.mins + at);
-          m_hi = half8(q.groups.mins + at + 8);
-        }
-      }
-    }
-    __m256 lo, hi;
-    Panel::load(src + k * Panel::kRowElems, lo, hi);
-    _mm256_storeu_ps(out, _mm256_fmadd_ps(lo, s_lo, m_lo));
-    _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(hi, s_hi, m_hi));
-    out += kPanel;
-  }
-}
-
 // Inputs a block of the plain matrix spans: its rows, one per input, stay few enough
 // that each panel's stores touch the same pages as the panel before (a whole panel's
-// K rows at once would be a TLB miss per row, 4x slower).
+// K rows at once, a page a row, made the widening about twice as slow).
 constexpr int64_t kMatrixBlockRows = 64;
 
 template <typename Panel>
