@@ -122,13 +122,7 @@ def pack_model(model: nn.Module, mode: str, device: torch.device, dtype: torch.d
                  "the linear layers on torch's GEMMs", str(dtype).replace("torch.", ""))
         return 0
     head, table = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
-    if packing:
-        linears = [m for m in model.modules()
-                   if isinstance(m, Linear) and m.weight is not None
-                   and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
-    else:  # bf16: only the quantized layers, and the head where it is rounded to int8
-        linears = [head] if int8_head and isinstance(head, Linear) \
-            and head.weight is not None and head.weight.device.type == "cpu" else []
+    linears = _float_layers_to_pack(model, packing, head if int8_head else None)
     before = model_bytes(model)
     tied = head in linears and table is not None and head.weight is getattr(table, "weight", None)
     for linear in linears:
@@ -146,6 +140,19 @@ def pack_model(model: nn.Module, mode: str, device: torch.device, dtype: torch.d
              "" if packing else f", {str(dtype).replace('torch.', '')} elsewhere",
              model_bytes(model) / 2**20, before / 2**20)
     return len(linears) + len(quantized)
+
+
+def _float_layers_to_pack(model: nn.Module, packing: bool, int8_head: nn.Module | None
+                          ) -> list[Linear]:
+    """Every float32 Linear on CPU where the GEMM takes the float layers (packing);
+    else (a bf16 model's quantized layers on an AVX-512 CPU) only the LM head, where
+    it is to be rounded to int8 (int8_head)."""
+    def on_cpu(m: nn.Module) -> bool:
+        return isinstance(m, Linear) and m.weight is not None and m.weight.device.type == "cpu"
+
+    if packing:
+        return [m for m in model.modules() if on_cpu(m) and m.weight.dtype == torch.float32]
+    return [int8_head] if int8_head is not None and on_cpu(int8_head) else []
 
 
 @functools.cache

@@ -2,7 +2,9 @@
 // products of int4 and int8 panels with x quantized to int8 (vpdpbusd). Included by
 // packed_gemm.cpp inside its namespace, after the helpers they share (clear,
 // fold_group, store_tile); each is compiled for those instructions alone and called
-// only where the CPU has them (vnni_here).
+// only where the CPU has them (vnni_here). Their loops over groups and blocks repeat
+// micro_dot's: a step compiled for VNNI cannot be inlined into a loop that is not,
+// and a call per step of four K rows would cost more than the step.
 #pragma once
 
 // What micro_dot_vnni is compiled for; called only where the CPU has it (vnni_here),
