@@ -83,8 +83,8 @@ KINDS = ("kvserve", "kvserve-src", "llama", "transformers", "transformers-nocb")
 def parse_peer(spec: str) -> tuple[str, str, str, list[str] | None]:
     """`[LABEL=]KIND[:ARG][@W1,W2]` -> (label, kind, arg, workloads or None for all).
     Kinds: kvserve (ARG: extra `kvserve serve` flags, space-separated), kvserve-src
-    (ARG: another source tree of kvserve, e.g. an older commit's `git archive`, served
-    with its defaults: two commits side by side), llama (ARG: a GGUF file, then any
+    (ARG: another source tree of kvserve, e.g. an older commit's `git archive`, then any
+    extra `kvserve serve` flags, space-separated: two commits side by side), llama (ARG: a GGUF file, then any
     extra llama-server flags, space-separated, e.g. `-kvu`),
     transformers / transformers-nocb (ARG: a model directory, default the kvserve
     cache's; continuous batching on / off)."""
@@ -176,14 +176,15 @@ class Peer:
     def env(self) -> dict:
         env = {**os.environ, "TRANSFORMERS_CB": "0" if self.kind == "transformers-nocb" else "1"}
         if self.kind == "kvserve-src":
-            env["KVSERVE_SRC"] = self.arg
+            env["KVSERVE_SRC"] = self.arg.split()[0]
         return env
 
     def command(self, args) -> list[str]:
         if self.kind == "kvserve":
             return [str(PEERS_DIR / "kvserve.sh"), str(self.port), *self.arg.split(), *self.extra]
         if self.kind == "kvserve-src":
-            return [str(PEERS_DIR / "kvserve.sh"), str(self.port), *self.extra]
+            return [str(PEERS_DIR / "kvserve.sh"), str(self.port), *self.arg.split()[1:],
+                    *self.extra]
         if self.kind == "llama":
             return [str(PEERS_DIR / "llama_server.sh"), str(self.port), *self.arg.split(),
                     *self.extra]

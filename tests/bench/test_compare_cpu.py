@@ -51,6 +51,11 @@ def test_a_source_tree_peer_serves_that_tree():
     peer = cc.Peer("before", "kvserve-src", "/tmp/old", None, 8190)
     assert peer.env()["KVSERVE_SRC"] == "/tmp/old"
     assert peer.command(None) == [str(cc.PEERS_DIR / "kvserve.sh"), "8190"]
+    # flags after the tree: that tree served with them (--quantization int8 side by side)
+    flagged = cc.Peer("before int8", "kvserve-src", "/tmp/old --quantization int8", None, 8191)
+    assert flagged.env()["KVSERVE_SRC"] == "/tmp/old"
+    assert flagged.command(None) == [str(cc.PEERS_DIR / "kvserve.sh"), "8191",
+                                     "--quantization", "int8"]
     script = (cc.PEERS_DIR / "kvserve.sh").read_text()
     assert "entry=server.cli" in script and "entry=kvserve.server.entrypoints.cli" in script
 

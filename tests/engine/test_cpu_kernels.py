@@ -32,7 +32,7 @@ AVX2 = {"avx2", "fma", "f16c"}
 needs_avx2 = pytest.mark.skipif(not AVX2 <= cpu_flags(),
                                 reason="the kernels need AVX2, FMA and F16C")
 GREEDY_48 = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-DOT_ROWS = int4_dot_rows()  # 12, or 64 with AVX512-VNNI
+DOT_ROWS = int4_dot_rows()  # 12, or None (any number) with AVX512-VNNI
 
 
 @pytest.fixture(scope="module")
@@ -245,15 +245,16 @@ def test_int4_takes_integer_products_up_to_the_dot_rows_and_floats_past_them(ker
     mins = (torch.randn(k // group, n, generator=gen) * 0.1).half()
     packed = pack_int4(q, scales, mins)
     w = unpack_weight(packed, n).double()
-    for rows in (1, DOT_ROWS, DOT_ROWS + 1):
+    for rows in (1, DOT_ROWS, DOT_ROWS + 1) if DOT_ROWS else (1, 13, 100):
         x = torch.randn(rows, k, generator=gen) * 3
         # integer products however many rows (each part within DOT_ROWS), and exact ones
         dot = torch.cat([reference_product(part, packed, n, True)
-                         for part in x.split(DOT_ROWS)])
+                         for part in x.split(DOT_ROWS or rows)])
         exact = x.double() @ w.t()
+        dots_here = DOT_ROWS is None or rows <= DOT_ROWS
         for int8_inputs in (True, False):
             got = packed_linear(x, packed, n, None, int8_inputs).double()
-            want, other = (dot, exact) if int8_inputs and rows <= DOT_ROWS else (exact, dot)
+            want, other = (dot, exact) if int8_inputs and dots_here else (exact, dot)
             assert torch.equal(reference_product(x, packed, n, int8_inputs), want)
             assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (rows, int8_inputs)
             assert not torch.allclose(got, other, rtol=1e-5, atol=1e-5), (rows, int8_inputs)

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from kvserve.engine.kernels.cpu.packing import (INT4_DOT_ROWS, ONEDNN_ROWS, int4_dot_rows,
-                                                pack_weight, reference_product, unpack_weight)
+                                                pack_weight, reference_product, takes_dots,
+                                                unpack_weight)
 from kvserve.engine.models.linear import Linear
 from kvserve.engine.models.quantized.layer import QuantizedLinear
 from kvserve.engine.platform.device import cpu_flags
@@ -39,6 +40,8 @@ def kernels():
 
 
 def through_onednn(kind: str, rows: int) -> bool:
+    """Whether the op's bf16 matrix and oneDNN take these rows, told int8_inputs=False
+    (with True, integer products come first where the panels take them: takes_dots)."""
     return kind not in ("float32", "bf16") and rows > ONEDNN_ROWS and \
         "avx512_bf16" in cpu_flags()
 
@@ -69,24 +72,55 @@ def test_bf16_rows_give_the_float32_product_rounded_to_bf16(kernels, kind, rows)
 @pytest.mark.parametrize("rows,n,k", [(ONEDNN_ROWS + 1, 40, 64), (70, 100, 320),
                                       (130, 33, 96)])
 def test_many_bf16_rows_go_through_a_bf16_matrix_and_onednn(kernels, kind, rows, n, k):
-    """Past ONEDNN_ROWS bf16 rows the quantized weight is widened into a plain bf16
-    matrix (its values rounded once to bf16) for oneDNN's bf16 GEMM: the product of
-    x and those rounded values, summed in float32."""
+    """Past ONEDNN_ROWS bf16 rows a quantized weight that takes no integer products is
+    widened into a plain bf16 matrix (its values rounded once to bf16) for oneDNN's
+    bf16 GEMM: the product of x and those rounded values, summed in float32."""
     assert through_onednn(kind, rows)
     packed, _ = packed_kind(kind, n, k, seed=rows)
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, k, generator=gen).to(BF16)
     bias = torch.randn(n, generator=gen).to(BF16)
     got = torch.ops.kvserve.packed_linear(x, packed.panels, n, bias, packed.scales,
-                                          packed.mins, True)
+                                          packed.mins, False)
     assert got.dtype == BF16 and got.shape == (rows, n) and got.is_contiguous()
     matrix = unpack_weight(packed, n).to(BF16).double()  # the bf16 matrix's values
     want = x.double() @ matrix.t() + bias.double()
     torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2 * want.abs().max())
     # the same call again: the matrix buffer is reused (and across the cases, resized)
     again = torch.ops.kvserve.packed_linear(x, packed.panels, n, bias, packed.scales,
-                                            packed.mins, True)
+                                            packed.mins, False)
     assert torch.equal(again, got)
+    # told int8_inputs, the op takes integer products instead wherever it can (VNNI)
+    dots = torch.ops.kvserve.packed_linear(x, packed.panels, n, bias, packed.scales,
+                                           packed.mins, True)
+    assert torch.equal(dots, got) != takes_dots(packed, rows, k)
+
+
+@needs_avx2
+@pytest.mark.skipif(int4_dot_rows() is not None, reason="no VNNI here: integer products "
+                    "stop at a few rows")
+@pytest.mark.parametrize("kind", ["int8", "int8-groups", "int4"])
+@pytest.mark.parametrize("rows", [ONEDNN_ROWS + 1, 200, 517])
+def test_vnni_takes_integer_products_at_prompt_sizes(kernels, kind, rows):
+    """With VNNI a quantized layer's panels (int8_inputs) take integer products at
+    any number of rows, a prompt chunk's too: the reference's product of x quantized
+    to int8, every row block and the panels' tail (n = 72) included."""
+    n, k = 72, 128
+    packed, _ = packed_kind(kind, n, k, seed=rows)
+    assert takes_dots(packed, rows, k)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=gen).to(BF16)
+    bias = torch.randn(n, generator=gen).to(BF16)
+    op = torch.ops.kvserve.packed_linear
+    got = op(x, packed.panels, n, bias, packed.scales, packed.mins, True)
+    got32 = op(x.float(), packed.panels, n, bias.float(), packed.scales, packed.mins, True)
+    assert got.dtype == BF16 and got.shape == (rows, n)
+    assert torch.equal(got, got32.to(BF16))  # summed in float32, rounded once
+    want = reference_product(x.float(), packed, n, True) + bias.double()
+    exact = x.double() @ unpack_weight(packed, n).double().t() + bias.double()
+    close = dict(rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    torch.testing.assert_close(got32.double(), want, **close)
+    assert not torch.allclose(got32.double(), exact, **close)
 
 
 def test_auto_packs_quantized_layers_under_bf16_wherever_the_kernels_run():

@@ -10,6 +10,7 @@ import torch
 from bench.quality import perplexity, text_tokens
 from kvserve.engine.config.engine_config import EngineConfig
 from kvserve.engine.core.engine import Engine
+from kvserve.engine.kernels.cpu.packing import takes_dots, unpack_weight
 from kvserve.engine.models.quantized.int4 import (INT4PACK_MAX_ROWS, KNOWN_LAYOUTS, Int4Linear,
                                                   kernel_layout, pack_int4, quantize_int4,
                                                   unpack_int4_t)
@@ -135,16 +136,36 @@ def test_the_default_model_in_int8_stays_within_one_percent_perplexity(
 def test_the_default_model_in_int4_reproduces_its_q4_1_weights(default_model_dir, float_engine):
     """The default model's float weights are its Q4_1 file expanded: every group of
     32 already lies on 16 levels, so round-to-nearest int4 with the file's group size
-    finds them again and the perplexity does not move (bench/quality.py: identical
-    to the last digit over the whole text)."""
+    finds them again (every value, exactly) and the perplexity does not move
+    (bench/quality.py: identical to the last digit over the whole text) where the
+    prompt's inputs stay float. Where kvserve's kernels multiply prompt chunks as
+    integers too (AVX512-VNNI: inputs quantized to int8 in blocks of 32, as
+    llama.cpp does), the inputs' rounding moves it a little (the whole text in bf16:
+    +1.15%)."""
     int4 = Engine(EngineConfig(model=str(default_model_dir), dtype="float32",
                                num_kv_blocks=256, quantization="int4"))
-    layers = [m for m in int4.runner.model.modules() if isinstance(m, Int4Linear)]
+    layers = {name: m for name, m in int4.runner.model.named_modules()
+              if isinstance(m, Int4Linear)}
     assert len(layers) == 4 * int4.runner.model.config.num_layers
     assert not isinstance(int4.runner.model.lm_head, Int4Linear)
+    floats = dict(float_engine.runner.model.named_modules())
+    for name, layer in layers.items():
+        assert torch.equal(layer_values(layer), layer_values(floats[name])), name
     tokens = text_tokens(float_engine)[:512]
     base, quantized = perplexity(float_engine, tokens), perplexity(int4, tokens)
-    assert abs(quantized / base - 1) < 0.001, (base, quantized)
+    packed = next(iter(layers.values())).packed
+    integer_prompts = packed is not None and packed.int8_inputs and \
+        takes_dots(packed.contents(), len(tokens), packed.panels.shape[1])  # [P, K, 8]
+    assert abs(quantized / base - 1) < (0.02 if integer_prompts else 0.001), (base, quantized)
+
+
+def layer_values(layer: torch.nn.Module) -> torch.Tensor:
+    """The float32 weight [N, K] a linear layer multiplies by, packed or not."""
+    if getattr(layer, "packed", None) is not None:
+        return unpack_weight(layer.packed.contents(), layer.out_features)
+    if isinstance(layer, Int4Linear):
+        return layer.dequantized_t(torch.float32).t()
+    return layer.weight.float()
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])

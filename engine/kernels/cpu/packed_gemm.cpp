@@ -509,12 +509,24 @@ constexpr int64_t kWidenInRegistersRows = 12;
 // a grid): at one row 1.4x the widening's speed (the default model's int4 layers,
 // 2-core Zen 3), never slower up to 12. packing.py's INT4_DOT_ROWS says the same.
 constexpr int64_t kDotRows = kWidenInRegistersRows;
-// With AVX512-VNNI the integer products stay the faster way up to as many rows as
-// reach oneDNN's bf16 path; past them, in float32, the widening (packing.py's
-// int4_dot_rows says the same). Past 64 they were no faster than oneDNN's path (a 1B
-// model's gate/up on a 2-core Zen 4: 31.4 against 31.8 ms at 128 rows, 90.0 against
-// 91.7 at 512, both 1.15-1.5x oneDNN's own bf16 GEMM over prepacked bf16 weights).
-constexpr int64_t kVnniDotRows = 64;
+// With AVX512-VNNI the integer products (int4 and int8 panels) are the faster way at
+// any number of rows: its dot products do four multiply-adds a lane where bf16's do
+// two. A 1B model's gate/up (16384 x 2048) on a 2-core Zen 4, bf16 rows: int8 16.3
+// ms at 128 rows and 74.0 at 512; the weight widened per call for oneDNN's bf16 GEMM
+// 32.1 and 93.2; oneDNN on bf16 weights 21.5 and 78.8. int4 20.7 and 93.6 (widened
+// for oneDNN 31.7 and 92.3; at 1024 rows, past the default step's 512, 200.6 against
+// 187.5). packing.py's int4_dot_rows / int8_dot_rows say the same.
+
+// Whether x is quantized to int8 for integer products with these panels: where the
+// caller allows it (int8_inputs) and their groups (int8 per column: K) are whole
+// blocks of kDotBlock; with VNNI at any number of rows, without it int4 panels only,
+// up to kDotRows.
+template <typename Panel>
+bool takes_dots(const Problem& q) {
+  const int64_t group_len = Panel::kGroupScales ? q.groups.len : q.k_len;
+  if (!q.int8_inputs || q.k_len == 0 || group_len % kDotBlock != 0) return false;
+  return vnni_here() || (Panel::kMins && q.rows <= kDotRows);
+}
 
 // Rows [k0, k1) of panel p widened (and group-scaled) to float32, [k1 - k0, 16].
 template <typename Panel>
@@ -581,15 +593,10 @@ void dot_gemm(const Problem& q) {
 
 template <typename Panel>
 void quantized_gemm(const Problem& q) {
-  const bool vnni = vnni_here();
-  if constexpr (Panel::kMins) {
-    if (q.int8_inputs && q.groups.len % kDotBlock == 0 &&
-        q.rows <= (vnni ? kVnniDotRows : kDotRows))
-      return vnni ? dot_gemm<U4VnniPanel>(q) : dot_gemm<U4DotPanel>(q);
-  } else {
-    const int64_t group_len = Panel::kGroupScales ? q.groups.len : q.k_len;
-    if (vnni && q.int8_inputs && q.k_len > 0 && group_len % kDotBlock == 0 &&
-        q.rows <= kVnniDotRows)
+  if (takes_dots<Panel>(q)) {
+    if constexpr (Panel::kMins)
+      return vnni_here() ? dot_gemm<U4VnniPanel>(q) : dot_gemm<U4DotPanel>(q);
+    else
       return dot_gemm<std::conditional_t<Panel::kGroupScales, I8GroupVnniPanel,
                                          I8VnniPanel>>(q);
   }
@@ -625,7 +632,9 @@ void quantized_gemm(const Problem& q) {
 }
 
 // Past this many rows of a bf16 model, on a CPU with AVX512-BF16, a quantized weight
-// is widened once a call into a plain bf16 matrix that oneDNN's bf16 GEMM multiplies:
+// that takes no integer products (takes_dots: a CPU without VNNI, or a float
+// checkpoint's weights found on a grid) is widened once a call into a plain bf16
+// matrix that oneDNN's bf16 GEMM multiplies:
 // its dot-product instructions do twice the work per cycle of the float32 FMAs the
 // kernel's own widening feeds, which pays for the widening once the rows make the
 // product bound by arithmetic, not by the weight's bytes (a prompt chunk). Measured on
@@ -725,10 +734,15 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, int64_t 
     groups.len = k / scales->size(1);
   }
   if (has_mins) groups.mins = reinterpret_cast<const uint16_t*>(mins->data_ptr());
+  const Problem shape{nullptr, x.size(0), k, weight.data_ptr(), groups, n, col_scale,
+                      nullptr, nullptr, int8_inputs};
+  const bool dots = type == at::kByte          ? takes_dots<U4Panel>(shape)
+                    : groups.scales != nullptr ? takes_dots<I8GroupPanel>(shape)
+                    : type == at::kChar        ? takes_dots<I8Panel>(shape)
+                                               : false;
   if (x.scalar_type() == at::kBFloat16 && x.size(0) > kOneDnnRows && type != at::kFloat &&
-      type != at::kBFloat16 && x.size(1) > 0 && onednn_bf16_is_fast()) {
-    const Problem q{nullptr, x.size(0), k, weight.data_ptr(), groups, n, col_scale,
-                    nullptr, nullptr, int8_inputs};
+      type != at::kBFloat16 && x.size(1) > 0 && !dots && onednn_bf16_is_fast()) {
+    const Problem& q = shape;
     at::Tensor y = type == at::kByte          ? onednn_product<U4Panel>(q, x.contiguous())
                    : groups.scales != nullptr ? onednn_product<I8GroupPanel>(q, x.contiguous())
                                               : onednn_product<I8Panel>(q, x.contiguous());

@@ -204,13 +204,13 @@ def unpack_weight(packed: Packed, n: int) -> torch.Tensor:
 # Up to this many rows, int4 panels whose groups are whole blocks of DOT_BLOCK inputs
 # are multiplied by x quantized to int8 in blocks of DOT_BLOCK where the op is told
 # int8_inputs (packed_gemm.cpp: kDotRows, micro_dot); on CPUs with AVX512-VNNI and
-# VBMI, int4 and int8 panels up to VNNI_DOT_ROWS (kVnniDotRows, vnni_dots.h).
+# VBMI, int4 and int8 panels at any number of rows (takes_dots, vnni_dots.h).
 INT4_DOT_ROWS = 12
-VNNI_DOT_ROWS = 64
 VNNI_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi")
 DOT_BLOCK = 32
-# Past this many bf16 rows, on a CPU with AVX512-BF16, quantized panels are widened
-# into a plain bf16 matrix for oneDNN's bf16 GEMM (packed_gemm.cpp: kOneDnnRows).
+# Past this many bf16 rows, on a CPU with AVX512-BF16, quantized panels that take no
+# integer products are widened into a plain bf16 matrix for oneDNN's bf16 GEMM
+# (packed_gemm.cpp: kOneDnnRows).
 ONEDNN_ROWS = 64
 
 
@@ -221,14 +221,15 @@ def vnni_here(flags: set[str] | None = None) -> bool:
     return not os.environ.get("KVSERVE_NO_VNNI") and all(f in flags for f in VNNI_FLAGS)
 
 
-def int4_dot_rows(flags: set[str] | None = None) -> int:
-    """Up to how many rows int4 panels take integer products, as the op decides."""
-    return VNNI_DOT_ROWS if vnni_here(flags) else INT4_DOT_ROWS
+def int4_dot_rows(flags: set[str] | None = None) -> int | None:
+    """Up to how many rows int4 panels take integer products, as the op decides
+    (None: any number)."""
+    return None if vnni_here(flags) else INT4_DOT_ROWS
 
 
-def int8_dot_rows(flags: set[str] | None = None) -> int:
-    """Likewise for int8 panels: only with VNNI."""
-    return VNNI_DOT_ROWS if vnni_here(flags) else 0
+def int8_dot_rows(flags: set[str] | None = None) -> int | None:
+    """Likewise for int8 panels: only with VNNI, and then at any number of rows."""
+    return None if vnni_here(flags) else 0
 
 
 def quantized_for_dot(x: torch.Tensor) -> torch.Tensor:
@@ -245,13 +246,14 @@ def quantized_for_dot(x: torch.Tensor) -> torch.Tensor:
 def takes_dots(packed: Packed, rows: int, k: int) -> bool:
     """Whether packed_linear, told int8_inputs, multiplies `rows` rows of K inputs by
     these panels as integers (x quantized to int8): int4 and int8 panels whose groups
-    (int8: or K) are whole blocks of DOT_BLOCK, up to int4_dot_rows / int8_dot_rows."""
+    (int8: or K) are whole blocks of DOT_BLOCK, up to int4_dot_rows / int8_dot_rows
+    rows."""
     if k == 0 or packed.panels.dtype not in (torch.uint8, torch.int8):
         return False
     grouped = packed.scales is not None and packed.scales.dim() == 3
     group = k // packed.scales.shape[1] if grouped else k
     limit = int4_dot_rows() if packed.panels.dtype == torch.uint8 else int8_dot_rows()
-    return group % DOT_BLOCK == 0 and rows <= limit
+    return group % DOT_BLOCK == 0 and (limit is None or rows <= limit)
 
 
 def reference_product(x: torch.Tensor, packed: Packed, n: int,
