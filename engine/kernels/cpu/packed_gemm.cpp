@@ -510,12 +510,15 @@ constexpr int64_t kWidenInRegistersRows = 12;
 // 2-core Zen 3), never slower up to 12. packing.py's INT4_DOT_ROWS says the same.
 constexpr int64_t kDotRows = kWidenInRegistersRows;
 // With AVX512-VNNI the integer products (int4 and int8 panels) are the faster way at
-// any number of rows: its dot products do four multiply-adds a lane where bf16's do
-// two. A 1B model's gate/up (16384 x 2048) on a 2-core Zen 4, bf16 rows: int8 16.3
-// ms at 128 rows and 74.0 at 512; the weight widened per call for oneDNN's bf16 GEMM
-// 32.1 and 93.2; oneDNN on bf16 weights 21.5 and 78.8. int4 20.7 and 93.6 (widened
-// for oneDNN 31.7 and 92.3; at 1024 rows, past the default step's 512, 200.6 against
-// 187.5). packing.py's int4_dot_rows / int8_dot_rows say the same.
+// any number of rows, prompt chunks included: its dot products do four multiply-adds
+// a lane where bf16's do two. A 1B model's gate/up (16384 x 2048) on a 2-core Zen 4,
+// bf16 rows (bench/quantized_rows.py): int8 15.7 ms at 128 rows and 61.1 at 512, int4
+// 20.3 and 81.9; oneDNN's bf16 GEMM on the bf16 weights 21.2 and 78.5; the quantized
+// weight widened per call for it (onednn_product) 32.1 and 93.2. The price is the
+// inputs' rounding, as llama.cpp's CPU path pays it at every batch size: the default
+// model's perplexity in bf16 (bench/quality.py) +1.15% from its Q4_1 file where it was
+// +0.00% with float prompt rows, int8 +0.60% where it was +0.28%. packing.py's
+// int4_dot_rows / int8_dot_rows say the same.
 
 // Whether x is quantized to int8 for integer products with these panels: where the
 // caller allows it (int8_inputs) and their groups (int8 per column: K) are whole
@@ -742,10 +745,10 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, int64_t 
                                                : false;
   if (x.scalar_type() == at::kBFloat16 && x.size(0) > kOneDnnRows && type != at::kFloat &&
       type != at::kBFloat16 && x.size(1) > 0 && !dots && onednn_bf16_is_fast()) {
-    const Problem& q = shape;
-    at::Tensor y = type == at::kByte          ? onednn_product<U4Panel>(q, x.contiguous())
-                   : groups.scales != nullptr ? onednn_product<I8GroupPanel>(q, x.contiguous())
-                                              : onednn_product<I8Panel>(q, x.contiguous());
+    const at::Tensor x_rows = x.contiguous();
+    at::Tensor y = type == at::kByte          ? onednn_product<U4Panel>(shape, x_rows)
+                   : groups.scales != nullptr ? onednn_product<I8GroupPanel>(shape, x_rows)
+                                              : onednn_product<I8Panel>(shape, x_rows);
     return (has_bias ? y.add(*bias) : y).contiguous();
   }
   // bfloat16 rows (a bf16 model's quantized layers) are summed in float32 like any
