@@ -222,8 +222,7 @@ def vnni_here(flags: set[str] | None = None) -> bool:
 
 
 def int4_dot_rows(flags: set[str] | None = None) -> int | None:
-    """Up to how many rows int4 panels take integer products, as the op decides
-    (None: any number)."""
+    """Up to how many rows int4 panels take integer products (None: any), as the op."""
     return None if vnni_here(flags) else INT4_DOT_ROWS
 
 
