@@ -245,8 +245,8 @@ def quantized_for_dot(x: torch.Tensor) -> torch.Tensor:
 def takes_dots(packed: Packed, rows: int, k: int) -> bool:
     """Whether packed_linear, told int8_inputs, multiplies `rows` rows of K inputs by
     these panels as integers (x quantized to int8): int4 and int8 panels whose groups
-    (int8: or K) are whole blocks of DOT_BLOCK, up to int4_dot_rows / int8_dot_rows
-    rows."""
+    (int8: or K) are whole blocks of DOT_BLOCK, as many rows as int4_dot_rows /
+    int8_dot_rows allow."""
     if k == 0 or packed.panels.dtype not in (torch.uint8, torch.int8):
         return False
     grouped = packed.scales is not None and packed.scales.dim() == 3
