@@ -20,12 +20,12 @@
 // layer (int8_inputs) are not widened at all: x is quantized to int8 in blocks of 32
 // inputs and multiplied as integers (micro_dot, llama.cpp's way with its Q8
 // activations): 1.4x faster at one row than widening. On CPUs with AVX512-VNNI and
-// VBMI, int4 and int8 panels of a quantized layer take integer products up to 64
-// rows by vpdpbusd (vnni_dots.h), 2-4x the widening's speed at 16-64 rows. Past the
-// rows that take integer products the widening would be repeated for every block of
-// rows, so each thread widens its chunk of panels once into a float32 buffer and runs
-// the float32 kernel over it (x stays float32); bf16 rows past 64 on an AVX512-BF16
-// CPU go to oneDNN's bf16 GEMM over the panels widened into a plain matrix instead
+// VBMI, int4 and int8 panels of a quantized layer take integer products at any
+// number of rows by vpdpbusd (vnni_dots.h, takes_dots). Elsewhere, past the rows that
+// take integer products, the widening would be repeated for every block of rows, so
+// each thread widens its chunk of panels once into a float32 buffer and runs the
+// float32 kernel over it (x stays float32); bf16 rows past 64 on an AVX512-BF16 CPU
+// go to oneDNN's bf16 GEMM over the panels widened into a plain matrix instead
 // (onednn_product).
 //
 // Each thread takes a contiguous range of panels (at::parallel_for, torch's own
@@ -680,6 +680,15 @@ at::Tensor onednn_product(const Problem& q, const at::Tensor& x) {
   return at::mm(x, weight).narrow(1, 0, q.n);
 }
 
+// f called with the kind of quantized panels these are (an empty value of its type):
+// int4 pairs, int8 with a scale per group of inputs, or int8 with one per column.
+template <typename F>
+decltype(auto) with_quantized_panel(at::ScalarType type, const Groups& groups, F&& f) {
+  if (type == at::kByte) return f(U4Panel{});
+  if (groups.scales != nullptr) return f(I8GroupPanel{});
+  return f(I8Panel{});
+}
+
 void check_groups(const at::Tensor& weight, int64_t k, const std::optional<at::Tensor>& t,
                   const char* what) {
   TORCH_CHECK(t.has_value() && t->defined() && t->scalar_type() == at::kHalf &&
@@ -737,19 +746,20 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, int64_t 
     groups.len = k / scales->size(1);
   }
   if (has_mins) groups.mins = reinterpret_cast<const uint16_t*>(mins->data_ptr());
-  const Problem shape{nullptr, x.size(0), k, weight.data_ptr(), groups, n, col_scale,
-                      nullptr, nullptr, int8_inputs};
-  const bool dots = type == at::kByte          ? takes_dots<U4Panel>(shape)
-                    : groups.scales != nullptr ? takes_dots<I8GroupPanel>(shape)
-                    : type == at::kChar        ? takes_dots<I8Panel>(shape)
-                                               : false;
-  if (x.scalar_type() == at::kBFloat16 && x.size(0) > kOneDnnRows && type != at::kFloat &&
-      type != at::kBFloat16 && x.size(1) > 0 && !dots && onednn_bf16_is_fast()) {
-    const at::Tensor x_rows = x.contiguous();
-    at::Tensor y = type == at::kByte          ? onednn_product<U4Panel>(shape, x_rows)
-                   : groups.scales != nullptr ? onednn_product<I8GroupPanel>(shape, x_rows)
-                                              : onednn_product<I8Panel>(shape, x_rows);
-    return (has_bias ? y.add(*bias) : y).contiguous();
+  const bool quantized = type != at::kFloat && type != at::kBFloat16;
+  if (quantized && x.scalar_type() == at::kBFloat16 && x.size(0) > kOneDnnRows && k > 0 &&
+      onednn_bf16_is_fast()) {
+    const Problem shape{nullptr, x.size(0), k, weight.data_ptr(), groups, n, col_scale,
+                        nullptr, nullptr, int8_inputs};
+    const bool dots = with_quantized_panel(
+        type, groups, [&](auto panel) { return takes_dots<decltype(panel)>(shape); });
+    if (!dots) {
+      const at::Tensor x_rows = x.contiguous();
+      at::Tensor y = with_quantized_panel(type, groups, [&](auto panel) {
+        return onednn_product<decltype(panel)>(shape, x_rows);
+      });
+      return (has_bias ? y.add(*bias) : y).contiguous();
+    }
   }
   // bfloat16 rows (a bf16 model's quantized layers) are summed in float32 like any
   // others: widened once here, the products rounded back to bf16 at the end (a
@@ -766,12 +776,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, int64_t 
     gemm<F32Panel>(q);
   else if (type == at::kBFloat16)
     gemm<BF16Panel>(q);
-  else if (type == at::kByte)
-    quantized_gemm<U4Panel>(q);
-  else if (groups.scales != nullptr)
-    quantized_gemm<I8GroupPanel>(q);
   else
-    quantized_gemm<I8Panel>(q);
+    with_quantized_panel(type, groups, [&](auto panel) { quantized_gemm<decltype(panel)>(q); });
   return out.to(x.scalar_type());
 }
 
