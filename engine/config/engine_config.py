@@ -162,13 +162,15 @@ class EngineConfig:
     # the paged attention of compiled steps (engine/kernels/attention/cpu_paged.py,
     # torch_backend.py).
     cpu_kernels: str = setting(
-        "auto", "kvserve's AVX2 CPU kernels, built once with the C++ compiler: kvserve = "
+        "auto", "kvserve's CPU kernels, built once with the C++ compiler: kvserve = "
         "its GEMM for float32 linear layers, over weights packed at load (in bf16 where "
         "every value is exact in bf16, as a bf16 checkpoint's are: half the bytes a "
-        "token), and its paged attention of decodes and prompts in compiled steps; "
-        "torch = torch's GEMMs (oneDNN in compiled graphs) and torch's attention; auto "
-        "= the GEMM on x86 CPUs with AVX2 and FMA but no AVX-512, the attention "
-        "(float32 and bf16 caches) on all of them",
+        "token), and for bfloat16 ones on CPUs with AVX512-BF16 (bf16 dot products), "
+        "and its paged attention of decodes and prompts in compiled steps; torch = "
+        "torch's GEMMs (oneDNN in compiled graphs) and torch's attention; auto = the "
+        "GEMM for float32 on x86 CPUs with AVX2 and FMA but no AVX-512 and for bfloat16 "
+        "where the CPU has AVX512-BF16, the attention (float32 and bf16 caches) on all "
+        "x86 CPUs with AVX2",
         choices=["auto", "kvserve", "torch"])
     # engine/weights/quantization/: weights quantized at load (online quantization), or a
     # GGUF's quantized blocks kept as they are (engine/weights/gguf_loader.py).

@@ -20,6 +20,7 @@ log = logging.getLogger("kvserve.compile")
 OP_SOURCES = ("kernels/attention/context.py", "kernels/attention/latent.py",
               "kernels/moe/fused_experts.py",
               "models/lora_step.py", "kernels/cpu/packed_gemm.cpp",
+              "kernels/cpu/bf16_pairs.cpp",
               "kernels/cpu/paged_decode.cpp", "kernels/cpu/paged_prefill.cpp")
 
 

@@ -27,9 +27,11 @@ constants, prepacked for oneDNN; without that a decode step is 1.2-2x slower
 (measured: batch 1 22.2 vs 10.6 ms, batch 32 54 vs 44 ms, bf16). But Inductor's graph
 cache refuses frozen graphs, so tracing and lowering are redone on every start:
 compiling the default model's three graphs took 140 s on two cores with a cold cache
-and 17 s with a warm one (AVX-512), 285-314 s either way on a 2-core AVX2 CPU. Where
-every linear layer is packed for kvserve's CPU GEMM (engine/kernels/cpu), there is
-nothing to prepack and the weights stay graph inputs: the graphs then come from
+and 17 s with a warm one (AVX-512), 285-314 s either way on a 2-core AVX2 CPU, and
+each graph holds a copy of the weights. Where every linear layer is packed for
+kvserve's CPU GEMM (engine/kernels/cpu: float32 on AVX2 CPUs, bf16 on AVX512-BF16
+ones, in the pair layout oneDNN prepacks into), there is nothing to prepack and the
+weights stay graph inputs: the graphs then come from
 $KVSERVE_CACHE/inductor/<ops key> on a warm start (the default model's three: 174 s with an
 empty cache, 35 s warm, on a 2-core AVX2 CPU; decode steps as fast as frozen ones).
 Either way the graphs are built on a thread of their own by default while steps run

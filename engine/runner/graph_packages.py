@@ -6,16 +6,21 @@ and where torch does the GEMMs the weights are frozen into oneDNN's packed layou
 which Inductor's graph cache refuses ("mkldnn tensors unpickleable"): the default
 model's three graphs took 210 s to build on every start of a 2-core Zen 4
 (bench/results/startup_cpu_2026-11-29.md). A package is the graph exported
-(torch.export), compiled ahead of time by Inductor with the same options (frozen
-weights, the batch-1 GEMV template) and saved with its constants, unpacked: loading
-one is a dlopen and a copy of its weights (0.2 s for the default model's).
+(torch.export), compiled ahead of time by Inductor with the same options (the
+batch-1 GEMV template, frozen weights where torch does the GEMMs) and kept unpacked:
+loading one is a dlopen.
 
 What a package takes: the step's inputs (ids, positions, and for the decode graphs
 the step's `PagedDecode` tensors) and every layer's KV cache tensors, as inputs it
 writes in place. The caches are inputs rather than constants so the package never
 holds a copy of them and fits any number of blocks (their first dimension is
 dynamic). Everything else the forward pass reads (weights, rotary tables) is a
-constant of the package.
+constant of the package: where every linear layer runs on kvserve's GEMM (nothing
+frozen) the constants stay out of its library and are bound at load to the model's
+own tensors, so every graph reads the one copy (package_constants.py); frozen
+graphs (torch's oneDNN GEMMs: float32 on AVX-512 CPUs, bf16 without AVX512-BF16)
+hold copies of their own, folded into oneDNN's layout (0.2 s to load the default
+model's, 3.6-7.5 s a 1B model's, with the GIL held).
 
 The key: everything that changes the compiled code or its constants: kvserve's
 engine sources, torch's version, the CPU's flags, the model's config and a sample
@@ -45,6 +50,9 @@ from torch import nn
 
 from kvserve.engine.kernels.attention.cpu_paged import PagedDecode
 from kvserve.engine.platform.device import cpu_flags
+from kvserve.engine.runner.package_constants import (IN_LIBRARY, attributes_as_buffers, bind,
+                                                     bound_names, model_tensors,
+                                                     shares_weights, unshared)
 
 log = logging.getLogger("kvserve.compile")
 
@@ -129,11 +137,15 @@ class PackagedGraph:
     loader would extract its ~300 MB library to a temporary folder at every load
     (and aoti_load_package tries another loader first), holding the GIL 0.4-0.7 s a
     graph where the library's own runner takes 0.2 s, a stall every step waits out
-    when a finished build is handed to a serving process."""
+    when a finished build is handed to a serving process. Its constants are then
+    pointed at the model's tensors where it was built to share them
+    (package_constants.py)."""
 
-    def __init__(self, folder: Path, caches: list[torch.Tensor]):
+    def __init__(self, folder: Path, caches: list[torch.Tensor],
+                 tensors: dict[str, torch.Tensor]):
         (library,) = folder.glob("*.so")  # its .json beside it: the custom ops' calls
         self.runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(library), 1)
+        bind(self.runner, folder, tensors)
         self.caches = caches
 
     def __call__(self, *step: torch.Tensor) -> torch.Tensor:
@@ -141,9 +153,10 @@ class PackagedGraph:
         return self.runner.run([*step, *self.caches])[0]
 
 
-def unpack(package: Path, folder: Path) -> None:
+def unpack(package: Path, folder: Path, extra: dict[str, str] | None = None) -> None:
     """The package's model files (its library, the library's .json, sources and
-    metadata) into `folder`, written under a temporary name and renamed."""
+    metadata) and `extra` ones (name: text) into `folder`, written under a temporary
+    name and renamed."""
     partial = folder.with_name(f".{folder.name}.{os.getpid()}.partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
@@ -156,6 +169,8 @@ def unpack(package: Path, folder: Path) -> None:
                         shutil.copyfileobj(src, dst, 1 << 22)
         if not list(partial.glob("*.so")):
             raise RuntimeError(f"{package} holds no compiled library")
+        for name, text in (extra or {}).items():
+            (partial / name).write_text(text)
         shutil.rmtree(folder, ignore_errors=True)
         os.replace(partial, folder)
     finally:
@@ -222,7 +237,7 @@ class GraphPackages:
         if not path.is_dir():
             return None
         t0 = time.perf_counter()
-        graph = PackagedGraph(path, self.caches)
+        graph = PackagedGraph(path, self.caches, model_tensors(self.model))
         log.info("loaded the %s graph from %s in %.1f s", kind, path.parent,
                  time.perf_counter() - t0)
         return graph
@@ -234,15 +249,22 @@ class GraphPackages:
         path = self.path(kind, options)
         t0 = time.perf_counter()
         wrapped = _WithCaches(self.model, fn)
-        exported = torch.export.export(wrapped, (step, tuple(self.caches)),
-                                       dynamic_shapes=_dynamic_shapes(kind, self.caches),
-                                       strict=False)
+        with attributes_as_buffers(self.model, self.caches):
+            exported = torch.export.export(wrapped, (step, tuple(self.caches)),
+                                           dynamic_shapes=_dynamic_shapes(kind, self.caches),
+                                           strict=False)
+        tensors = model_tensors(self.model)
+        shared = shares_weights(options) and not unshared(exported, tensors)
+        if shares_weights(options) and not shared:
+            log.info("the %s graph makes constants of its own (%s): its package keeps "
+                     "a copy of the weights", kind, ", ".join(unshared(exported, tensors)[:3]))
         path.parent.mkdir(parents=True, exist_ok=True)
         package = path.with_name(f".{kind}.{os.getpid()}.pt2")
         try:
-            torch._inductor.aoti_compile_and_package(exported, package_path=str(package),
-                                                     inductor_configs=dict(options))
-            unpack(package, path)
+            torch._inductor.aoti_compile_and_package(
+                exported, package_path=str(package),
+                inductor_configs={**options, IN_LIBRARY: not shared})
+            unpack(package, path, bound_names(exported) if shared else None)
         finally:
             package.unlink(missing_ok=True)
         (path.parent / "key.json").write_text(json.dumps(
@@ -250,7 +272,7 @@ class GraphPackages:
         log.info("compiled the %s graph ahead of time in %.1f s: %s", kind,
                  time.perf_counter() - t0, path)
         self._prune(kind, path.parent)
-        return PackagedGraph(path, self.caches)
+        return PackagedGraph(path, self.caches, tensors)
 
     def _prune(self, kind: str, kept: Path) -> None:
         """Removes this graph's packages under older keys of the same model (another

@@ -16,6 +16,7 @@ import torch
 
 from kvserve.engine.kernels.attention.cpu_paged import PagedDecode
 from kvserve.engine.runner.graph_packages import GraphPackages, PackagedGraph, step_inputs
+from kvserve.engine.runner.package_constants import IN_LIBRARY
 
 log = logging.getLogger("kvserve.compile")
 
@@ -45,7 +46,8 @@ class PackagedForward:
         GEMV template and then oneDNN allowed where it leaves a GEMM without a
         kernel), less those only Dynamo's path knows (its guards, its wrapper: a
         package's is C++)."""
-        common = {"freezing": frozen, "size_asserts": False, "alignment_asserts": False}
+        common = {"freezing": frozen, "size_asserts": False, "alignment_asserts": False,
+                  IN_LIBRARY: frozen}
         return [("decode_one", 1, True, [{**common, **o} for o in batch_one]),
                 ("decode_many", 16, True, [common]), ("hidden", 256, False, [common])]
 

@@ -13,8 +13,9 @@ from collections import Counter
 import torch
 from torch import nn
 
+from kvserve.engine.kernels.cpu.bf16_pairs import PAIRS_FLAGS, is_pairs
 from kvserve.engine.kernels.cpu.build import BuildError, ensure_built, load_kernels
-from kvserve.engine.kernels.cpu.packing import register_fake
+from kvserve.engine.kernels.cpu.fake_ops import register_fake
 from kvserve.engine.models.linear import Linear
 from kvserve.engine.models.quantized.layer import QuantizedLinear
 from kvserve.engine.platform.device import cpu_flags, resolve_device
@@ -35,27 +36,35 @@ KIND_NAMES = {torch.float32: "float32", torch.bfloat16: "bf16 (values exact in b
 
 def packing_wanted(mode: str, device: torch.device, dtype: torch.dtype,
                    flags: set[str] | None = None) -> bool:
-    """auto: on x86 CPUs with AVX2 and FMA but no AVX-512, where they were measured
-    (bench/results/cpu_kernels_avx2_*.md); torch's oneDNN GEMMs have AVX-512 kernels
-    of their own elsewhere. kvserve: wherever the kernels run, else a start-up
-    error."""
+    """Whether the float layers are packed for kvserve's GEMM. auto: float32 on x86
+    CPUs with AVX2 and FMA but no AVX-512, where they were measured
+    (bench/results/cpu_kernels_avx2_*.md; torch's oneDNN GEMMs have AVX-512 kernels of
+    their own elsewhere), and bf16 on CPUs with AVX512-BF16, in pair panels
+    (bf16_pairs.py: 0.5-1.0x the time of oneDNN's GEMM over the weights it prepacked
+    itself at 1-512 rows, bench/results/bf16_pairs_avx512_*.json, and one copy of the
+    weights that every compiled graph reads, where oneDNN's layout was frozen into
+    each). kvserve: wherever the kernels run for the dtype, else a start-up error."""
     if mode not in MODES:
         raise ModelLoadError(f"unknown --cpu-kernels {mode!r}; choose {', '.join(MODES)}")
     if mode == "torch":
         return False
     flags = cpu_flags() if flags is None else flags
     missing = [f for f in NEEDED_FLAGS if f not in flags]
+    if dtype == torch.bfloat16:
+        missing += [f for f in PAIRS_FLAGS if f not in flags]
     if mode == "kvserve":
-        if device.type != "cpu" or dtype != torch.float32:
-            raise ModelLoadError("--cpu-kernels kvserve runs float32 on CPU (--device cpu "
-                                 f"--dtype float32), not {dtype} on {device.type}; use "
+        if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+            raise ModelLoadError("--cpu-kernels kvserve runs float32 or bfloat16 on CPU "
+                                 f"(--device cpu), not {dtype} on {device.type}; use "
                                  "--cpu-kernels auto or torch")
         if missing:
             raise ModelLoadError(f"--cpu-kernels kvserve needs a CPU with "
-                                 f"{', '.join(missing)}; use --cpu-kernels torch")
+                                 f"{', '.join(missing)} for {str(dtype).replace('torch.', '')}"
+                                 "; use --cpu-kernels torch")
         return True
-    return (device.type == "cpu" and dtype == torch.float32 and not missing
-            and "avx512f" not in flags)
+    if device.type != "cpu" or missing:
+        return False
+    return dtype == torch.bfloat16 or (dtype == torch.float32 and "avx512f" not in flags)
 
 
 def quantized_packing_wanted(mode: str, device: torch.device, dtype: torch.dtype,
@@ -96,8 +105,8 @@ def kernels_run_here(mode: str, device: torch.device, flags: set[str] | None = N
 def pack_model(model: nn.Module, mode: str, device: torch.device, dtype: torch.dtype,
                flags: set[str] | None = None, int8_head: bool = False) -> int:
     """Loads the kernels if --cpu-kernels wants their GEMM or their attention here,
-    and packs every float32 Linear and every int8 / int4 layer of `model` if it wants
-    the GEMM; returns how many layers it packed. Under auto a failed build leaves
+    and packs every float Linear (float32, or bf16 in pair panels) and every int8 /
+    int4 layer of `model` if it wants the GEMM; returns how many layers it packed. Under auto a failed build leaves
     torch's GEMMs and Inductor's attention, after one warning; under kvserve it stops
     start-up. int8_head: the LM head (and a tied embedding, which reads its panels)
     rounded to GGUF's Q8_0 unless its values already lie on a grid, as llama.cpp's
@@ -122,19 +131,20 @@ def pack_model(model: nn.Module, mode: str, device: torch.device, dtype: torch.d
                  "the linear layers on torch's GEMMs", str(dtype).replace("torch.", ""))
         return 0
     head, table = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
-    linears = _float_layers_to_pack(model, packing, head if int8_head else None)
+    linears = _float_layers_to_pack(model, packing, dtype, head if int8_head else None)
     before = model_bytes(model)
     tied = head in linears and table is not None and head.weight is getattr(table, "weight", None)
     for linear in linears:
-        linear.pack(round_to_int8=int8_head and linear is head)
+        linear.pack(round_to_int8=int8_head and linear is head,
+                    bf16_pairs=packing and dtype == torch.bfloat16)
     if tied:  # one copy of the table: the embedding reads the head's panels
         table.read_packed(head.packed)
     if int8_head and head in linears:
         log.info("LM head%s packed as %s (the decoder is quantized)",
-                 " and tied embedding" if tied else "", KIND_NAMES[head.packed.panels.dtype])
+                 " and tied embedding" if tied else "", kind_name(head.packed.panels))
     quantized = [m for m in quantized if m.pack()]
-    kinds = Counter(KIND_NAMES[m.packed.panels.dtype] for m in [*linears, *quantized])
-    log.info("CPU kernels: %d linear layers packed for kvserve's AVX2 GEMM (%s)%s: %.1f "
+    kinds = Counter(kind_name(m.packed.panels) for m in [*linears, *quantized])
+    log.info("CPU kernels: %d linear layers packed for kvserve's GEMM (%s)%s: %.1f "
              "MiB of weights, from %.1f MiB", len(linears) + len(quantized),
              ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())),
              "" if packing else f", {str(dtype).replace('torch.', '')} elsewhere",
@@ -142,16 +152,21 @@ def pack_model(model: nn.Module, mode: str, device: torch.device, dtype: torch.d
     return len(linears) + len(quantized)
 
 
-def _float_layers_to_pack(model: nn.Module, packing: bool, int8_head: nn.Module | None
-                          ) -> list[Linear]:
-    """Every float32 Linear on CPU where the GEMM takes the float layers (packing);
-    else (a bf16 model's quantized layers on an AVX-512 CPU) only the LM head, where
-    it is to be rounded to int8 (int8_head)."""
+def kind_name(panels: torch.Tensor) -> str:
+    """How the log names a layer's kind of panels."""
+    return "bf16 pairs" if is_pairs(panels) else KIND_NAMES[panels.dtype]
+
+
+def _float_layers_to_pack(model: nn.Module, packing: bool, dtype: torch.dtype,
+                          int8_head: nn.Module | None) -> list[Linear]:
+    """Every Linear of the model's dtype on CPU where the GEMM takes the float layers
+    (packing); else (a bf16 model's quantized layers on a CPU without AVX512-BF16) only
+    the LM head, where it is to be rounded to int8 (int8_head)."""
     def on_cpu(m: nn.Module) -> bool:
         return isinstance(m, Linear) and m.weight is not None and m.weight.device.type == "cpu"
 
     if packing:
-        return [m for m in model.modules() if on_cpu(m) and m.weight.dtype == torch.float32]
+        return [m for m in model.modules() if on_cpu(m) and m.weight.dtype == dtype]
     return [int8_head] if int8_head is not None and on_cpu(int8_head) else []
 
 

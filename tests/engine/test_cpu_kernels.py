@@ -628,8 +628,10 @@ def test_auto_packs_float32_on_avx2_cpus_without_avx512():
 
 
 @pytest.mark.parametrize("device,dtype,flags,match", [
-    (CPU, torch.bfloat16, {"avx2", "fma", "f16c"}, "runs float32 on CPU"),
-    (torch.device("cuda"), F32, {"avx2", "fma", "f16c"}, "runs float32 on CPU"),
+    (CPU, torch.bfloat16, {"avx2", "fma", "f16c"}, "needs a CPU with avx512f.*avx512_bf16 "
+     "for bfloat16"),
+    (CPU, torch.float16, {"avx2", "fma", "f16c"}, "runs float32 or bfloat16 on CPU"),
+    (torch.device("cuda"), F32, {"avx2", "fma", "f16c"}, "runs float32 or bfloat16 on CPU"),
     (CPU, F32, {"avx2", "f16c"}, "needs a CPU with fma"),
     (CPU, F32, set(), "needs a CPU with avx2, fma"),
 ])
@@ -695,7 +697,8 @@ def test_package_data_ships_the_kernel_source():
                                                 "expert_bf16_dots.h", "expert_int8_dots.h",
                                                 "expert_linear.h", "int8_inputs.h",
                                                 "vnni_dots.h"}
-    assert {s.name for s in build.SOURCES} == {"expert_linear.cpp", "moe_experts.cpp",
+    assert {s.name for s in build.SOURCES} == {"bf16_pairs.cpp", "expert_linear.cpp",
+                                               "moe_experts.cpp",
                                                "packed_gemm.cpp", "paged_decode.cpp",
                                                "paged_prefill.cpp"}
 

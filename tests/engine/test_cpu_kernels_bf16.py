@@ -1,7 +1,8 @@
 """kvserve's CPU GEMM under a bf16 model: the op takes bf16 rows (summed in float32,
-rounded back at the end), and on AVX-512 CPUs, where oneDNN keeps the float GEMMs,
-auto still packs a quantized model's int8 / int4 layers and rounds its LM head to
-Q8_0 (cpu_packing.quantized_packing_wanted)."""
+rounded back at the end), and on AVX-512 CPUs without AVX512-BF16, where oneDNN keeps
+the float GEMMs, auto still packs a quantized model's int8 / int4 layers and rounds
+its LM head to Q8_0 (cpu_packing.quantized_packing_wanted). With AVX512-BF16 the
+float layers are packed too (tests/engine/test_bf16_pairs.py)."""
 from __future__ import annotations
 
 import logging
@@ -27,7 +28,8 @@ from tests.support.tiny_gguf import INT4_SHAPES
 from tests.support.tiny_models import make_tiny_model
 
 AVX2 = {"avx2", "fma", "f16c"}
-AVX512 = AVX2 | {"avx512f", "avx512_bf16"}
+# AVX-512 without its bf16 dot products (Skylake-X, Ice Lake): oneDNN keeps float layers
+AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512dq", "avx512vl"}
 CPU = torch.device("cpu")
 BF16 = torch.bfloat16
 needs_avx2 = pytest.mark.skipif(not AVX2 <= cpu_flags(),
@@ -145,7 +147,7 @@ def tied_dir(tmp_path_factory):
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_a_bf16_quantized_model_is_packed_on_avx512_and_computes_the_same(
         kernels, tied_dir, quantization, caplog):
-    """auto on an AVX512-BF16 CPU (the flags given): the quantized layers read their
+    """auto on an AVX-512 CPU (the flags given): the quantized layers read their
     panels, the head is rounded to Q8_0 and the tied table reads its panels in bf16;
     the logits stay those of torch's kernels over the same weights (bf16 rounding
     apart), the head's share computed from the Q8_0 values."""
@@ -191,7 +193,8 @@ def test_a_bf16_quantized_model_is_packed_on_avx512_and_computes_the_same(
 
 @needs_avx2
 def test_a_plain_bf16_model_keeps_onednn_on_avx512(kernels, tied_dir):
-    """No quantized layer: nothing packed, the head stays bf16 for oneDNN."""
+    """No quantized layer and no AVX512-BF16: nothing packed, the head stays bf16 for
+    oneDNN."""
     from kvserve.engine.config.model_config import ModelConfig
 
     cfg = ModelConfig.from_pretrained(str(tied_dir))

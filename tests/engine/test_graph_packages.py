@@ -6,9 +6,10 @@ with no build and no Dynamo graph, with the same output, and 200 random arrivals
 then run through them; through preemption the output is transformers'; the key
 covers the weights; a failed build is not retried.
 
-Tiny random-weight model, float32: on kvserve's packed GEMM (the suite's default on
-AVX2 CPUs, called as an op from the package) and, where torch does the GEMMs, with
-the weights frozen into the packages."""
+Tiny random-weight model, float32: on kvserve's packed GEMM wherever it runs (auto's
+choice on AVX2 CPUs, --cpu-kernels kvserve on AVX-512 ones; called as an op from the
+package, whose constants are the model's own tensors, bound at load) and, where
+torch does the GEMMs, with the weights frozen into the packages."""
 from __future__ import annotations
 
 import json
@@ -22,12 +23,16 @@ import torch
 
 from kvserve.engine.runner.compile_process import graphs_compiled
 from kvserve.engine.runner.graph_packages import GraphPackages, PackagedGraph, applies, unpack
+from kvserve.engine.runner.package_constants import BOUND, model_tensors
 from kvserve.engine.runner.packaged_forward import PackagedForward
+from kvserve.engine.weights.cpu_packing import kernels_run_here
 from kvserve.scheduler.sampling_params import SamplingParams
 from tests.support.reference import (assert_same_tokens, load_reference, reference_greedy,
                                      varied_prompts)
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+# kvserve's GEMM wherever it runs: unfrozen graphs, whose packages share the weights
+KERNELS = "kvserve" if kernels_run_here("auto", torch.device("cpu")) else "auto"
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +49,8 @@ def make(tiny_model_dir, cache):
 
     def build(**overrides):
         cfg = dict(model=str(tiny_model_dir("llama")), num_kv_blocks=256,
-                   max_num_batched_tokens=37, compile="wait", compile_cache="packages")
+                   max_num_batched_tokens=37, compile="wait", compile_cache="packages",
+                   cpu_kernels=KERNELS)
         cfg.update(overrides)
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv("KVSERVE_CACHE", str(cache))
@@ -79,7 +85,7 @@ def test_packages_give_eager_tokens(batch, first, tiny_engine_factory):
     """Prompts chunked at 37 tokens (mixed steps through the hidden graph), decodes of
     one request and of several, prefix hits (the last two prompts share blocks)."""
     prompts = prompts_with_a_shared_prefix(first.model_config.vocab_size)
-    eager = tiny_engine_factory(max_num_batched_tokens=37, compile="off")
+    eager = tiny_engine_factory(max_num_batched_tokens=37, compile="off", cpu_kernels=KERNELS)
     assert run(first, prompts, batch) == run(eager, prompts, batch)
     assert first.scheduler.kv.num_free_blocks == first.scheduler.kv.num_blocks
 
@@ -107,6 +113,13 @@ def test_a_warm_start_loads_the_packages(first, make, cache, caplog):
         (folder,) = cache.glob(f"graphs/*/{kind}")
         assert [p.suffix for p in folder.glob("*.wrapper.*")].count(".so") == 1
         assert list(folder.glob("*.wrapper.json")) and (folder.parent / "key.json").exists()
+        # frozen graphs (torch's GEMMs) keep their constants; others bind the model's
+        assert (folder / BOUND).exists() == (not first.runner.compiled.frozen)
+    if not first.runner.compiled.frozen:  # each graph reads the model's own tensors
+        owned = {t.data_ptr() for t in model_tensors(first.runner.model).values()}
+        for graph in first.runner.compiled.packages.graphs.values():
+            constants = graph.runner.extract_constants_map(False).values()
+            assert constants and {t.data_ptr() for t in constants} <= owned
     assert [p for p in cache.rglob("*") if ".partial" in p.name or p.suffix == ".pt2"] == []
     prompts = prompts_with_a_shared_prefix(first.model_config.vocab_size)
     want = run(first, prompts, 4)

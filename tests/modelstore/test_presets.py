@@ -11,6 +11,7 @@ import torch
 from kvserve.engine.config.engine_config import EngineConfig
 from kvserve.engine.config.model_config import ModelConfig, ModelConfigError
 from kvserve.engine.core.engine import Engine
+from kvserve.engine.kernels.cpu.packing import unpack_weight
 from kvserve.engine.platform import device as platform_device
 from kvserve.engine.weights import loader
 from kvserve.modelstore.presets import preset_names, resolve_model_path
@@ -91,9 +92,14 @@ def test_tiny_preset_stops_at_the_config_eos():
 
 def test_random_weights_are_made_in_place_in_the_target_dtype():
     model = tiny_engine(dtype="bfloat16").runner.model
-    weights = model.layers[0].mlp.gate_up_proj.weight
-    assert weights.dtype == torch.bfloat16
-    assert 0.015 < weights.float().std().item() < 0.025
+    layer = model.layers[0].mlp.gate_up_proj
+    if layer.packed is None:
+        assert layer.weight.dtype == torch.bfloat16
+        values = layer.weight.float()
+    else:  # packed for kvserve's GEMM where the CPU takes bf16 layers: bf16 pair panels
+        assert layer.packed.panels.dtype == torch.bfloat16
+        values = unpack_weight(layer.packed.contents(), layer.out_features)
+    assert 0.015 < values.std().item() < 0.025
     assert torch.all(model.norm.weight == 1)
 
 

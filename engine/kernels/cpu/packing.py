@@ -12,6 +12,8 @@ panel padded with zeros), of one of these kinds:
 - int4 pairs, [P, K, 8] uint8 whose byte j holds column j in its low nibble and
   column j + 8 in its high one, with a float16 scale and minimum per group of inputs
   (GGUF's Q4_0 / Q4_1, --quantization int4: w = q * scale + min).
+A bf16 model's float weight on a CPU with AVX512-BF16 is packed in bf16 pair panels
+instead, [P, K / 2, 32], for kvserve::bf16_linear (bf16_pairs.py).
 A float weight whose every group of 32 inputs is exactly a Q4_1 or Q8_0 block's
 values (a GGUF's quantized blocks expanded to floats, as the default model's
 safetensors are) is packed as int4 or int8: the same values in fewer bytes.
@@ -24,6 +26,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from kvserve.engine.kernels.cpu.bf16_pairs import (bf16_linear, is_pairs, pack_bf16_pairs,
+                                                   pairs_rows, pairs_values)
 from kvserve.engine.platform.device import cpu_flags
 
 PANEL = 16
@@ -136,14 +140,21 @@ def _group_panels(per_group: torch.Tensor) -> torch.Tensor:
     return _panels(per_group.t().half())
 
 
-def pack_weight(weight: torch.Tensor, round_to_int8: bool = False) -> Packed:
+def pack_weight(weight: torch.Tensor, round_to_int8: bool = False,
+                bf16_pairs: bool = False) -> Packed:
     """[N, K] float32 -> packed panels, the fewest bytes that hold every value
     exactly: int4 where every group of 32 is a Q4_1 block's values (a fifth of the
     bytes), int8 where it is a Q8_0 block's (close to a quarter), else bfloat16 where
     every value is exact in bf16, else float32. round_to_int8: a weight on no Q4_1
-    grid is rounded to Q8_0 instead (a Q8_0 block's values come out as they are)."""
+    grid is rounded to Q8_0 instead (a Q8_0 block's values come out as they are).
+    bf16_pairs: a bf16 model's layer on an AVX512-BF16 CPU, whose bf16 rows are
+    multiplied in pairs (bf16_pairs.py): its weight in pair panels (where no
+    rounding to int8 is asked for)."""
     if weight.dim() != 2 or weight.dtype != torch.float32:
         raise ValueError(f"packs 2-D float32 weights, not {tuple(weight.shape)} {weight.dtype}")
+    pairs = pack_bf16_pairs(weight) if bf16_pairs and not round_to_int8 else None
+    if pairs is not None:
+        return Packed(pairs)
     int4 = exact_int4_groups(weight)
     if int4 is not None:
         return pack_int4(*int4)
@@ -190,6 +201,8 @@ def _per_input(group_panels: torch.Tensor, k: int) -> torch.Tensor:
 
 def unpack_weight(packed: Packed, n: int) -> torch.Tensor:
     """The float32 [n, K] weight a packed one holds (tests check packing with it)."""
+    if is_pairs(packed.panels):
+        return pairs_values(packed.panels, n)
     values = _columns(packed)
     k = values.shape[1]
     if packed.scales is not None and packed.scales.dim() == 1:
@@ -316,35 +329,11 @@ class PackedWeight(nn.Module):
         return Packed(self.panels, self.scales, self.mins)
 
     def product(self, x: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+        if is_pairs(self.panels):
+            return bf16_linear(x, self.panels, n, bias)
         return packed_linear(x, self.contents(), n, bias, self.int8_inputs)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if is_pairs(self.panels):
+            return pairs_rows(self.panels, ids)
         return packed_rows(self.contents(), ids)
-
-
-def register_fake() -> None:
-    """The ops' output shapes for torch.compile's tracing (once the library that
-    defines them is loaded)."""
-    @torch.library.register_fake("kvserve::packed_linear")
-    def _(x, weight, n, bias, scales=None, mins=None, int8_inputs=False):
-        return x.new_empty((x.shape[0], n))
-
-    @torch.library.register_fake("kvserve::expert_linear")
-    def _(x, counts, weight, scales=None, mins=None, int8_inputs=False):
-        return x.new_empty((x.shape[0], weight.shape[1]))
-
-    # Where more rows meet the experts than it takes, it returns an empty 1-D tensor
-    # instead (fused_experts then takes the call): met only eagerly. A compiled graph
-    # calls it for one token (fused_experts.one_token_moe_experts), which it takes.
-    @torch.library.register_fake("kvserve::moe_experts")
-    def _(x, topk_ids, topk_weights, w13, w2, first, w13_scale=None, w2_scale=None,
-          w13_min=None, w2_min=None, int8_inputs=False, max_rows=6):
-        return torch.empty_like(x)
-
-    @torch.library.register_fake("kvserve::paged_decode")
-    def _(q, k_cache, v_cache, block_tables, seq_lens, scale):
-        return torch.empty_like(q, memory_format=torch.contiguous_format)
-
-    @torch.library.register_fake("kvserve::paged_prefill")
-    def _(q, k_cache, v_cache, block_table, ctx_len, scale):
-        return torch.empty_like(q, memory_format=torch.contiguous_format)
