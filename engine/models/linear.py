@@ -35,6 +35,6 @@ class Linear(nn.Linear):
         multiplies inputs quantized to int8 where the kernel can, as llama.cpp's Q8_0
         head does (a quantized model's head: int8_inputs). bf16_pairs: a bf16 model's
         layer on an AVX512-BF16 CPU, packed for kvserve::bf16_linear (pack_weight)."""
-        self.packed = PackedWeight(pack_weight(self.weight.detach().float(), round_to_int8,
-                                               bf16_pairs), int8_inputs=round_to_int8)
+        self.packed = PackedWeight(pack_weight(self.weight.detach(), round_to_int8, bf16_pairs),
+                                   int8_inputs=round_to_int8)
         self.weight = None

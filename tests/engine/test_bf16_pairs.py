@@ -46,9 +46,12 @@ def test_pair_panels_hold_the_weight_exactly():
     assert torch.equal(pairs_rows(panels, ids), w[ids].float())
     assert pack_bf16_pairs(torch.randn(4, 9).to(BF16)) is None
     assert pack_bf16_pairs(torch.randn(4, 8, generator=gen)) is None  # float32 values
-    packed = pack_weight(w.float(), bf16_pairs=True)
-    assert is_pairs(packed.panels) and torch.equal(unpack_weight(packed, 37), w.float())
+    for weight in (w, w.float()):  # a bf16 model's weight, or its values in float32
+        packed = pack_weight(weight, bf16_pairs=True)
+        assert is_pairs(packed.panels) and torch.equal(unpack_weight(packed, 37), w.float())
     assert not is_pairs(pack_weight(w.float()).panels)  # the float32 model's bf16 kind
+    # a quantized model's head is rounded to Q8_0 all the same
+    assert pack_weight(torch.randn(32, 64).to(BF16), True, True).panels.dtype == torch.int8
 
 
 def bf16_ulp(values: torch.Tensor) -> torch.Tensor:

@@ -24,16 +24,23 @@ def bf16_pairs_here(flags: set[str] | None = None) -> bool:
 
 
 def pack_bf16_pairs(weight: torch.Tensor) -> torch.Tensor | None:
-    """[N, K] weight -> its pair panels in bf16, or None where K is odd (no pairs)
-    or a value would round (not exact in bf16)."""
+    """[N, K] weight (bf16, or float32 values exact in bf16) -> its pair panels in
+    bf16, or None where K is odd (no pairs) or a value would round. Each pair of
+    inputs is moved as one 32-bit word (a 3-D transpose, not 4-D: ~3x faster)."""
     n, k = weight.shape
-    if k % 2 or not torch.equal(weight.to(torch.bfloat16).to(weight.dtype), weight):
+    if k % 2:
         return None
+    if weight.dtype != torch.bfloat16:
+        rounded = weight.to(torch.bfloat16)
+        if not torch.equal(rounded.to(weight.dtype), weight):
+            return None
+        weight = rounded
     panels = -(-n // PANEL)
-    padded = weight.new_zeros(panels * PANEL, k, dtype=torch.bfloat16)
-    padded[:n] = weight
-    return padded.view(panels, PANEL, k // 2, 2).permute(0, 2, 1, 3).reshape(
-        panels, k // 2, 2 * PANEL).contiguous()
+    if n % PANEL:
+        weight = torch.cat([weight, weight.new_zeros(panels * PANEL - n, k)])
+    words = weight.contiguous().view(torch.int32).view(panels, PANEL, k // 2)
+    return words.transpose(1, 2).contiguous().view(torch.bfloat16).view(
+        panels, k // 2, 2 * PANEL)
 
 
 def is_pairs(panels: torch.Tensor) -> bool:

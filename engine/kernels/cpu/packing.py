@@ -142,19 +142,20 @@ def _group_panels(per_group: torch.Tensor) -> torch.Tensor:
 
 def pack_weight(weight: torch.Tensor, round_to_int8: bool = False,
                 bf16_pairs: bool = False) -> Packed:
-    """[N, K] float32 -> packed panels, the fewest bytes that hold every value
-    exactly: int4 where every group of 32 is a Q4_1 block's values (a fifth of the
+    """[N, K] float weight -> packed panels, the fewest bytes that hold every value
+    (as float32) exactly: int4 where every group of 32 is a Q4_1 block's values (a fifth of the
     bytes), int8 where it is a Q8_0 block's (close to a quarter), else bfloat16 where
     every value is exact in bf16, else float32. round_to_int8: a weight on no Q4_1
     grid is rounded to Q8_0 instead (a Q8_0 block's values come out as they are).
     bf16_pairs: a bf16 model's layer on an AVX512-BF16 CPU, whose bf16 rows are
-    multiplied in pairs (bf16_pairs.py): its weight in pair panels (where no
-    rounding to int8 is asked for)."""
-    if weight.dim() != 2 or weight.dtype != torch.float32:
-        raise ValueError(f"packs 2-D float32 weights, not {tuple(weight.shape)} {weight.dtype}")
+    multiplied in pairs (bf16_pairs.py): its weight (float32 or bf16) in pair panels
+    (where no rounding to int8 is asked for)."""
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"packs 2-D float weights, not {tuple(weight.shape)} {weight.dtype}")
     pairs = pack_bf16_pairs(weight) if bf16_pairs and not round_to_int8 else None
     if pairs is not None:
         return Packed(pairs)
+    weight = weight.float()
     int4 = exact_int4_groups(weight)
     if int4 is not None:
         return pack_int4(*int4)
