@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from kvserve.engine.kernels.attention.cpu_paged import PagedDecode
+from kvserve.engine.kernels.cpu.c_shims import c_shims
 from kvserve.engine.platform.device import cpu_flags
 from kvserve.engine.runner.package_constants import (IN_LIBRARY, attributes_as_buffers, bind,
                                                      bound_names, model_tensors,
@@ -261,9 +262,13 @@ class GraphPackages:
         path.parent.mkdir(parents=True, exist_ok=True)
         package = path.with_name(f".{kind}.{os.getpid()}.pt2")
         try:
+            # (the C entry points of kvserve's ops are not part of the key: which ops a
+            # process has loaded is no property of the graph, and the engine's
+            # sources, which declare them, are)
             torch._inductor.aoti_compile_and_package(
                 exported, package_path=str(package),
-                inductor_configs={**options, IN_LIBRARY: not shared})
+                inductor_configs={**options, IN_LIBRARY: not shared,
+                                  "aot_inductor.custom_ops_to_c_shims": c_shims()})
             unpack(package, path, bound_names(exported) if shared else None)
         finally:
             package.unlink(missing_ok=True)

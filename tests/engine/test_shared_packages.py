@@ -70,7 +70,8 @@ def prompts(vocab: int) -> list[list[int]]:
 
 def test_every_graph_reads_the_models_own_tensors(first, make):
     """Each package's constants are the model's tensors themselves (the same
-    storage: every packed weight among them), and its folder says they are bound."""
+    storage: every packed weight among them), its folder says they are bound, and
+    its wrapper calls the products' C entry point (c_shims.py)."""
     model = first.runner.model
     owned = {t.data_ptr() for t in model_tensors(model).values()}
     panels = {m.packed.panels.data_ptr() for m in model.modules()
@@ -80,6 +81,9 @@ def test_every_graph_reads_the_models_own_tensors(first, make):
         assert constants and constants <= owned and panels <= constants, kind
         (folder,) = make.cache.glob(f"graphs/*/{kind}")
         assert (folder / BOUND).exists()
+        # the products called by their C entry point, not through the dispatcher
+        (wrapper,) = folder.glob("*.wrapper.cpp")
+        assert "aoti_torch_cpu_bf16_linear(" in wrapper.read_text()
 
 
 @pytest.mark.parametrize("batch", [1, 3, 8])

@@ -26,6 +26,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <immintrin.h>
+#include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -214,3 +215,17 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("bf16_linear", bf16_linear); }
+
+// The op's C entry point, which AOTInductor's C++ wrappers call directly where the
+// graph is built with it (engine/kernels/cpu/c_shims.py) rather than through the
+// dispatcher's boxed call (its proxy executor: 1.60 against 1.32 us a tiny call).
+extern "C" AOTITorchError aoti_torch_cpu_bf16_linear(AtenTensorHandle x, AtenTensorHandle weight,
+                                                     int64_t n, AtenTensorHandle* bias,
+                                                     AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    using torch::aot_inductor::tensor_handle_to_tensor_pointer;
+    *ret0 = torch::aot_inductor::new_tensor_handle(
+        bf16_linear(*tensor_handle_to_tensor_pointer(x), *tensor_handle_to_tensor_pointer(weight),
+                    n, torch::aot_inductor::pointer_to_optional<at::Tensor>(bias)));
+  });
+}

@@ -23,6 +23,7 @@ checks is built again in place; a cache directory that fails them is not used at
 all (see load_kernels)."""
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
@@ -179,6 +180,9 @@ def _load_private(compiler: str, name: str) -> Path:
 
 def _load_library(path: Path) -> None:
     try:
+        # Its symbols global: a graph package's library calls the ops' C entry points
+        # by name (c_shims.py), resolved when that library is loaded
+        ctypes.CDLL(str(path), mode=os.RTLD_GLOBAL)
         torch.ops.load_library(str(path))
     except OSError as exc:
         raise BuildError(f"loading {path} failed: {exc}") from exc
