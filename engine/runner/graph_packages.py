@@ -178,6 +178,18 @@ def unpack(package: Path, folder: Path, extra: dict[str, str] | None = None) -> 
         shutil.rmtree(partial, ignore_errors=True)
 
 
+def remove_compile_output(folder: Path) -> None:
+    """AOTInductor's own copy of a package's files, left in Inductor's cache
+    (<cache>/<hash>/<library>) where nothing reads them again once the package is
+    unpacked: for a frozen graph a library holding a copy of the weights (6.5 GB
+    for a 1B model's three, beside the packages' own)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    for library in folder.glob("*.so"):
+        for leftover in Path(cache_dir()).glob(f"*/{library.name}"):
+            shutil.rmtree(leftover.parent, ignore_errors=True)
+
+
 def step_inputs(kind: str, ids: torch.Tensor, positions: torch.Tensor,
                 paged: PagedDecode | None) -> tuple[torch.Tensor, ...]:
     """The package's step inputs, flat, in its order."""
@@ -272,6 +284,7 @@ class GraphPackages:
             unpack(package, path, bound_names(exported) if shared else None)
         finally:
             package.unlink(missing_ok=True)
+        remove_compile_output(path)
         (path.parent / "key.json").write_text(json.dumps(
             {**self.facts, "kind": kind, "options": _jsonable(options)}, indent=1))
         log.info("compiled the %s graph ahead of time in %.1f s: %s", kind,

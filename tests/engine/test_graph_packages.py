@@ -115,6 +115,9 @@ def test_a_warm_start_loads_the_packages(first, make, cache, caplog):
         assert list(folder.glob("*.wrapper.json")) and (folder.parent / "key.json").exists()
         # frozen graphs (torch's GEMMs) keep their constants; others bind the model's
         assert (folder / BOUND).exists() == (not first.runner.compiled.frozen)
+        # and AOTInductor's copy of the library is gone from Inductor's cache
+        (library,) = folder.glob("*.so")
+        assert not list(cache.rglob(f"inductor/*/*/{library.name}"))
     if not first.runner.compiled.frozen:  # each graph reads the model's own tensors
         owned = {t.data_ptr() for t in model_tensors(first.runner.model).values()}
         for graph in first.runner.compiled.packages.graphs.values():
