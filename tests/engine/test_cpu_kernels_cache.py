@@ -19,7 +19,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from kvserve.engine.kernels.cpu import build
 
@@ -69,15 +68,15 @@ class Stand:
         partial.write_bytes(self.good)
         return build._install(partial, path)
 
-    def load(self, path: str) -> None:
-        self.loads.append((path, hashlib.sha256(Path(path).read_bytes()).hexdigest()))
+    def load(self, path: Path) -> None:
+        self.loads.append((str(path), hashlib.sha256(path.read_bytes()).hexdigest()))
 
 
 @pytest.fixture
 def stand(library, monkeypatch) -> Stand:
     s = Stand(library.read_bytes())
     monkeypatch.setattr(build, "_build", s.build)
-    monkeypatch.setattr(torch.ops, "load_library", s.load)
+    monkeypatch.setattr(build, "_open", s.load)
     monkeypatch.setattr(build, "_loaded", build._loaded)
     return s
 

@@ -219,9 +219,10 @@ TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("bf16_linear", bf16_linear); }
 // The op's C entry point, which AOTInductor's C++ wrappers call directly where the
 // graph is built with it (engine/kernels/cpu/c_shims.py) rather than through the
 // dispatcher's boxed call (its proxy executor: 1.60 against 1.32 us a tiny call).
-extern "C" AOTITorchError aoti_torch_cpu_bf16_linear(AtenTensorHandle x, AtenTensorHandle weight,
-                                                     int64_t n, AtenTensorHandle* bias,
-                                                     AtenTensorHandle* ret0) {
+// Visible: the library's other symbols are hidden (build.py's FLAGS).
+extern "C" __attribute__((visibility("default"))) AOTITorchError aoti_torch_cpu_bf16_linear(
+    AtenTensorHandle x, AtenTensorHandle weight, int64_t n, AtenTensorHandle* bias,
+    AtenTensorHandle* ret0) {
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
     using torch::aot_inductor::tensor_handle_to_tensor_pointer;
     *ret0 = torch::aot_inductor::new_tensor_handle(

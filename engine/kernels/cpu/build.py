@@ -52,9 +52,11 @@ UNITS = {"attention": tuple(s for s in SOURCES if s.name in ATTENTION_SOURCES),
          "linear": tuple(s for s in SOURCES if s.name not in ATTENTION_SOURCES)}
 # AVX2, FMA and F16C only (every AVX2 CPU has F16C): the library runs on any x86-64
 # CPU that has them, whichever machine built it (a container image built on one host
-# runs on others).
+# runs on others). Symbols hidden but the ops' C entry points (c_shims.py): the
+# library is loaded RTLD_GLOBAL, and its copies of torch's inline functions must not
+# stand in for another library's.
 FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC",
-         "-Wno-unused-parameter")
+         "-fvisibility=hidden", "-fvisibility-inlines-hidden", "-Wno-unused-parameter")
 
 
 _loaded = False  # by this process (setup.load_once)
@@ -180,14 +182,20 @@ def _load_private(compiler: str, name: str) -> Path:
 
 def _load_library(path: Path) -> None:
     try:
-        # Its symbols global: a graph package's library calls the ops' C entry points
-        # by name (c_shims.py), resolved when that library is loaded
-        ctypes.CDLL(str(path), mode=os.RTLD_GLOBAL)
-        torch.ops.load_library(str(path))
+        _open(path)
     except OSError as exc:
         raise BuildError(f"loading {path} failed: {exc}") from exc
     global _loaded
     _loaded = True
+
+
+def _open(path: Path) -> None:
+    """dlopen: the ops registered with torch, then the library's symbols made global
+    (RTLD_NOLOAD: the copy torch just loaded, never a second one, whose static
+    initialisers would register the ops again and abort), because a graph package's
+    library calls the ops' C entry points by name (c_shims.py)."""
+    torch.ops.load_library(str(path))
+    ctypes.CDLL(str(path), mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD)
 
 
 def _make_dirs(directory: Path) -> None:
