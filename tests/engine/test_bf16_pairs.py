@@ -96,6 +96,29 @@ def test_the_product_is_the_exact_one_rounded_to_bf16(kernels, rows, n, k):
 
 
 @needs_pairs
+@pytest.mark.parametrize("rows,n,k", [(1, 1000, 96), (7, 1030, 2050), (3, 4000, 64)])
+def test_wide_layers_whichever_thread_takes_a_chunk_the_same_product(kernels, rows, n, k):
+    """Wide layers (at least 4 chunks of 8 panels a thread) are shared out a chunk at
+    a time to whichever thread is free: the same bits as one thread's, and the exact
+    product rounded once; the last chunk's panels left over in tiles of 4, 2 and 1."""
+    gen = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=gen).to(BF16)
+    x = torch.randn(rows, k, generator=gen).to(BF16)
+    bias = torch.randn(n, generator=gen).to(BF16)
+    panels = pack_bf16_pairs(w)
+    threads = torch.get_num_threads()
+    got = {}
+    try:
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            got[t] = torch.ops.kvserve.bf16_linear(x, panels, n, bias)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got[1], got[2]) and torch.equal(got[1], got[3])
+    assert_rounded_once(got[2], x, w, bias)
+
+
+@needs_pairs
 def test_bad_inputs_are_refused(kernels):
     w = torch.randn(32, 64).to(BF16)
     panels = pack_bf16_pairs(w)

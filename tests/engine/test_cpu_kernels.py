@@ -303,6 +303,26 @@ def test_a_weight_several_caches_long_is_read_right(kernels):
 
 
 @needs_avx2
+@pytest.mark.parametrize("kind", KINDS)
+def test_wide_layers_whichever_thread_takes_a_chunk_the_same_product(kernels, kind):
+    """A layer of many L2-sized chunks a thread (chunk_schedule.h: taken from a
+    counter by whichever thread is free): the same bits on 1, 2 and 3 threads, and
+    the product."""
+    check_product(1, 2048, 2048, kind, bias=True)
+    packed, _ = packed_kind(kind, 2048, 2048)
+    x = torch.randn(3, 2048, generator=torch.Generator().manual_seed(7))
+    threads = torch.get_num_threads()
+    got = []
+    try:
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            got.append(packed_linear(x, packed, 2048, None, int8_inputs=True))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2])
+
+
+@needs_avx2
 def test_rows_that_are_not_contiguous(kernels):
     w = weight(40, 24, True)
     x = torch.randn(24, 7).t()  # [7, 24], strided
@@ -694,7 +714,7 @@ def test_package_data_ships_the_kernel_source():
     folder = build.SOURCES[0].parent
     assert set(build.SOURCES) | set(build.HEADERS) <= {p for g in globs for p in folder.glob(g)}
     assert {h.name for h in build.HEADERS} == {"attention_shared.h", "bf16_rows.h",
-                                                "expert_bf16_dots.h", "expert_int8_dots.h",
+                                                "chunk_schedule.h", "expert_bf16_dots.h", "expert_int8_dots.h",
                                                 "expert_linear.h", "int8_inputs.h",
                                                 "vnni_dots.h"}
     assert {s.name for s in build.SOURCES} == {"bf16_pairs.cpp", "expert_linear.cpp",

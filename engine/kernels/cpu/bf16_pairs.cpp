@@ -16,18 +16,20 @@
 // at one row 0.75x oneDNN's time (memory-bound: ~30 GB/s), 0.8-1.2x at 2-64 rows and
 // ~1.0-1.1x at prompt sizes (~400 GFLOP/s, compute-bound).
 //
-// Each thread takes a contiguous range of panels (at::parallel_for). Within it,
-// panels are taken in chunks whose slab of K (kSlabInputs inputs) stays in the L2
-// cache while every block of up to 6 rows of x runs over it, so a weight is read
-// from memory once however many rows there are. Where K spans several slabs, each
-// slab's sums are carried in a float32 scratch tile between them. The micro-kernel
-// keeps MR x NP sums in registers (up to 24 of AVX-512's 32).
+// Panels are taken in chunks (shared among the threads as chunk_schedule.h says),
+// whose slab of K (kSlabInputs inputs) stays in the L2 cache while every block of up
+// to 6 rows of x runs over it, so a weight is read from memory once however many
+// rows there are. Where K spans several slabs, each slab's sums are carried in a
+// float32 scratch tile between them. The micro-kernel keeps MR x NP sums in
+// registers (up to 24 of AVX-512's 32).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <immintrin.h>
 #include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <torch/library.h>
+
+#include "chunk_schedule.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -122,6 +124,15 @@ constexpr int pairs_panels_per_call() {
   return MR == 1 ? 8 : MR == 2 ? 8 : MR == 3 ? 6 : MR == 4 ? 6 : 4;
 }
 
+// Panels [p, p1) in tiles of NP, what is left in tiles of NP / 2, NP / 4, ..., 1:
+// four panels left over are one call of 4 (one thread's 18 panels of a 576-wide
+// layer, 8 + 8 + 2, were 8 + 8 + 1 + 1).
+template <int NP, typename Call>
+void sweep_tiles(int64_t p, int64_t p1, const Call& call) {
+  for (; p + NP <= p1; p += NP) call(std::integral_constant<int, NP>{}, p);
+  if constexpr (NP > 1) sweep_tiles<NP / 2>(p, p1, call);
+}
+
 // MR rows from `row` over panels [p0, p1) and pairs [k0, k1).
 template <int MR>
 void pairs_sweep(const PairsProblem& q, int64_t row, int64_t p0, int64_t p1, int64_t k0,
@@ -137,9 +148,7 @@ void pairs_sweep(const PairsProblem& q, int64_t row, int64_t p0, int64_t p1, int
                          q.bias ? q.bias + p * kPairsPanel : nullptr, out + p * kPairsPanel,
                          q.n, q.n - p * kPairsPanel);
   };
-  int64_t p = p0;
-  for (; p + NP <= p1; p += NP) call(std::integral_constant<int, NP>{}, p);
-  for (; p < p1; ++p) call(std::integral_constant<int, 1>{}, p);
+  sweep_tiles<NP>(p0, p1, call);
 }
 
 void pairs_rows(int64_t rows, const PairsProblem& q, int64_t row, int64_t p0, int64_t p1,
@@ -154,26 +163,27 @@ void pairs_rows(int64_t rows, const PairsProblem& q, int64_t row, int64_t p0, in
   }
 }
 
-void pairs_gemm(const PairsProblem& q) {
-  const int64_t panels = (q.n + kPairsPanel - 1) / kPairsPanel;
+// Panels [c0, c1), at most kChunkPanels: every row over every slab of K.
+void pairs_chunk(const PairsProblem& q, int64_t c0, int64_t c1) {
   const int64_t slab = kSlabInputs / 2;  // pairs
   const bool carried = q.pairs > slab;
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    // The sums carried between slabs, [rows, kChunkPanels * 16]; kept per thread
-    // across calls (a fresh allocation past 128 KiB is an mmap and its page faults).
-    thread_local std::vector<float> carry;
-    const int64_t ldc = kChunkPanels * kPairsPanel;
-    if (carried) carry.resize(std::max<size_t>(carry.size(), q.rows * ldc));
-    for (int64_t c0 = begin; c0 < end; c0 += kChunkPanels) {
-      const int64_t c1 = std::min(end, c0 + kChunkPanels);
-      for (int64_t k0 = 0; k0 < q.pairs; k0 += slab) {
-        const int64_t k1 = std::min(q.pairs, k0 + slab);
-        for (int64_t row = 0; row < q.rows; row += kPairsRows)
-          pairs_rows(std::min(kPairsRows, q.rows - row), q, row, c0, c1, k0, k1,
-                     carried ? carry.data() + row * ldc : nullptr, ldc);
-      }
-    }
-  });
+  // The sums carried between slabs, [rows, kChunkPanels * 16]; kept per thread
+  // across calls (a fresh allocation past 128 KiB is an mmap and its page faults).
+  thread_local std::vector<float> carry;
+  const int64_t ldc = kChunkPanels * kPairsPanel;
+  if (carried) carry.resize(std::max<size_t>(carry.size(), q.rows * ldc));
+  for (int64_t k0 = 0; k0 < q.pairs; k0 += slab) {
+    const int64_t k1 = std::min(q.pairs, k0 + slab);
+    for (int64_t row = 0; row < q.rows; row += kPairsRows)
+      pairs_rows(std::min(kPairsRows, q.rows - row), q, row, c0, c1, k0, k1,
+                 carried ? carry.data() + row * ldc : nullptr, ldc);
+  }
+}
+
+void pairs_gemm(const PairsProblem& q) {
+  const int64_t panels = (q.n + kPairsPanel - 1) / kPairsPanel;
+  kvserve_cpu::for_each_chunk(panels, kChunkPanels,
+                              [&](int64_t c0, int64_t c1) { pairs_chunk(q, c0, c1); });
 }
 
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, int64_t n,

@@ -28,9 +28,9 @@
 // go to oneDNN's bf16 GEMM over the panels widened into a plain matrix instead
 // (onednn_product).
 //
-// Each thread takes a contiguous range of panels (at::parallel_for, torch's own
-// OpenMP pool). Within it, panels are taken in chunks that stay in the L2 cache
-// while every block of 6 rows of x runs over them, so a weight is read from memory
+// Panels are taken in chunks (shared among torch's threads as chunk_schedule.h
+// says; on the buffered path each thread takes a contiguous range) that stay in the
+// L2 cache while every block of 6 rows of x runs over them, so a weight is read from memory
 // once however many rows there are. The micro-kernel keeps a 6 x 16 tile of
 // sums (12 of AVX2's 16 registers) over the whole of K; fewer rows take more
 // panels a call, so one row still has 8 independent sums in flight.
@@ -40,6 +40,8 @@
 #include <ATen/ops/mm.h>
 #include <immintrin.h>
 #include <torch/library.h>
+
+#include "chunk_schedule.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -488,13 +490,9 @@ void gemm(const Problem& q) {
       1, kChunkBytes / (std::max<int64_t>(1, q.k_len) * Panel::kRowElems *
                         int64_t(sizeof(typename Panel::T))));
   const auto* weight = static_cast<const typename Panel::T*>(q.weight);
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t c0 = begin; c0 < end; c0 += chunk) {
-      const int64_t c1 = std::min(end, c0 + chunk);
-      for (int64_t row = 0; row < q.rows; row += kMaxRows)
-        sweep_rows<Panel>(std::min(kMaxRows, q.rows - row), q, weight, q.groups, row, c0,
-                          c1);
-    }
+  kvserve_cpu::for_each_chunk(panels, chunk, [&](int64_t c0, int64_t c1) {
+    for (int64_t row = 0; row < q.rows; row += kMaxRows)
+      sweep_rows<Panel>(std::min(kMaxRows, q.rows - row), q, weight, q.groups, row, c0, c1);
   });
 }
 
