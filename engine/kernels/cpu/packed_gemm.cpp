@@ -30,8 +30,8 @@
 //
 // Panels are taken in chunks (shared among torch's threads as chunk_schedule.h
 // says; on the buffered path each thread takes a contiguous range) that stay in the
-// L2 cache while every block of 6 rows of x runs over them, so a weight is read from memory
-// once however many rows there are. The micro-kernel keeps a 6 x 16 tile of
+// L2 cache while every block of 6 rows of x runs over them, so a weight is read from
+// memory once however many rows there are. The micro-kernel keeps a 6 x 16 tile of
 // sums (12 of AVX2's 16 registers) over the whole of K; fewer rows take more
 // panels a call, so one row still has 8 independent sums in flight.
 #include <ATen/Parallel.h>
