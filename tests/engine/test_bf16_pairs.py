@@ -17,6 +17,7 @@ from kvserve.engine.kernels.cpu.packing import pack_weight, unpack_weight
 from kvserve.engine.models.linear import Linear
 from kvserve.engine.weights.cpu_packing import load_once, pack_model, packing_wanted
 from kvserve.modelstore.errors import ModelLoadError
+from tests.support.threads import torch_threads
 
 BF16 = torch.bfloat16
 CPU = torch.device("cpu")
@@ -106,14 +107,10 @@ def test_wide_layers_whichever_thread_takes_a_chunk_the_same_product(kernels, ro
     x = torch.randn(rows, k, generator=gen).to(BF16)
     bias = torch.randn(n, generator=gen).to(BF16)
     panels = pack_bf16_pairs(w)
-    threads = torch.get_num_threads()
     got = {}
-    try:
-        for t in (1, 2, 3):
-            torch.set_num_threads(t)
+    for t in (1, 2, 3):
+        with torch_threads(t):
             got[t] = torch.ops.kvserve.bf16_linear(x, panels, n, bias)
-    finally:
-        torch.set_num_threads(threads)
     assert torch.equal(got[1], got[2]) and torch.equal(got[1], got[3])
     assert_rounded_once(got[2], x, w, bias)
 

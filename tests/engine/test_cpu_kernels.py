@@ -26,6 +26,7 @@ from kvserve.modelstore.errors import ModelLoadError
 from kvserve.scheduler.sampling_params import SamplingParams
 from tests.support.reference import (assert_same_tokens, load_reference, reference_greedy,
                                      varied_prompts)
+from tests.support.threads import torch_threads
 from tests.support.tiny_models import make_tiny_model
 
 AVX2 = {"avx2", "fma", "f16c"}
@@ -311,14 +312,10 @@ def test_wide_layers_whichever_thread_takes_a_chunk_the_same_product(kernels, ki
     check_product(1, 2048, 2048, kind, bias=True)
     packed, _ = packed_kind(kind, 2048, 2048)
     x = torch.randn(3, 2048, generator=torch.Generator().manual_seed(7))
-    threads = torch.get_num_threads()
     got = []
-    try:
-        for t in (1, 2, 3):
-            torch.set_num_threads(t)
+    for t in (1, 2, 3):
+        with torch_threads(t):
             got.append(packed_linear(x, packed, 2048, None, int8_inputs=True))
-    finally:
-        torch.set_num_threads(threads)
     assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2])
 
 
@@ -413,12 +410,8 @@ def test_paged_decode_split_along_the_context_matches_the_reference(kernels, thr
     q, k_cache, v_cache, tables, _ = paged_case(len(lens), max(lens), 9, 3, 64, 16)
     lens = torch.tensor(lens, dtype=torch.int32)
     want = paged_decode_reference(q, k_cache, v_cache, tables, lens, 0.125)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         got = torch.ops.kvserve.paged_decode(q, k_cache, v_cache, tables, lens, 0.125)
-    finally:
-        torch.set_num_threads(before)
     empty = lens == 0
     assert torch.allclose(got[~empty], want[~empty], rtol=1e-5, atol=2e-6)
     assert torch.equal(got[empty], torch.zeros_like(got[empty]))
@@ -541,12 +534,8 @@ def test_paged_prefill_matches_the_reference(kernels, q_len, ctx_len, q_heads, k
 def test_paged_prefill_is_the_same_on_any_number_of_threads(kernels, threads):
     q, k_cache, v_cache, table = prefill_case(45, 100, 9, 3, 64, 16, seed=4)
     want = prefill_reference(q, k_cache, v_cache, table, 100, 0.125)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         got = torch.ops.kvserve.paged_prefill(q, k_cache, v_cache, table, 100, 0.125)
-    finally:
-        torch.set_num_threads(before)
     assert torch.allclose(got, want, rtol=1e-5, atol=3e-6)
 
 
