@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvserve.benchmarks.provenance import provenance, simd_flags  # noqa: E402
-from kvserve.engine.kernels.cpu.bf16_pairs import (bf16_linear, bf16_pairs_here,  # noqa: E402
-                                                   pack_bf16_pairs)
+from kvserve.engine.kernels.cpu.bf16_pairs import (amx_here, bf16_linear,  # noqa: E402
+                                                   bf16_pairs_here, pack_bf16_pairs)
 from kvserve.engine.platform.device import cpu_flags  # noqa: E402
 from kvserve.engine.weights.cpu_packing import load_once  # noqa: E402
 
@@ -50,6 +50,9 @@ def one_shape(n: int, k: int, rows_list: list[int], copies: int, rounds: int) ->
                 x, prepacked[i], None, "none", [], ""),
             "oneDNN plain": lambda i: torch.nn.functional.linear(x, weights[i]),
             "kvserve pairs": lambda i: bf16_linear(x, panels[i], n, None)}
+        if amx_here():  # the default kernel is AMX's: AVX512-BF16's beside it
+            ways["kvserve pairs avx512"] = lambda i: torch.ops.kvserve.bf16_linear_on(
+                x, panels[i], n, None, "avx512")
         for name, f in ways.items():
             check(name, f(0), x, weights[0])
         best = dict.fromkeys(ways, float("inf"))

@@ -6,7 +6,8 @@ bandwidth moves by half within minutes) weighs on both alike. Each pass runs eve
 layer of a stack of the given shapes once (--layers copies of each shape, so the
 weights come from memory as in a decode step); reported: the median and quartiles
 of the passes, each way, and the GB/s of weights read. Every product is checked to
-be the same bits both ways first.
+be the same bits both ways first, or where the kernels round differently by design
+(AMX's tiles against vdpbf16ps), each the product to bf16's rounding.
 
 usage: python bench/bf16_pairs_ab.py --against 4825504 [--rows 1] [--shapes 1b]
        [--passes 200] [--json OUT]
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -30,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from kvserve.benchmarks.provenance import provenance, simd_flags  # noqa: E402
 from kvserve.engine.kernels.cpu import build  # noqa: E402
-from kvserve.engine.kernels.cpu.bf16_pairs import bf16_pairs_here, pack_bf16_pairs  # noqa: E402
+from kvserve.engine.kernels.cpu.bf16_pairs import (bf16_pairs_here, pack_bf16_pairs,  # noqa: E402
+                                                   pairs_values)
 from kvserve.engine.platform.device import cpu_flags  # noqa: E402
 from kvserve.engine.weights.cpu_packing import load_once  # noqa: E402
 
@@ -41,8 +44,13 @@ SOURCE = "engine/kernels/cpu/bf16_pairs.cpp"
 
 def build_then(revision: str, out: Path) -> None:
     """The revision's kernel as a library of its own, its op kvserve_then::bf16_linear."""
-    text = subprocess.run(["git", "show", f"{revision}:{SOURCE}"], cwd=ROOT, check=True,
-                          capture_output=True, text=True).stdout
+    def show(path: str) -> str:
+        return subprocess.run(["git", "show", f"{revision}:{path}"], cwd=ROOT, check=True,
+                              capture_output=True, text=True).stdout
+
+    text = show(SOURCE)
+    for header in re.findall(r'^#include "([^"]+)"', text, flags=re.M):  # the revision's own
+        (out.parent / header).write_text(show(f"{Path(SOURCE).parent}/{header}"))
     text = (text.replace("TORCH_LIBRARY_FRAGMENT(kvserve,", "TORCH_LIBRARY_FRAGMENT(kvserve_then,")
             .replace("TORCH_LIBRARY_IMPL(kvserve,", "TORCH_LIBRARY_IMPL(kvserve_then,")
             .replace("aoti_torch_cpu_bf16_linear", "aoti_torch_cpu_bf16_linear_then"))
@@ -81,9 +89,21 @@ def main() -> None:
                           torch.randn(args.rows, k).to(torch.bfloat16)))
     nbytes = sum(p.numel() * 2 for p, _, _ in stack)
     ways = {"now": torch.ops.kvserve.bf16_linear, "then": torch.ops.kvserve_then.bf16_linear}
+    same_bits = True
     for panels, n, x in stack[:8]:
-        if not torch.equal(ways["now"](x, panels, n, None), ways["then"](x, panels, n, None)):
-            raise SystemExit(f"the two kernels disagree on a {n}-output layer")
+        now, then = ways["now"](x, panels, n, None), ways["then"](x, panels, n, None)
+        if torch.equal(now, then):
+            continue
+        # Kernels that sum in another order (AMX's tiles against vdpbf16ps) differ in
+        # the last bits: both must then be the product to bf16's rounding.
+        same_bits = False
+        want = x.double() @ pairs_values(panels, n).double().t()
+        for name, got in (("now", now), ("then", then)):
+            err = ((got.double() - want).norm() / want.norm()).item()
+            if err > 1e-2:
+                raise SystemExit(f"{name}: relative error {err:.4f} on a {n}-output layer")
+    print("same bits both ways" if same_bits else
+          "the kernels round differently (AMX here?): both checked against float64")
     times = {name: [] for name in ways}
     for i in range(2 * args.passes + 2):
         name = ("now", "then")[i % 2]
@@ -105,7 +125,8 @@ def main() -> None:
         Path(args.json).write_text(json.dumps({
             **provenance("cpu", " ".join(sys.argv)), "cpu_flags": simd_flags(cpu_flags()),
             "threads": torch.get_num_threads(), "against": args.against, "rows": args.rows,
-            "shapes": shapes, "layers": layers, "weight_bytes": nbytes, **result},
+            "shapes": shapes, "layers": layers, "weight_bytes": nbytes,
+            "same_bits": same_bits, **result},
             indent=1) + "\n")
 
 

@@ -1,8 +1,10 @@
 """A bf16 model's float layers on kvserve's AVX512-BF16 GEMM (engine/kernels/cpu/
-bf16_pairs.{cpp,py}): pair panels hold the weight exactly; the op's product is the
-exact one rounded once to bf16 (within a unit in the last place: the float32 sums'
-own rounding), at decode and prompt row counts, over several K slabs, ragged panels
-and with a bias; bad inputs are refused; the policy packs bf16 models' float layers
+bf16_pairs.{cpp,py}) and, where the CPU has AMX-BF16, on its tiles over the same
+panels (bf16_pairs_amx.h): pair panels hold the weight exactly; each kernel's product
+is the exact one rounded once to bf16 (within a unit in the last place: the float32
+sums' own rounding), at decode and prompt row counts, over several K slabs, ragged
+panels and with a bias, and a row's the same however many rows share the call;
+bad inputs are refused; the policy packs bf16 models' float layers
 where the CPU has the instructions (cpu_packing.packing_wanted), a tied embedding
 reads its head's panels, and a model's outputs stay oneDNN's within bf16's rounding."""
 from __future__ import annotations
@@ -10,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.engine.kernels.cpu.bf16_pairs import (PAIRS_FLAGS, bf16_linear, bf16_pairs_here,
-                                                   is_pairs, pack_bf16_pairs, pairs_rows,
-                                                   pairs_values)
+from kvserve.engine.kernels.cpu.bf16_pairs import (PAIRS_FLAGS, amx_here, bf16_linear,
+                                                   bf16_pairs_here, is_pairs, pack_bf16_pairs,
+                                                   pairs_rows, pairs_values)
 from kvserve.engine.kernels.cpu.packing import pack_weight, unpack_weight
 from kvserve.engine.models.linear import Linear
 from kvserve.engine.weights.cpu_packing import load_once, pack_model, packing_wanted
@@ -30,6 +32,14 @@ needs_pairs = pytest.mark.skipif(not (AVX2 <= PAIRS and bf16_pairs_here()),
 @pytest.fixture(scope="module")
 def kernels():
     load_once()
+
+
+@pytest.fixture(params=["avx512", "amx"])
+def kernel(request, kernels):
+    """Each kernel bf16_linear_on can name that this CPU runs."""
+    if request.param == "amx" and not amx_here():
+        pytest.skip("this CPU (or this process) has no AMX-BF16")
+    return request.param
 
 
 def test_pair_panels_hold_the_weight_exactly():
@@ -77,17 +87,18 @@ def assert_rounded_once(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
 @pytest.mark.parametrize("rows,n,k", [(1, 48, 64), (2, 17, 6), (5, 100, 576),
                                       (6, 33, 4098), (13, 40, 2050), (64, 300, 96),
                                       (130, 65, 1536)])
-def test_the_product_is_the_exact_one_rounded_to_bf16(kernels, rows, n, k):
-    """Every row count the micro-kernels take (1-6 and blocks of them), ragged panels
-    (n not a multiple of 16), K past a slab of 2,048 inputs (sums carried) and not
-    a multiple of 32; with and without a bias."""
+def test_the_product_is_the_exact_one_rounded_to_bf16(kernel, rows, n, k):
+    """Every row count the micro-kernels take (1-6 and blocks of them; AMX's tiles of
+    16 rows, a last one padded), ragged panels (n not a multiple of 16), K past a slab
+    of 2,048 inputs (sums carried) and not a multiple of 32 (AMX's last pairs on
+    AVX512-BF16) or under 32 (none on AMX); with and without a bias."""
     gen = torch.Generator().manual_seed(rows * n + k)
     w = torch.randn(n, k, generator=gen).to(BF16)
     x = torch.randn(rows, k, generator=gen).to(BF16)
     bias = torch.randn(n, generator=gen).to(BF16)
     panels = pack_bf16_pairs(w)
     for b in (None, bias):
-        got = torch.ops.kvserve.bf16_linear(x, panels, n, b)
+        got = torch.ops.kvserve.bf16_linear_on(x, panels, n, b, kernel)
         assert got.dtype == BF16 and got.shape == (rows, n) and got.is_contiguous()
         assert_rounded_once(got, x, w, b)
     # a 3-D input through the wrapper, and no rows at all
@@ -97,8 +108,9 @@ def test_the_product_is_the_exact_one_rounded_to_bf16(kernels, rows, n, k):
 
 
 @needs_pairs
-@pytest.mark.parametrize("rows,n,k", [(1, 1000, 96), (7, 1030, 2050), (3, 4000, 64)])
-def test_wide_layers_whichever_thread_takes_a_chunk_the_same_product(kernels, rows, n, k):
+@pytest.mark.parametrize("rows,n,k", [(1, 1000, 96), (7, 1030, 2050), (3, 4000, 64),
+                                      (40, 2000, 64)])
+def test_wide_layers_whichever_thread_takes_a_chunk_the_same_product(kernel, rows, n, k):
     """Wide layers (at least 4 chunks of 8 panels a thread) are shared out a chunk at
     a time to whichever thread is free: the same bits as one thread's, and the exact
     product rounded once; the last chunk's panels left over in tiles of 4, 2 and 1."""
@@ -110,9 +122,44 @@ def test_wide_layers_whichever_thread_takes_a_chunk_the_same_product(kernels, ro
     got = {}
     for t in (1, 2, 3):
         with torch_threads(t):
-            got[t] = torch.ops.kvserve.bf16_linear(x, panels, n, bias)
+            got[t] = torch.ops.kvserve.bf16_linear_on(x, panels, n, bias, kernel)
     assert torch.equal(got[1], got[2]) and torch.equal(got[1], got[3])
     assert_rounded_once(got[2], x, w, bias)
+
+
+@needs_pairs
+@pytest.mark.parametrize("k", [576, 2050])
+def test_a_rows_product_is_the_same_whatever_shares_its_call(kernel, k):
+    """A row's bits depend on neither how many rows come with it nor where it sits
+    among them (one row, AMX's 16-row tiles, whole and padded, 32-row blocks, the
+    AVX512 kernel's blocks of 6): a request's tokens do not change with the batch."""
+    gen = torch.Generator().manual_seed(k)
+    w = torch.randn(200, k, generator=gen).to(BF16)
+    x = torch.randn(70, k, generator=gen).to(BF16)
+    panels = pack_bf16_pairs(w)
+    alone = torch.cat([torch.ops.kvserve.bf16_linear_on(x[i:i + 1], panels, 200, None, kernel)
+                       for i in range(70)])
+    for rows in (5, 16, 17, 33, 70):
+        together = torch.ops.kvserve.bf16_linear_on(x[:rows], panels, 200, None, kernel)
+        assert torch.equal(together, alone[:rows]), rows
+    shifted = torch.ops.kvserve.bf16_linear_on(x[3:40], panels, 200, None, kernel)
+    assert torch.equal(shifted, alone[3:40])
+
+
+@needs_pairs
+def test_bf16_linear_takes_amx_wherever_the_cpu_has_it(kernels):
+    """The op's own choice: AMX's tiles for every row count where the CPU has them
+    (bits equal to naming "amx"), AVX512-BF16 elsewhere; an unknown kernel refused."""
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(64, 256, generator=gen).to(BF16)
+    panels = pack_bf16_pairs(w)
+    chosen = "amx" if amx_here() else "avx512"
+    for rows in (1, 16, 40):
+        x = torch.randn(rows, 256, generator=gen).to(BF16)
+        assert torch.equal(torch.ops.kvserve.bf16_linear(x, panels, 64, None),
+                           torch.ops.kvserve.bf16_linear_on(x, panels, 64, None, chosen))
+    with pytest.raises(RuntimeError, match="kernel must be avx512 or amx"):
+        torch.ops.kvserve.bf16_linear_on(x, panels, 64, None, "sse")
 
 
 @needs_pairs

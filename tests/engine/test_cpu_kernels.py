@@ -702,8 +702,9 @@ def test_package_data_ships_the_kernel_source():
     globs = data["tool"]["setuptools"]["package-data"]["kvserve.engine.kernels.cpu"]
     folder = build.SOURCES[0].parent
     assert set(build.SOURCES) | set(build.HEADERS) <= {p for g in globs for p in folder.glob(g)}
-    assert {h.name for h in build.HEADERS} == {"attention_shared.h", "bf16_rows.h",
-                                                "chunk_schedule.h", "expert_bf16_dots.h", "expert_int8_dots.h",
+    assert {h.name for h in build.HEADERS} == {"attention_shared.h", "bf16_pairs_amx.h",
+                                                "bf16_rows.h", "chunk_schedule.h",
+                                                "expert_bf16_dots.h", "expert_int8_dots.h",
                                                 "expert_linear.h", "int8_inputs.h",
                                                 "vnni_dots.h"}
     assert {s.name for s in build.SOURCES} == {"bf16_pairs.cpp", "expert_linear.cpp",

@@ -22,6 +22,12 @@
 // rows there are. Where K spans several slabs, each slab's sums are carried in a
 // float32 scratch tile between them. The micro-kernel keeps MR x NP sums in
 // registers (up to 24 of AVX-512's 32).
+//
+// Where the CPU has AMX-BF16 the same panels are multiplied on its tiles instead,
+// at every row count (bf16_pairs_amx.h): on a 2-core Sapphire Rapids-class Xeon, a
+// 1B model's gate/up at 512 rows in 24 ms against AVX512-BF16's 189 (1.4 TFLOP/s,
+// oneDNN's own AMX GEMM 25 ms), at 16 rows 2.7 against 7.2 ms, at one row the same
+// (memory-bound either way).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -29,6 +35,7 @@
 #include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <torch/library.h>
 
+#include "bf16_pairs_amx.h"
 #include "chunk_schedule.h"
 
 #include <algorithm>
@@ -180,14 +187,101 @@ void pairs_chunk(const PairsProblem& q, int64_t c0, int64_t c1) {
   }
 }
 
-void pairs_gemm(const PairsProblem& q) {
-  const int64_t panels = (q.n + kPairsPanel - 1) / kPairsPanel;
-  kvserve_cpu::for_each_chunk(panels, kChunkPanels,
-                              [&](int64_t c0, int64_t c1) { pairs_chunk(q, c0, c1); });
+// AMX (bf16_pairs_amx.h). A chunk's panels, read once for every row of x, are kept
+// to about 1 MiB of the L2 cache (2 MiB a core on Sapphire Rapids), the rows' x tiles
+// beside them.
+constexpr int64_t kAmxChunkBytes = 1 << 20;
+
+int64_t amx_chunk_panels(int64_t pairs) {
+  return std::clamp<int64_t>(kAmxChunkBytes / (pairs * 64) / 2 * 2, 2, 16);
 }
 
-at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, int64_t n,
-                       const std::optional<at::Tensor>& bias) {
+// x's rows in tiles of 16 for AMX, which loads whole tiles: the last, when partial,
+// from a padded copy.
+struct RowTiles {
+  const uint32_t* x;
+  int64_t rows, pairs;
+  const uint32_t* tail;  // [16, pairs] (the last rows first), or null where none is partial
+  int64_t count() const { return (rows + kvserve_amx::kTileRows - 1) / kvserve_amx::kTileRows; }
+  const uint32_t* tile(int64_t t) const {
+    return (t + 1) * kvserve_amx::kTileRows <= rows ? x + t * kvserve_amx::kTileRows * pairs
+                                                    : tail;
+  }
+};
+
+// Panels [c0, c1) for every row on AMX: blocks of 32 rows x 2 panels (16 rows x 3
+// panels for a last lone row tile), their sums over the pairs [0, 16 * (K / 32)) in
+// float32 scratch, which the AVX512-BF16 micro-kernel then takes over: any pairs
+// left (K not a multiple of 32), the bias, the rounding to bf16, the real rows only.
+void amx_chunk(const PairsProblem& q, const RowTiles& x, int64_t c0, int64_t c1) {
+  const int64_t pairs16 = q.pairs / kvserve_amx::kTilePairs * kvserve_amx::kTilePairs;
+  const int64_t panel_stride = q.pairs * kPairsPanel;
+  constexpr int64_t ldc = 3 * kPairsPanel;
+  alignas(64) float sums[2 * kvserve_amx::kTileRows * ldc];
+  const kvserve_amx::Tiles tiles;
+  for (int64_t t = 0; t < x.count(); t += 2) {
+    const int64_t row = t * kvserve_amx::kTileRows;
+    const int64_t rows = std::min(2 * kvserve_amx::kTileRows, q.rows - row);
+    auto run = [&](auto mt, auto nt, int64_t p) {
+      constexpr int MT = decltype(mt)::value, NT = decltype(nt)::value;
+      const uint32_t* tiles_x[MT];
+      for (int m = 0; m < MT; ++m) tiles_x[m] = x.tile(t + m);
+      kvserve_amx::block<MT, NT>(tiles_x, q.pairs, q.weight + p * panel_stride, panel_stride,
+                                 pairs16, sums, ldc);
+      for (int64_t r = 0; r < rows; r += kPairsRows)
+        pairs_rows(std::min(kPairsRows, rows - r), q, row + r, p, p + NT, pairs16, q.pairs,
+                   sums + r * ldc, ldc);
+    };
+    using one = std::integral_constant<int, 1>;
+    using two = std::integral_constant<int, 2>;
+    using three = std::integral_constant<int, 3>;
+    int64_t p = c0;
+    if (t + 1 < x.count()) {
+      for (; p + 2 <= c1; p += 2) run(two{}, two{}, p);
+      if (p < c1) run(two{}, one{}, p);
+    } else {
+      for (; p + 3 <= c1; p += 3) run(one{}, three{}, p);
+      if (p + 2 <= c1) run(one{}, two{}, p);
+      else if (p < c1) run(one{}, one{}, p);
+    }
+  }
+}
+
+enum class Kernel { kAvx512, kAmx };
+
+// Which kernel a product takes by default: AMX wherever the CPU has it (and K has
+// a tile of pairs), for every row count alike (see bf16_pairs_amx.h).
+Kernel default_kernel(int64_t pairs) {
+  return kvserve_amx::amx_here() && pairs >= kvserve_amx::kTilePairs ? Kernel::kAmx
+                                                                      : Kernel::kAvx512;
+}
+
+void pairs_gemm(const PairsProblem& q, Kernel kernel) {
+  const int64_t panels = (q.n + kPairsPanel - 1) / kPairsPanel;
+  if (kernel == Kernel::kAvx512) {
+    kvserve_cpu::for_each_chunk(panels, kChunkPanels,
+                                [&](int64_t c0, int64_t c1) { pairs_chunk(q, c0, c1); });
+    return;
+  }
+  // Kept across calls, as pairs_chunk's carry is (a batch-1 step pads its one row
+  // in every layer). The padding rows are not cleared: a tile's rows are summed
+  // apart, and those rows' sums are never stored.
+  thread_local std::vector<uint32_t> tail;
+  const int64_t whole = q.rows / kvserve_amx::kTileRows * kvserve_amx::kTileRows;
+  const bool padded = whole < q.rows;
+  if (padded) {
+    tail.resize(std::max<size_t>(tail.size(), kvserve_amx::kTileRows * q.pairs));
+    std::memcpy(tail.data(), q.x + whole * q.pairs, (q.rows - whole) * q.pairs * 4);
+  }
+  const RowTiles x{q.x, q.rows, q.pairs, padded ? tail.data() : nullptr};
+  kvserve_cpu::for_each_chunk(panels, amx_chunk_panels(q.pairs),
+                              [&](int64_t c0, int64_t c1) { amx_chunk(q, x, c0, c1); });
+}
+
+// y = x W^T (+ bias) on `kernel`, or where none is named the one default_kernel picks.
+at::Tensor bf16_linear_with(const at::Tensor& x, const at::Tensor& weight, int64_t n,
+                            const std::optional<at::Tensor>& bias,
+                            std::optional<Kernel> kernel) {
   TORCH_CHECK(bf16_dots_here(), "bf16_linear: this CPU has no AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16,
               "bf16_linear: x must be 2-D bfloat16, got ", x.sizes(), " ", x.scalar_type());
@@ -214,17 +308,38 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, int64_t n,
                                 : nullptr,
                        reinterpret_cast<uint16_t*>(out.data_ptr()),
                        n};
-  pairs_gemm(q);
+  pairs_gemm(q, kernel.value_or(default_kernel(q.pairs)));
   return out;
+}
+
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, int64_t n,
+                       const std::optional<at::Tensor>& bias) {
+  return bf16_linear_with(x, weight, n, bias, std::nullopt);
+}
+
+// The op on a named kernel ("avx512" or "amx"), for tests and benchmarks.
+at::Tensor bf16_linear_on(const at::Tensor& x, const at::Tensor& weight, int64_t n,
+                          const std::optional<at::Tensor>& bias, c10::string_view kernel) {
+  TORCH_CHECK(kernel == "avx512" || kernel == "amx",
+              "bf16_linear_on: kernel must be avx512 or amx, got ", kernel);
+  TORCH_CHECK(kernel != "amx" || kvserve_amx::amx_here(),
+              "bf16_linear_on: this CPU (or this process) has no AMX-BF16");
+  return bf16_linear_with(x, weight, n, bias, kernel == "amx" ? Kernel::kAmx : Kernel::kAvx512);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("bf16_linear(Tensor x, Tensor weight, int n, Tensor? bias) -> Tensor");
+  m.def("bf16_linear_on(Tensor x, Tensor weight, int n, Tensor? bias, str kernel) -> Tensor");
+  // Whether bf16_linear takes AMX here (the CPU has it and Linux granted its tiles).
+  m.def("bf16_amx_here() -> bool", [] { return kvserve_amx::amx_here(); });
 }
 
-TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("bf16_linear", bf16_linear); }
+TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
+  m.impl("bf16_linear", bf16_linear);
+  m.impl("bf16_linear_on", bf16_linear_on);
+}
 
 // The op's C entry point, which AOTInductor's C++ wrappers call directly where the
 // graph is built with it (engine/kernels/cpu/c_shims.py) rather than through the

@@ -23,6 +23,12 @@ def bf16_pairs_here(flags: set[str] | None = None) -> bool:
     return all(f in flags for f in PAIRS_FLAGS)
 
 
+def amx_here() -> bool:
+    """Whether bf16_linear multiplies on AMX tiles here (a CPU with AMX-BF16, whose
+    tiles Linux granted this process; bf16_pairs_amx.h). The kernels must be loaded."""
+    return torch.ops.kvserve.bf16_amx_here()
+
+
 def pack_bf16_pairs(weight: torch.Tensor) -> torch.Tensor | None:
     """[N, K] weight (bf16, or float32 values exact in bf16) -> its pair panels in
     bf16, or None where K is odd (no pairs) or a value would round. Each pair of
