@@ -25,9 +25,9 @@
 //
 // Where the CPU has AMX-BF16 the same panels are multiplied on its tiles instead,
 // at every row count (bf16_pairs_amx.h): on a 2-core Sapphire Rapids-class Xeon, a
-// 1B model's gate/up at 512 rows in 24 ms against AVX512-BF16's 189 (1.4 TFLOP/s,
-// oneDNN's own AMX GEMM 25 ms), at 16 rows 2.7 against 7.2 ms, at one row the same
-// (memory-bound either way).
+// 1B model's gate/up at 512 rows in 17.8 ms against AVX512-BF16's 164 (1.9 TFLOP/s;
+// oneDNN's own AMX GEMM 20.1 ms), at 16 rows 2.36 against 6.42 ms, at one row the
+// same (memory-bound either way; bench/results/bf16_pairs_amx_2026-12-02.json).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

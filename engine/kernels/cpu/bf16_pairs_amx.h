@@ -74,7 +74,7 @@ struct Tiles {
 // blocks of 32 rows (4 KiB ahead a panel: at 64-512 rows 4-7% faster than the
 // hardware prefetcher alone, bench/bf16_pairs.py; 16 KiB ahead was slower again).
 // Not for 16 rows or fewer, memory-bound: there the default model's batch-1 layers
-// took 1.02-1.04x AVX512-BF16's time without, 1.07x with (bench/bf16_pairs_ab.py).
+// took 1.01x AVX512-BF16's time without, 1.07x with (bench/bf16_pairs_ab.py).
 constexpr int64_t kPrefetchSteps = 4;
 template <int NT>
 __attribute__((target(KVSERVE_AMX_TARGET))) inline void prefetch(const uint32_t* w,
