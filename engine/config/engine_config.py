@@ -158,6 +158,11 @@ class EngineConfig:
         "off = Dynamo compiles them in the serving process at every start; auto = "
         "packages",
         choices=["auto", "packages", "off"])
+    # engine/runner/inductor_cache.py: files of earlier starts removed past it.
+    compile_cache_bytes: int = setting(
+        8 << 30, "most bytes Inductor's cache under $KVSERVE_CACHE/inductor keeps "
+        "between starts (the least recently used files go first; what a start wrote "
+        "stays until the next; 8589934592 = 8GiB)", parse=parse_size)
     # engine/kernels/cpu/: weights packed at load, eager and compiled steps alike;
     # the paged attention of compiled steps (engine/kernels/attention/cpu_paged.py,
     # torch_backend.py).

@@ -189,7 +189,7 @@ def _start_compiling(ctx: EngineContext, runner: ModelRunner, tp) -> None:
                     "eager, several times slower on CPU; install one (apt-get "
                     "install g++) or pass --enforce-eager to silence this")
         return
-    use_cache_dir(str(cache_root()))
+    use_cache_dir(str(cache_root()), config.compile_cache_bytes)
     packages = cache_root() / "graphs" if config.compile_cache != "off" else None
     # Packages missing from the cache are built by a process of their own
     # (package_build_process.py), the serving process's steps running meanwhile.

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from kvserve.engine.core.engine import Engine
-from kvserve.engine.runner.compile_process import use_cache_dir
+from kvserve.engine.runner.compile_process import trim_cache, use_cache_dir
 from kvserve.engine.runner.graph_packages import KINDS
 from kvserve.modelstore.default_model import cache_root
 
@@ -31,10 +31,11 @@ def main(argv: list[str]) -> int:
     config = pickle.loads(Path(config_path).read_bytes())
     config = dataclasses.replace(config, compile="off", num_kv_blocks=BUILD_BLOCKS,
                                  kv_cache_memory=None)
-    use_cache_dir(str(cache_root()))
+    use_cache_dir(str(cache_root()), config.compile_cache_bytes)
     engine = Engine(config)
     compiled = engine.runner.compile_forward(background=False, packages=Path(root))
     built = set(compiled.packages.graphs) if compiled.packages is not None else set()
+    trim_cache()
     if built != set(KINDS):
         log.error("packages built: %s of %s", sorted(built), list(KINDS))
         return 1

@@ -7,7 +7,10 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from pathlib import Path
+
+from kvserve.engine.runner import inductor_cache
 
 log = logging.getLogger("kvserve.compile")
 
@@ -34,19 +37,40 @@ def ops_key() -> str:
     return digest.hexdigest()[:12]
 
 
-def use_cache_dir(root: str) -> None:
+def use_cache_dir(root: str, budget: int | None = None) -> None:
     """Inductor's and Triton's on-disk caches under `root`, Inductor's per version
     of kvserve's op schemas (ops_key), unless the user chose (torch itself sets
     TORCHINDUCTOR_CACHE_DIR to its default the first time it looks: that one is
-    replaced)."""
+    replaced). A folder of kvserve's own is kept within `budget` bytes, and other
+    versions' folders are removed (inductor_cache.py), now and by trim_cache."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
+    global _owned
     inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if not inductor or inductor == default_cache_dir() \
             or Path(inductor).parent == Path(root, "inductor"):
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "inductor", ops_key())
+        folder = Path(root, "inductor", ops_key())
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+        if budget is not None:
+            since = _owned[2] if _owned and _owned[0] == folder else time.time()
+            _owned = (folder, budget, since)
+            inductor_cache.mark_used(folder)
+            inductor_cache.remove_other_versions(folder)
+            trim_cache()
     if not os.environ.get("TRITON_CACHE_DIR"):
         os.environ["TRITON_CACHE_DIR"] = os.path.join(root, "triton")
+
+
+# (folder, budget, since): the Inductor cache folder use_cache_dir chose, its budget,
+# and when this process began using it (what it has used since is never removed).
+_owned: tuple[Path, int, float] | None = None
+
+
+def trim_cache() -> None:
+    """Keeps the Inductor cache folder use_cache_dir chose within its budget."""
+    if _owned is not None:
+        folder, budget, since = _owned
+        inductor_cache.trim(folder, budget, since)
 
 
 _builders: list[threading.Thread] = []  # background builds of this process

@@ -57,7 +57,7 @@ from kvserve.engine.kernels.attention.cpu_paged import PagedDecode
 from kvserve.engine.models.decoder import DecoderModel
 from kvserve.engine.models.lora_step import LoRAStep
 from kvserve.engine.models.quantized.layer import QuantizedLinear
-from kvserve.engine.runner.compile_process import track_build
+from kvserve.engine.runner.compile_process import track_build, trim_cache
 from kvserve.engine.runner.direct_graph import DirectCall, GraphRecorder, model_tensors
 from kvserve.engine.runner.dynamic_marks import (dynamic, dynamic_groups, dynamic_lora,
                                                  dynamic_paged, marking)
@@ -307,6 +307,7 @@ class CompiledModel:
                  "C++" if self.cpp_wrapper else "Python",
                  os.environ.get("TORCHINDUCTOR_CACHE_DIR", "default"))
         self.ready.set()
+        trim_cache()  # frozen graphs' libraries hold copies of the weights
 
     def _build_graphs(self, run_step) -> None:
         if self.packages is not None:
