@@ -2,6 +2,7 @@
 rules, the engine's sampler reads the rest."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvserve.scheduler.structured_output import StructuredOutput
@@ -39,6 +40,13 @@ class SamplingParams:
     # token id -> added to its logit (values clamped to [-100, 100]; ids are checked
     # against the vocabulary by the engine).
     logit_bias: dict[int, float] | None = None
+    # vLLM's: only these token ids may be sampled, greedy rows included (all others
+    # -inf); None: any. Checked against the vocabulary by the engine.
+    allowed_token_ids: list[int] | None = None
+    # vLLM's bad_words as token id sequences (the front end tokenizes the words): a
+    # sequence's last token is banned whenever the generated tokens (not the prompt)
+    # end with the rest of it; a one-token sequence is banned at every step.
+    bad_words_token_ids: list[list[int]] | None = None
     # None: none; k: each sampled token's logprob, rank and the top k alternatives.
     logprobs: int | None = None
     # Same for every prompt token (the first has none).
@@ -52,15 +60,25 @@ class SamplingParams:
     # POOLING_METHODS) are the output; it generates nothing (max_tokens 1, the token
     # thrown away).
     pooling: str | None = None
-    # Derived in __post_init__: any penalty, bias or min_tokens to apply to logits.
+    # Derived in __post_init__: any penalty, bias, min_tokens, allowed set or bad
+    # word to apply to logits; bad_words_token_ids indexed for the sampler.
     needs_processing: bool = field(default=False, init=False, repr=False, compare=False)
+    bad_words: BadWords | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._check_basics()
         self._check_extras()
         self.logit_bias = _clamped_bias(self.logit_bias)
+        self.allowed_token_ids = _token_list(self.allowed_token_ids, "allowed_token_ids")
+        if self.bad_words_token_ids:
+            self.bad_words_token_ids = [_token_list(ids, "bad_words")
+                                        for ids in self.bad_words_token_ids]
+            self.bad_words = BadWords(self.bad_words_token_ids)
+        else:
+            self.bad_words_token_ids = None
         self.needs_processing = self.has_penalties or bool(self.logit_bias) \
-            or self.min_tokens > 0
+            or self.min_tokens > 0 or self.allowed_token_ids is not None \
+            or self.bad_words is not None
 
     def _check_basics(self) -> None:
         if self.max_tokens < 1:
@@ -104,6 +122,56 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+
+class BadWords:
+    """bad_words_token_ids indexed for the per-step lookup: the one-token sequences,
+    always banned, and the longer ones by the last token of their prefix, so a step
+    compares only the sequences whose prefix can end where the output ends."""
+
+    __slots__ = ("always", "after")
+
+    def __init__(self, sequences: list[list[int]]):
+        self.always = tuple(sorted({s[0] for s in sequences if len(s) == 1}))
+        after: dict[int, list[tuple[tuple[int, ...], int]]] = {}
+        for s in sequences:
+            if len(s) > 1:
+                after.setdefault(s[-2], []).append((tuple(s[:-1]), s[-1]))
+        self.after = {k: tuple(v) for k, v in after.items()}
+
+    @property
+    def reads_output(self) -> bool:
+        """Whether what is banned depends on the tokens generated so far."""
+        return bool(self.after)
+
+    def banned(self, token_ids: Sequence[int], num_output: int) -> list[int]:
+        """The tokens banned after `token_ids`, whose last `num_output` are the
+        generated ones (a prefix is matched against those only, as vLLM does)."""
+        if not self.after or num_output == 0:
+            return list(self.always)
+        out = list(self.always)
+        for prefix, token in self.after.get(token_ids[-1], ()):
+            n = len(prefix)
+            if n <= num_output and tuple(token_ids[-n:]) == prefix:
+                out.append(token)
+        return out
+
+
+def _token_list(ids, name: str) -> list[int] | None:
+    """A list of token ids (non-negative ints; the engine checks the vocabulary), None
+    for None; ValueError naming `name` for an empty list or a bad id. A list is kept,
+    not copied (a sibling's params share their parent's); the checks are two passes
+    over it (a vocabulary's worth of ids: milliseconds)."""
+    if ids is None:
+        return None
+    if not isinstance(ids, list):
+        ids = list(ids)
+    if not ids:
+        raise ValueError(f"{name}: an empty token list")
+    if not all(type(t) is int for t in ids) or min(ids) < 0:
+        bad = next(t for t in ids if type(t) is not int or t < 0)
+        raise ValueError(f"{name}: {bad!r} is not a token id")
+    return ids
 
 
 def _clamped_bias(bias) -> dict[int, float] | None:

@@ -19,7 +19,8 @@ from kvserve.server.errors import error_response
 # Routes that generate (they may stream), and all that put work on the engine.
 # Everything else (models, tokenize, health, metrics) stays cheap and is served even
 # while draining or full.
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses",
+                              "/v1/messages"})
 ENGINE_PATHS = GENERATION_PATHS | {"/v1/embeddings"}
 RETRY_AFTER_S = 1
 

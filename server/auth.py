@@ -1,5 +1,6 @@
 """API keys (`--api-key`, `--admin-api-key`): every /v1 route, /tokenize and
-/detokenize need `Authorization: Bearer <key>` when any key is set.
+/detokenize need `Authorization: Bearer <key>` (or `x-api-key: <key>`, as Anthropic's
+clients send it) when any key is set.
 
 /health, /ready, /version and /metrics stay open for probes and scrapers, unless
 `--protect-metrics` guards them too. /tokenize and /detokenize are behind the key
@@ -68,7 +69,8 @@ class ApiKeyMiddleware:
         if (scope["type"] != "http" or scope["method"] == "OPTIONS"  # CORS preflight
                 or not guarded(scope["path"], self.protect_metrics)):
             return await self.app(scope, receive, send)
-        found = self._principal(Headers(scope=scope).get("authorization"))
+        headers = Headers(scope=scope)
+        found = self._principal(headers.get("authorization"), headers.get("x-api-key"))
         if isinstance(found, Principal):
             token = _CURRENT.set(found)
             try:
@@ -80,13 +82,22 @@ class ApiKeyMiddleware:
                                   headers={"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)
 
-    def _principal(self, header: str | None) -> Principal | tuple[str, str]:
-        """The Principal of the header's key if it is valid, else (message, code)."""
+    def _principal(self, header: str | None, api_key: str | None = None
+                   ) -> Principal | tuple[str, str]:
+        """The Principal of the request's key if it is valid, else (message, code).
+        The key comes as `Authorization: Bearer <key>` (OpenAI's clients) or as
+        `x-api-key: <key>` (Anthropic's): one key, the same rules either way; both
+        headers naming two different keys is no key at all."""
         scheme, _, token = (header or "").strip().partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            return ("Missing API key: send it as `Authorization: Bearer <key>`.",
-                    "missing_api_key")
-        given = _digest(token.strip())
+        bearer = token.strip() if scheme.lower() == "bearer" else ""
+        keys = {k for k in (bearer, (api_key or "").strip()) if k}
+        if not keys:
+            return ("Missing API key: send it as `Authorization: Bearer <key>` (or "
+                    "`x-api-key: <key>`).", "missing_api_key")
+        if len(keys) > 1:
+            return ("Authorization and x-api-key name two different keys: send one.",
+                    "invalid_api_key")
+        given = _digest(keys.pop())
         # Compare against every key, without stopping at a match, in constant time.
         ok = admin = False
         for digest, is_admin in self._digests:

@@ -17,7 +17,8 @@ from kvserve.server.structured_fields import AskedGrammar, asks_for_structure, s
 from kvserve.server.tool_parsers import CallStream
 from kvserve.server.tools import ToolPlan, tool_plan
 from kvserve.server.unsupported_fields import CHAT_FIELDS
-from kvserve.server.validation import check_prompt, output_budget, sampling_params
+from kvserve.server.validation import (bad_words_token_ids, check_prompt, output_budget,
+                                       sampling_params)
 
 
 class ChatService(GenerationService):
@@ -38,6 +39,8 @@ class ChatService(GenerationService):
         if plan is not None and plan.format is not None and plan.format.keeps_special_tokens:
             req.skip_special_tokens = False  # the calls' opening is a special token
         text, ids = await self.tokenization.run(self._prompt, req, plan)
+        words = await self.tokenization.run(bad_words_token_ids, tokenizer,
+                                            req.bad_words) if req.bad_words else None
         param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         max_tokens = output_budget(req.max_output_tokens, len(ids),
                                    self.engine.max_model_len, param)
@@ -46,7 +49,7 @@ class ChatService(GenerationService):
         groups = [PromptGroup(0, ids, sampling_params(
             req, max_tokens, self.vocab_size, num_logprobs, tool_grammar=tool_grammar,
             structured=asked.spec if asked is not None else None,
-            has_tokenizer=tokenizer is not None),
+            has_tokenizer=tokenizer is not None, bad_words=words),
             grammar_param="tools" if tool_grammar is not None
             else asked.param if asked is not None else None)]
         view = ChatView(chat_completion_id(), model, req, groups, tokenizer)

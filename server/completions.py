@@ -11,7 +11,8 @@ from kvserve.server.service import GenerationService
 from kvserve.server.spec_thread import run_off_loop
 from kvserve.server.structured_fields import AskedGrammar, asks_for_structure, structured_output
 from kvserve.server.unsupported_fields import COMPLETION_FIELDS
-from kvserve.server.validation import output_budget, prompt_token_ids, sampling_params
+from kvserve.server.validation import (bad_words_token_ids, output_budget, prompt_token_ids,
+                                       sampling_params)
 
 
 class CompletionService(GenerationService):
@@ -43,13 +44,16 @@ class CompletionService(GenerationService):
         # Token ids need no tokenizer: checking them costs less than parsing them
         # did, so they do not wait behind someone else's long text.
         ids = await self.tokenization.run(encode) if texts else encode()
-        groups = [self._group(i, p, req, prompt_ids, asked)
+        words = await self.tokenization.run(bad_words_token_ids, self.engine.tokenizer,
+                                            req.bad_words) if req.bad_words else None
+        groups = [self._group(i, p, req, prompt_ids, asked, words)
                   for i, (p, prompt_ids) in enumerate(zip(prompts, ids))]
         view = _CompletionView(completion_id(), model, req, groups, self.engine.tokenizer)
         return await self.respond(view, groups, req)
 
     def _group(self, index: int, prompt: str | list[int], req: CompletionRequest,
-               ids: list[int], asked: AskedGrammar | None):
+               ids: list[int], asked: AskedGrammar | None,
+               bad_words: list[list[int]] | None = None):
         # The engine always generates; for echo_only its one token is left out.
         max_tokens = 1 if req.echo_only else output_budget(req.max_tokens, len(ids),
                                                              self.engine.max_model_len)
@@ -57,7 +61,8 @@ class CompletionService(GenerationService):
         params = sampling_params(req, max_tokens, self.vocab_size, req.logprobs,
                                  prompt_logprobs,
                                  structured=asked.spec if asked is not None else None,
-                                 has_tokenizer=self.engine.tokenizer is not None)
+                                 has_tokenizer=self.engine.tokenizer is not None,
+                                 bad_words=bad_words)
         return PromptGroup(index, ids, params, prompt if isinstance(prompt, str) else None,
                            count_output=not req.echo_only,
                            grammar_param=asked.param if asked is not None else None)

@@ -134,12 +134,40 @@ class ServerConfig:
     shutdown_timeout: float = setting(
         30.0, "seconds in-flight requests may run after SIGTERM/SIGINT before they are "
         "aborted", parse=non_negative(float))
+    # vLLM's flag (server/tracing.py); vLLM sends OTLP over gRPC by default, this over
+    # HTTP, so the URL is the collector's /v1/traces (port 4318), not its gRPC port.
+    otlp_traces_endpoint: str | None = setting(
+        None, "export an OpenTelemetry span per request (vLLM's attribute names; a "
+        "traceparent header continues the caller's trace) over OTLP/HTTP to this URL, "
+        "e.g. http://localhost:4318/v1/traces; needs pip install 'kvserve[otel]' "
+        "(unset: no traces)")
 
     def __post_init__(self) -> None:
         if self.protect_metrics and not self.any_keys:
             raise ValueError("--protect-metrics needs --api-key (or KVSERVE_API_KEY)")
+        if self.otlp_traces_endpoint is not None:
+            _check_traces_endpoint(self.otlp_traces_endpoint)
 
     @property
     def any_keys(self) -> bool:
         """Whether requests need a key (any key, admin or not)."""
         return bool(self.api_keys or self.admin_api_keys)
+
+
+def _check_traces_endpoint(url: str) -> None:
+    """At start-up, before the engine: a URL, and the packages that export to it
+    (looked for, not imported)."""
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"--otlp-traces-endpoint must be an http(s) URL (OTLP/HTTP), "
+                         f"e.g. http://localhost:4318/v1/traces; got {url!r}")
+    import importlib.util
+
+    needed = ("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.http")
+    try:
+        missing = [m for m in needed if importlib.util.find_spec(m) is None]
+    except ModuleNotFoundError:  # not even the opentelemetry namespace
+        missing = list(needed)
+    if missing:
+        raise ValueError("--otlp-traces-endpoint needs the OpenTelemetry SDK and its "
+                         "OTLP/HTTP exporter (missing: " + ", ".join(missing) + "): "
+                         "pip install 'kvserve[otel]'")

@@ -19,6 +19,7 @@ from kvserve.server.generation import EXPECTED_ERRORS, status_of
 from kvserve.server.protocol import OpenAIRequest, TokenIds
 from kvserve.server.request_owners import engine_request_id
 from kvserve.server.tokenization import Tokenization
+from kvserve.server.tracing import note
 from kvserve.server.validation import check_model, lora_of, prompt_token_ids
 
 
@@ -62,6 +63,8 @@ class EmbeddingService:
             lambda: [prompt_token_ids(self.engine, x, "input") for x in inputs])
         rid = engine_request_id()
         lora = lora_of(self.engine, model)
+        # The request's span (server/tracing.py), when traced: no engine timings here.
+        note(model=model, request_id=rid, lora=lora, prompt_tokens=sum(map(len, ids)))
         tasks = [asyncio.create_task(self._embed(f"{rid}-{i}", x, lora))
                  for i, x in enumerate(ids)]
         try:

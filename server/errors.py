@@ -65,6 +65,7 @@ def sse_event(name: str, body: dict) -> str:
     return f"event: {name}\n" + sse_data(body)
 
 
+_PATH_CHARS = 256  # of an unknown route's path, named in its 404
 _LINE_BREAKS_IN_JSON = [(c, f"\\u{ord(c):04x}") for c in "\u2028\u2029\x85"]
 
 
@@ -85,8 +86,11 @@ def install_error_handlers(app: FastAPI) -> None:
                               param)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException):
-        return error_response(exc.status_code, str(exc.detail))
+    async def _http(request: Request, exc: StarletteHTTPException):
+        message = str(exc.detail)
+        if exc.status_code == 404 and message == "Not Found":  # the router's: no route
+            message = f"no route {request.method} {request.url.path[:_PATH_CHARS]}"
+        return error_response(exc.status_code, message)
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception):

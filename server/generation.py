@@ -17,6 +17,7 @@ from kvserve.scheduler.sampling_params import SamplingParams
 from kvserve.server.detokenizer import IncrementalDetokenizer
 from kvserve.server.errors import APIError
 from kvserve.server.metrics.frontend import current_clock
+from kvserve.server.tracing import watch_group
 
 log = logging.getLogger("kvserve.server")
 
@@ -135,6 +136,7 @@ async def run_group(engine: EngineClient, base_id: str, group: PromptGroup,
     gen = engine.generate(engine_id, group.prompt_ids, group.params,
                           cache_salt=opts.cache_salt, priority=opts.priority,
                           lora_name=opts.lora_name)
+    gen, emit = watch_group(base_id, group, opts, gen, emit)  # --otlp-traces-endpoint
     async with contextlib.aclosing(gen):
         with _deadline(engine, engine_id, opts.timeout):
             await _relay(engine, gen, seqs, group, emit)

@@ -52,6 +52,13 @@ class OffLoopJSONRoute(APIRoute):
         model = _body_model(self)
 
         async def handle_off_loop(request: Request) -> Response:
+            if model is not None and not _is_json(request):
+                # FastAPI would hand the model the raw bytes and say "Input should be a
+                # valid dictionary", which names neither the header nor the fix (curl's
+                # -d alone sends application/x-www-form-urlencoded).
+                kind = request.headers.get("content-type", "")[:100]
+                raise APIError(400, f"the body must be JSON: send `Content-Type: "
+                               f"application/json` (this request sent `{kind}`)", "body")
             if _is_json(request):
                 body = await request.body()
                 if len(body) > INLINE_JSON_BYTES:

@@ -22,19 +22,25 @@ from kvserve.server.metrics import ServerMetrics
 from kvserve.server.metrics.frontend import ArrivalMiddleware
 from kvserve.server.tokenization import Tokenization
 from kvserve.server.tokenize_api import tokenize_router
+from kvserve.server.tracing import Tracing, TracingMiddleware
 
 
 def install_ops(app: FastAPI, engine: EngineClient, model_names: list[str], version: str,
-                config: ServerConfig, tokenization: Tokenization) -> ServerMetrics:
+                config: ServerConfig, tokenization: Tokenization,
+                span_exporter=None) -> ServerMetrics:
     """tokenization: the thread and tokenizer of /tokenize and /detokenize (their own,
-    not generation's)."""
+    not generation's). span_exporter: see build_app."""
     admission = Admission(engine, config.max_waiting_requests, config.max_waiting_tokens)
     app.state.admission = admission  # the shutdown drain finds it here
-    # Middlewares run outermost (added last) first: arrival, key, body, admission.
+    # Middlewares run outermost (added last) first: arrival, key, trace, body, admission.
     app.add_middleware(AdmissionMiddleware, admission=admission)
     # Outside admission: an oversized or slow body is refused before anything parses it.
     app.add_middleware(BodyLimitMiddleware, limit=config.max_request_body_bytes,
                        read_timeout=config.body_read_timeout)
+    if config.otlp_traces_endpoint or span_exporter is not None:
+        # Inside the key check: a request without a valid key leaves no span.
+        app.state.tracing = Tracing(config.otlp_traces_endpoint, span_exporter)
+        app.add_middleware(TracingMiddleware, tracing=app.state.tracing, paths=ENGINE_PATHS)
     if config.any_keys:  # outside the body's read: no key, no byte of it read
         app.add_middleware(ApiKeyMiddleware, keys=list(config.api_keys),
                            admin_keys=list(config.admin_api_keys),

@@ -60,6 +60,13 @@ class SamplingFields(OpenAIRequest):
     # Infinity is valid JSON to Python's parser: not a penalty (vLLM: finite)
     repetition_penalty: float | None = Field(default=1.0, gt=0.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
+    # vLLM's: only these token ids may be sampled (checked against the vocabulary,
+    # at most its size: server/validation.py)
+    allowed_token_ids: list[int] | None = None
+    # vLLM's: words never generated, each tokenized as it is and after a space
+    # (server/validation.py); at most MAX_BAD_WORDS of MAX_BAD_WORD_CHARS each
+    # (server/request_caps.py)
+    bad_words: list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True

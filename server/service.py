@@ -15,6 +15,7 @@ from kvserve.server.request_caps import refuse_past_counts
 from kvserve.server.request_owners import ENGINE_ID_HEADER, engine_request_id
 from kvserve.server.response_view import ResponseView
 from kvserve.server.tokenization import Tokenization
+from kvserve.server.tracing import note
 from kvserve.server.unsupported_fields import Harmless, refuse_unsupported
 from kvserve.server.validation import check_model, lora_of
 
@@ -37,6 +38,7 @@ class GenerationService:
         (server/unsupported_fields.py), 503 (a status, not an error inside a 200
         stream) when the engine is down."""
         model = check_model(req.model, self.model_names, self.engine.adapters.served)
+        note(model=model)  # the request's span (server/tracing.py), when traced
         refuse_unsupported(req, self.unsupported_fields)
         refuse_past_counts(req, self.config)
         if not self.engine.is_alive:

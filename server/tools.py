@@ -43,12 +43,12 @@ class ToolPlan:
         """A finished output's content (what is not a call) and its tool calls (None:
         not parseable, e.g. cut short by max_tokens, then it is answered as text)."""
         if self.mode == "named":
-            return "", [self.call(self.name, text)]
+            return "", [self.call(self.name, escaped_controls(text))]
         if self.mode == "auto":
             content, calls = self.format.split(text)
             return content.strip(), [self.call(name, args) for name, args in calls]
         try:
-            items = json.loads(text)
+            items = json.loads(text, strict=False)  # raw control characters: see below
         except json.JSONDecodeError:
             return text, None
         return "", [self.call(item["name"], json.dumps(item["parameters"])) for item in items]
@@ -57,6 +57,22 @@ class ToolPlan:
     def call(name: str, arguments: str) -> dict:
         return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                 "function": {"name": name, "arguments": arguments}}
+
+
+def escaped_controls(arguments: str) -> str:
+    """The arguments as valid JSON. The JSON grammars let raw control characters
+    (U+0000-U+001F) into strings, which strict parsers refuse; such arguments are
+    written again with them escaped. Anything else is returned unchanged, byte for
+    byte (so a call's whole arguments equal its streamed deltas whenever they can)."""
+    try:
+        json.loads(arguments)
+        return arguments
+    except json.JSONDecodeError:
+        pass
+    try:
+        return json.dumps(json.loads(arguments, strict=False))
+    except json.JSONDecodeError:
+        return arguments  # not JSON at all (cut short): left for the client to see
 
 
 def tool_plan(tools: Any, tool_choice: Any, parallel: Any, template: str | None = None,

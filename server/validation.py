@@ -57,6 +57,30 @@ def encode_text(tokenizer, text: str, param: str = "prompt", **kw) -> list[int]:
                        f"({type(exc).__name__})", param) from exc
 
 
+def bad_words_token_ids(tokenizer, words: list[str] | None) -> list[list[int]] | None:
+    """vLLM's reading of `bad_words` (its SamplingParams.update_from_tokenizer): each
+    word, leading whitespace dropped, tokenized without special tokens, and again
+    after a space when that gives as many tokens with another first one (the word
+    met mid-text); the engine bans each sequence. On the tokenizer's thread."""
+    if not words:
+        return None
+    if tokenizer is None:
+        raise no_tokenizer("bad_words")
+    out: list[list[int]] = []
+    for word in words:
+        word = word.lstrip()
+        plain = encode_text(tokenizer, word, "bad_words", add_special_tokens=False) \
+            if word else []
+        if not plain:
+            raise APIError(400, "bad_words: each word needs text besides whitespace",
+                           "bad_words")
+        out.append(plain)
+        spaced = encode_text(tokenizer, " " + word, "bad_words", add_special_tokens=False)
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return out
+
+
 def output_budget(max_tokens: int | None, prompt_len: int, max_model_len: int,
                   param: str = "max_tokens") -> int:
     """max_tokens, or all the room the context leaves; 400 (vLLM's words) if too many."""
@@ -75,10 +99,12 @@ def sampling_params(req: SamplingFields, max_tokens: int, vocab_size: int,
                     prompt_logprobs: int | None = None,
                     tool_grammar: StructuredOutput | None = None,
                     structured: StructuredOutput | None = None,
-                    has_tokenizer: bool = True) -> SamplingParams:
+                    has_tokenizer: bool = True,
+                    bad_words: list[list[int]] | None = None) -> SamplingParams:
     """tool_grammar: what the request's tool calling makes the output (server/tools.py);
     structured: its structured output, already read and checked off the event loop
-    (server/structured_fields.py)."""
+    (server/structured_fields.py); bad_words: the request's, tokenized off the event
+    loop (bad_words_token_ids)."""
     _check_cross_fields(req, max_tokens)
     if structured is not None and not has_tokenizer:
         raise APIError(400, "structured outputs need the model's tokenizer, and this "
@@ -93,6 +119,15 @@ def sampling_params(req: SamplingFields, max_tokens: int, vocab_size: int,
         param = "logit_bias" if bad in bias else "stop_token_ids"
         raise APIError(400, f"token id {bad} is out of the vocabulary (0..{vocab_size - 1})",
                        param)
+    allowed = _allowed_token_ids(req.allowed_token_ids, vocab_size)
+    bad = next((t for ids in bad_words or () for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:  # a tokenizer with more tokens than the model
+        raise APIError(400, f"bad_words: token id {bad} is out of the model's vocabulary "
+                       f"(0..{vocab_size - 1})", "bad_words")
+    if allowed is not None and bad_words and \
+            {ids[0] for ids in bad_words if len(ids) == 1}.issuperset(allowed):
+        raise APIError(400, "bad_words ban every token of allowed_token_ids: nothing could "
+                       "be generated", "allowed_token_ids")
     try:
         return SamplingParams(
             max_tokens=max_tokens, n=req.n,
@@ -104,9 +139,32 @@ def sampling_params(req: SamplingFields, max_tokens: int, vocab_size: int,
             frequency_penalty=_or(req.frequency_penalty, 0.0),
             repetition_penalty=_or(req.repetition_penalty, 1.0),
             logit_bias=bias or None, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            speculative=req.speculative, structured=structured or tool_grammar)
+            speculative=req.speculative, structured=structured or tool_grammar,
+            allowed_token_ids=allowed, bad_words_token_ids=bad_words)
     except ValueError as exc:
         raise APIError(400, str(exc)) from exc
+
+
+def _allowed_token_ids(ids: list[int] | None, vocab_size: int) -> list[int] | None:
+    """vLLM's checks: not empty, every id in the vocabulary. At most vocab_size ids
+    (what a set can hold), so the most one request costs is a list of one vocabulary
+    (parsed by pydantic, then a few passes over it here, in SamplingParams and in
+    the engine's checks: milliseconds at 150k ids), and one vocabulary of bools on
+    the device, built once and kept while it runs (engine/sampling/adjustments.py);
+    per step, its row is masked with it."""
+    if ids is None:
+        return None
+    if not ids:
+        raise APIError(400, "allowed_token_ids must not be empty (leave it out to allow "
+                       "every token)", "allowed_token_ids")
+    if len(ids) > vocab_size:
+        raise APIError(400, f"allowed_token_ids may list at most {vocab_size} ids (the "
+                       f"vocabulary's size), got {len(ids)}", "allowed_token_ids")
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        bad = next(t for t in ids if not 0 <= t < vocab_size)
+        raise APIError(400, f"allowed_token_ids: token id {bad} is out of the vocabulary "
+                       f"(0..{vocab_size - 1})", "allowed_token_ids")
+    return ids
 
 
 def _check_cross_fields(req: SamplingFields, max_tokens: int) -> None:

@@ -133,7 +133,7 @@ class Engine(RuntimeAdapters):
     def validate(self, prompt_token_ids: list[int],
                  params: SamplingParams | None = None) -> None:
         """Raises ValueError for a prompt (or sampling parameters: token ids in
-        logit_bias) this engine can never run."""
+        logit_bias, allowed_token_ids or bad words) this engine can never run."""
         check_request(prompt_token_ids, params, self.max_model_len,
                       self.model_config.vocab_size)
 
@@ -201,8 +201,9 @@ class Engine(RuntimeAdapters):
         """May the next step be planned before this one's tokens reach the host?
         Not if it must see them there first: a parent forking its siblings, prompt
         logprobs in progress, or a request whose next token's logits processing
-        reads its history: penalties, or min_tokens not yet reached (the count
-        decides whether stop tokens are banned). Logprobs and logit_bias need
+        reads its history: penalties, bad words of more than one token, or
+        min_tokens not yet reached (the count decides whether stop tokens are
+        banned). Logprobs, logit_bias and allowed_token_ids need
         nothing from the host, and a grammar mask takes the tokens it needs when
         the next step samples (Sampler._catch_up), after its forward pass."""
         for s in out.scheduled:
@@ -211,7 +212,8 @@ class Engine(RuntimeAdapters):
                 return False
             params = req.params
             if s.samples and params.needs_processing and (
-                    params.has_penalties or req.num_output_tokens < params.min_tokens):
+                    params.has_penalties or req.num_output_tokens < params.min_tokens
+                    or (params.bad_words is not None and params.bad_words.reads_output)):
                 return False
             if s.samples and req.pending_forks:
                 return False

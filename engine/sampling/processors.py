@@ -1,7 +1,8 @@
 """Logits processors: pure tensor functions, each on a [rows, vocab] float block.
 
-Order (vLLM v1): min-tokens mask, logit_bias and penalties apply to every row, greedy
-ones included (greedy is the argmax after them); then temperature, min_p, top-k and
+Order (vLLM v1): min-tokens mask and bad words, logit_bias, penalties and the
+allowed_token_ids mask apply to every row, greedy ones included (greedy is the argmax
+after them; the -infs of the masks make their order irrelevant); then temperature, min_p, top-k and
 top-p shape the distribution of random rows only."""
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Logits adjustments for verification rows. Row j (0..k) of a request with drafts
-x_1..x_k predicts the token after x_1..x_j, so its min-tokens mask and penalties must
-see those j draft tokens as already generated; logit_bias is the same on every row.
+x_1..x_k predicts the token after x_1..x_j, so its min-tokens mask, bad words and
+penalties must see those j draft tokens as already generated; logit_bias and the
+allowed_token_ids mask are the same on every row.
 `DraftPosition` shows a request as it would be at row j, with the attributes that
 `engine.sampling.adjustments.build_adjustments` reads, so the engine's own builder
 makes the adjustments of all k + 1 rows."""

@@ -10,6 +10,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from kvserve.engine.client.engine_client import EngineClient
+from kvserve.server.anthropic.errors import AnthropicErrorMiddleware, document_errors
+from kvserve.server.anthropic.protocol import CountTokensRequest, MessagesRequest
+from kvserve.server.anthropic.service import MessagesService
 from kvserve.server.auth import current_principal
 from kvserve.server.chat import ChatService
 from kvserve.server.completions import CompletionService
@@ -37,11 +40,13 @@ VERSION = "0.1.0"
 
 
 def build_app(engine: EngineClient, model_names: list[str], model_root: str = "",
-              config: ServerConfig = ServerConfig()) -> FastAPI:
+              config: ServerConfig = ServerConfig(), span_exporter=None) -> FastAPI:
     """`engine` must not be started yet: the app starts it at startup and stops it at
     shutdown, so a test server and a real one live the same way. `config` holds the
     keys, the admission and request limits and the request timeout (server/config.py;
-    the host, port and the rest are for the process that serves the app)."""
+    the host, port and the rest are for the process that serves the app).
+    span_exporter: a test hook, an OpenTelemetry SpanExporter the request spans go to
+    (as with --otlp-traces-endpoint) instead of OTLP/HTTP (server/tracing.py)."""
 
     tokenization = Tokenization(engine.tokenizer, engine.max_model_len)
     tokenize_routes = tokenization.copy()  # /tokenize, /detokenize: never ahead of a prompt
@@ -62,7 +67,8 @@ def build_app(engine: EngineClient, model_names: list[str], model_root: str = ""
     app.router.route_class = OffLoopJSONRoute  # bodies of megabytes (server/json_body.py)
     setattr(app.state, BODY_CHECK, functools.partial(refuse_past_counts, config=config))
     install_error_handlers(app)
-    metrics = install_ops(app, engine, model_names, VERSION, config, tokenize_routes)
+    metrics = install_ops(app, engine, model_names, VERSION, config, tokenize_routes,
+                          span_exporter)
     admission = app.state.admission
 
     def closing() -> str | None:  # the drain is over: nothing left to watch
@@ -87,8 +93,8 @@ def build_app(engine: EngineClient, model_names: list[str], model_root: str = ""
 
 def _install_generation(app: FastAPI, engine: EngineClient, model_names: list[str],
                         tokenization: Tokenization, config: ServerConfig) -> ChatService:
-    """/v1/completions, /v1/chat/completions and /v1/embeddings; the chat service
-    (Responses runs through it)."""
+    """/v1/completions, /v1/chat/completions, /v1/embeddings and Anthropic's
+    /v1/messages; the chat service (Responses and Messages run through it)."""
     completions = CompletionService(engine, model_names, tokenization, config)
 
     @app.post("/v1/completions")
@@ -108,6 +114,7 @@ def _install_generation(app: FastAPI, engine: EngineClient, model_names: list[st
     async def create_embeddings(req: EmbeddingRequest, request: Request):
         return await _cancel_on_disconnect(request, embeddings.create(req))
 
+    _install_anthropic(app, MessagesService(chat))
     return chat
 
 
@@ -125,6 +132,20 @@ def _install_responses(app: FastAPI, responses: ResponsesService) -> None:
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str):
         return responses.delete(response_id, current_principal().owner)
+
+
+def _install_anthropic(app: FastAPI, messages: MessagesService) -> None:
+    """Anthropic's Messages API (server/anthropic/), its errors in Anthropic's shape."""
+    @app.post("/v1/messages")
+    async def create_message(req: MessagesRequest, request: Request):
+        return await _cancel_on_disconnect(request, messages.create(req))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(req: CountTokensRequest, request: Request):
+        return await _cancel_on_disconnect(request, messages.count_tokens(req))
+
+    app.add_middleware(AnthropicErrorMiddleware)  # after install_ops: outermost
+    document_errors(app)
 
 
 async def _cancel_on_disconnect(request: Request, coro):

@@ -12,7 +12,8 @@ from pydantic import ValidationError
 
 from kvserve.server import generation
 from kvserve.server.chat import ChatService, ChatView
-from kvserve.server.errors import APIError, sse_event
+from kvserve.server.chat_stream import DeltaRelay, typed_events
+from kvserve.server.errors import APIError
 from kvserve.server.protocol import ChatCompletionRequest, SamplingFields
 from kvserve.server.request_owners import ENGINE_ID_HEADER, engine_request_id
 from kvserve.server.responses.inputs import (chat_response_format, chat_tool_choice, chat_tools,
@@ -66,24 +67,14 @@ class ResponsesService:
 
     async def _sse(self, req: ResponsesRequest, view: ChatView, writer: OutputWriter,
                    events, conversation: list[dict], owner: str):
-        yield _sse(writer.start())
-        last, finish, error = None, None, None
-        async with contextlib.aclosing(events):  # closing it aborts what still runs
-            async for batch in events:
-                error = batch.pop() if isinstance(batch[-1], APIError) else None
-                out = []
-                for d in batch:
-                    last = d
-                    for choice in view.chunk_choices(d):
-                        out += writer.delta(choice["delta"])
-                        finish = choice["finish_reason"] or finish
-                if out:
-                    yield _sse(out)
-                view.clock.sent(batch)
-                if error is not None:
-                    break
+        yield typed_events(writer.start())
+        relay = DeltaRelay()
+        async with contextlib.aclosing(relay.frames(view, writer, events)) as frames:
+            async for frame in frames:
+                yield frame
+        last, finish, error = relay.last, relay.finish, relay.error
         usage = self._usage(view, last, writer) if last is not None else None
-        yield _sse(writer.finish(finish, usage, error.message if error else None))
+        yield typed_events(writer.finish(finish, usage, error.message if error else None))
         if error is None:
             self._keep(req, writer, conversation, owner)
 
@@ -199,8 +190,3 @@ def _not_found(rid: str, param: str) -> APIError:
     return APIError(404, f"Response with id {rid!r} not found (stored responses live in "
                     "this server's memory, for --responses-store-ttl seconds, and not "
                     "across restarts).", param)
-
-
-def _sse(events: list[dict]) -> str:
-    """Responses events as OpenAI sends them: an `event:` line with each one's type."""
-    return "".join(sse_event(e["type"], e) for e in events)

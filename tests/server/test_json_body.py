@@ -77,9 +77,14 @@ def test_json_nested_past_pythons_parser_is_a_400_not_a_500():
     assert "nests too deeply" in r.json()["error"]["message"]
 
 
-def test_a_body_that_is_not_declared_json_is_left_to_fastapi():
-    r = _post(_app(), json.dumps({"n": 1, "pad": PAD}).encode(), "text/plain")
-    assert r.status_code == 400  # FastAPI reads it as bytes, not a Body
+@pytest.mark.parametrize("pad", ["", PAD], ids=["small", "big"])
+@pytest.mark.parametrize("kind", ["text/plain", "application/x-www-form-urlencoded"])
+def test_a_body_not_declared_json_is_a_400_that_names_the_header(kind, pad):
+    r = _post(_app(), json.dumps({"n": 1, "pad": pad}).encode(), kind)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert "Content-Type: application/json" in error["message"] and kind in error["message"]
+    assert error["param"] == "body"
 
 
 def test_the_loop_runs_while_a_big_body_is_read(monkeypatch):
