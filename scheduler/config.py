@@ -14,6 +14,9 @@ class SchedulerConfig:
     policy: str = "fcfs"  # fcfs | priority
     # Most tokens one request may compute in a step (0: no cap beyond the budget).
     long_prefill_token_threshold: int = 0
+    # Most prompt tokens background requests (batch jobs' lines) compute in a step
+    # while an interactive request runs or waits (0: no cap).
+    background_prefill_tokens: int = 0
     # Most LoRA adapters among running requests (0: no limit; LoRA off): the
     # adapter slots the model has. A request of another adapter waits for one.
     max_loras: int = 0

@@ -25,7 +25,7 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  params: SamplingParams, eos_token_ids: Sequence[int] = (),
                  arrival_time: float | None = None, cache_salt: str | None = None,
-                 priority: int = 0, lora: str | None = None):
+                 priority: int = 0, lora: str | None = None, background: bool = False):
         if not prompt_token_ids:
             raise ValueError("the prompt must contain at least one token")
         self.request_id = request_id
@@ -41,6 +41,9 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache
         self.cache_salt = cache_salt
         self.priority = priority  # lower is sooner (priority policy)
+        # A batch job's line (server/batch/): waits behind every interactive request,
+        # whatever the policy, and is the first to be preempted (waiting_queue.py).
+        self.background = background
         # The LoRA adapter it runs under (the engine's key for it), None: the base model.
         self.lora = lora
         self.status = RequestStatus.WAITING
@@ -73,7 +76,8 @@ class Request:
             seed = None if self.params.seed is None else self.params.seed + i
             child = Request(child_id, self.token_ids,
                             replace(self.params, n=1, seed=seed), self.eos_token_ids,
-                            self.arrival_time, self.cache_salt, self.priority, self.lora)
+                            self.arrival_time, self.cache_salt, self.priority, self.lora,
+                            self.background)
             child.group_id, child.index = self.group_id, i
             self.pending_forks.append(child)
 

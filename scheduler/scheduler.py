@@ -6,9 +6,11 @@ Running requests are served first (a decode is one token, the rest of a chunked 
 up to the budget), then waiting requests are admitted while the budget, the sequence
 cap and the KV cache allow. A long prompt is cut into chunks that share steps with
 everyone else's decodes. When the cache cannot hold a running request's next tokens,
-the lowest-priority, latest-arrived running request is preempted: its blocks are freed
-and it is recomputed later (prefix hits make that cheap), keeping the tokens it has
-already generated. Nobody is preempted just to admit a newcomer.
+the lowest-priority, latest-arrived running request is preempted (background ones,
+batch jobs' lines, first): its blocks are freed and it is recomputed later (prefix
+hits make that cheap), keeping the tokens it has already generated. Nobody is
+preempted just to admit a newcomer. Background requests wait behind interactive
+ones, and their prompts leave interactive requests most of a step (schedule()).
 
 A request's computed tokens count a step's tokens from the moment it is scheduled,
 and the token the step will sample is pending until update() brings it. That lets
@@ -23,6 +25,7 @@ from kvserve.kvcache.events import KVCacheEvent
 from kvserve.scheduler.config import KVCacheConfig, SchedulerConfig
 from kvserve.scheduler.failed_steps import withdraw_unwritten
 from kvserve.scheduler.output import ScheduledRequest, SchedulerOutput
+from kvserve.scheduler.preemption import Preemption
 from kvserve.scheduler.request import Request, RequestStatus
 from kvserve.scheduler.snapshot import SchedulerSnapshot
 from kvserve.scheduler.stats import SchedulerStats
@@ -30,7 +33,10 @@ from kvserve.scheduler.step_results import StepResults
 from kvserve.scheduler.waiting_queue import make_waiting_queue
 
 
-class Scheduler(StepResults):
+INTERACTIVE_LINGER_S = 2.0
+
+
+class Scheduler(Preemption, StepResults):
     """Owns the waiting and running queues and the KV cache manager; the engine
     drives it by schedule / update / abort / fail_requests, reads stats() every
     step and snapshot() when someone watches the engine page."""
@@ -51,6 +57,10 @@ class Scheduler(StepResults):
         # until all have finished: what abort_request finds them by.
         self.groups: dict[str, list[Request]] = {}
         self.num_preemptions = 0
+        # What background prompts may still compute in the step being planned, and
+        # until when their share stays small (interactive requests were seen).
+        self._background_left = config.max_num_batched_tokens
+        self._interactive_until = float("-inf")
 
     # -- requests in and out ------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -125,9 +135,26 @@ class Scheduler(StepResults):
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        budget = self._schedule_running(out, budget)
+        # Background prompts (batch jobs) leave the step's budget to interactive
+        # requests first: all of it while interactive ones wait, a token for each
+        # running one behind them, and at most background_prefill_tokens while any
+        # runs or ran in the last INTERACTIVE_LINGER_S (a client's next request comes
+        # soon, and finds a step in flight), so a batch's long prefills delay neither a
+        # user's first token nor the next: a step with a whole budget of prompt takes
+        # half a second on 2 cores. If that leaves the step empty (the newcomers did
+        # not fit), the background prompts take it after all.
+        running = self.running
+        background = sum(1 for r in running if r.background) if running else 0
+        hold = background > 0 and bool(self.waiting.foreground)
+        cap, now = self.config.background_prefill_tokens, time.monotonic()
+        if self.waiting.foreground or len(running) > background:
+            self._interactive_until = now + INTERACTIVE_LINGER_S
+        self._background_left = cap if cap > 0 and now < self._interactive_until else budget
+        budget = self._schedule_running(out, budget, background, hold)
         if not out.preempted:  # never preempt someone just to admit a newcomer
             self._admit_waiting(out, budget)
+        if hold and not out.scheduled:
+            self._schedule_running(out, budget, background, False)
         out.block_copies = self.kv.take_copies()
         return out
 
@@ -136,22 +163,41 @@ class Scheduler(StepResults):
         cap = self.config.long_prefill_token_threshold
         return min(n, cap) if cap > 0 else n
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _background_chunk(self, req: Request, budget: int, foreground_after: int,
+                          hold: bool) -> int:
+        """A running background prompt's tokens this step: none while interactive
+        requests wait (hold), else within the step's background share, leaving a
+        token for each interactive request after it."""
+        if hold:
+            return 0
+        n = self._num_new_tokens(req, min(self._background_left, budget - foreground_after))
+        self._background_left -= max(n, 0)
+        return n
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, background: int = 0,
+                          hold_background: bool = False) -> int:
         # The hot loop of the engine (every running request, every step): bound
-        # methods are hoisted, and a decode skips the general token count.
+        # methods are hoisted, and a decode skips the general token count. background:
+        # how many running requests are; hold_background: their prompts wait a step.
         running, allocate, table = self.running, self.kv.allocate_slots, self.kv.live_block_table
         groups = self.kv.live_group_tables
         scheduled = out.scheduled
+        foreground_after = len(running) - background  # interactive ones from i on
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
+            foreground_after -= not req.background
             pending = req.num_pending_tokens
             if pending and self._ends_with_pending(req):
                 i += 1  # its last token is still on the way: nothing left to compute
                 continue
             n = len(req.token_ids) + pending - req.num_computed_tokens
             if n != 1:
-                n = self._num_new_tokens(req, budget)
+                n = (self._background_chunk(req, budget, foreground_after, hold_background)
+                     if req.background else self._num_new_tokens(req, budget))
+                if n <= 0 and req.background:
+                    i += 1
+                    continue
             elif req.spec_token_ids:
                 # Drafts never take the token another running request needs.
                 item = self._schedule_drafts(req, budget - (len(running) - i - 1))
@@ -176,26 +222,6 @@ class Scheduler(StepResults):
             budget -= n
             i += 1
         return budget
-
-    def _make_room(self, req: Request, n: int, out: SchedulerOutput, i: int,
-                   budget: int) -> tuple[int, int]:
-        """req's n tokens (req at running[i]) did not fit: frees blocks until they do,
-        or req itself is preempted: first the blocks of requests about to finish,
-        then victims the policy picks. Returns i and the budget, corrected for
-        victims served earlier in this step, whose tokens are taken back."""
-        while True:
-            finishing = self._finishing(out)
-            if not self._free_blocks_of(finishing):
-                victim = self._pick_victim(finishing)
-                if self.running.index(victim) < i:  # served before req (or skipped)
-                    budget += self._unschedule(victim, out)
-                    i -= 1
-                self._preempt(victim, out)
-                if victim is req:
-                    return i, budget
-            if self.kv.allocate_slots(req.request_id, req.token_ids,
-                                      req.num_computed_tokens, n, 0, req.num_pending_tokens):
-                return i, budget
 
     def _ends_with_pending(self, req: Request) -> bool:
         """Will the tokens still on their way finish `req` by length (max_tokens or
@@ -222,48 +248,6 @@ class Scheduler(StepResults):
         req.num_pending_tokens += 1
         return item
 
-    def _finishing(self, out: SchedulerOutput) -> list[Request]:
-        """Async scheduling: running requests left out of this step because the token
-        on its way ends them (the pending tokens of those in it are this step's)."""
-        this_step = {id(s.request) for s in out.scheduled}
-        return [r for r in self.running if r.num_pending_tokens and id(r) not in this_step
-                and self._ends_with_pending(r)]
-
-    def _free_blocks_of(self, finishing: list[Request]) -> bool:
-        """When blocks run out, finishing requests give theirs up first: they compute
-        nothing more (the step still writing them runs before any later step reads
-        them). True if any blocks were freed."""
-        freed = False
-        for r in finishing:
-            if self.kv.live_block_table(r.request_id):
-                self.kv.free(r.request_id, r.num_computed_tokens)
-                freed = True
-        return freed
-
-    def _pick_victim(self, finishing: list[Request]) -> Request:
-        running = self.running
-        if finishing:  # they hold no blocks any more
-            running = [r for r in running if r not in finishing]
-        if self.config.policy == "priority":
-            # Ties (siblings of one prompt share its arrival) go to the latest
-            # admitted, as in fcfs: taking the front one, which has computed the
-            # most, again and again could cycle the group forever.
-            return max(reversed(running), key=lambda r: (r.priority, r.arrival_time))
-        return running[-1]
-
-    @staticmethod
-    def _unschedule(req: Request, out: SchedulerOutput) -> int:
-        """Takes req's share of this step back; returns its tokens (0: it had none,
-        its last token still on the way)."""
-        item = next((s for s in out.scheduled if s.request is req), None)
-        if item is None:
-            return 0
-        out.scheduled.remove(item)
-        req.num_computed_tokens = item.start
-        if item.samples:
-            req.num_pending_tokens -= 1
-        return item.num_new_tokens + len(item.spec_token_ids)
-
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         skipped: list[Request] = []  # no slot for their LoRA adapter: they step aside
         self._admit(out, budget, skipped)
@@ -284,6 +268,8 @@ class Scheduler(StepResults):
                 return
             if req.num_pending_tokens:  # preempted with its token still on the way
                 return
+            if req.background and self._background_left <= 0:
+                return  # the rest wait too: background ones come last
             if req.lora not in adapters and len(adapters) > self.config.max_loras > 0:
                 skipped.append(self.waiting.pop())
                 continue
@@ -294,7 +280,8 @@ class Scheduler(StepResults):
                 req.num_computed_tokens = cached
                 if req.num_preemptions == 0:
                     req.num_cached_tokens = cached
-            n = self._num_new_tokens(req, budget)
+            n = self._num_new_tokens(req, min(budget, self._background_left)
+                                     if req.background else budget)
             if not self.kv.allocate_slots(req.request_id, req.token_ids,
                                           req.num_computed_tokens, n):
                 self.kv.free(req.request_id)  # let go of the prefix it looked up
@@ -313,19 +300,7 @@ class Scheduler(StepResults):
             req.num_computed_tokens += n
             req.num_pending_tokens += item.samples
             budget -= n
-
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
-        self.running.remove(req)
-        # Blocks past its computed tokens (its step in this schedule was taken back)
-        # are hashed but never computed. A token still pending comes in by update().
-        self.kv.free(req.request_id, req.num_computed_tokens)
-        req.num_computed_tokens = 0
-        req.spec_token_ids = []
-        req.num_preemptions += 1
-        req.status = RequestStatus.WAITING
-        self.waiting.push_front(req)
-        self.num_preemptions += 1
-        out.preempted.append(req.request_id)
+            self._background_left -= n if req.background else 0
 
     def _release(self, req: Request) -> None:
         self.kv.free(req.request_id)

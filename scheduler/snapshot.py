@@ -31,6 +31,7 @@ class RequestView:
     num_preemptions: int
     block_ids: tuple[int, ...]  # its block table (running requests only)
     lora: str | None = None
+    max_tokens: int = 0  # the most it may generate (its request's max_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,4 +62,4 @@ def _view(req: Request, block_ids: tuple[int, ...]) -> RequestView:
         phase = "preempted" if req.num_preemptions else "waiting"
     return RequestView(req.group_id, req.index, phase, req.num_prompt_tokens,
                        req.num_tokens, req.num_computed_tokens, req.num_cached_tokens,
-                       req.num_preemptions, block_ids, req.lora)
+                       req.num_preemptions, block_ids, req.lora, req.params.max_tokens)

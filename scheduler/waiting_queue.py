@@ -1,7 +1,10 @@
 """The queue of requests waiting for admission, one class per scheduling policy.
 
 Both put a preempted request back at the head of its priority class, so it resumes
-before anything that arrived after it."""
+before anything that arrived after it. Whatever the policy, background requests
+(batch jobs' lines) wait in a queue of their own behind every interactive one
+(ForegroundFirst): a batch of 50,000 lines never stands between a user and the
+engine, and its lines still keep their policy's order among themselves."""
 from __future__ import annotations
 
 import heapq
@@ -81,9 +84,49 @@ class PriorityQueue:
         return (e[2] for e in sorted(self._heap, key=lambda e: e[:2]))
 
 
-def make_waiting_queue(policy: str):
+class ForegroundFirst:
+    """Two queues of one policy: interactive requests, then background ones. The
+    scheduler sees one queue."""
+
+    def __init__(self, make):
+        self.foreground, self.background = make(), make()
+
+    def _of(self, req: Request):
+        return self.background if req.background else self.foreground
+
+    def push(self, req: Request) -> None:
+        self._of(req).push(req)
+
+    def push_front(self, req: Request) -> None:
+        self._of(req).push_front(req)
+
+    def push_front_all(self, reqs: list[Request]) -> None:
+        for req in reversed(reqs):
+            self._of(req).push_front(req)
+
+    def _first(self):
+        return self.foreground if self.foreground else self.background
+
+    def peek(self) -> Request:
+        return self._first().peek()
+
+    def pop(self) -> Request:
+        return self._first().pop()
+
+    def remove(self, req: Request) -> None:
+        self._of(req).remove(req)
+
+    def __len__(self) -> int:
+        return len(self.foreground) + len(self.background)
+
+    def __iter__(self):
+        yield from self.foreground
+        yield from self.background
+
+
+def make_waiting_queue(policy: str) -> ForegroundFirst:
     if policy == "fcfs":
-        return FCFSQueue()
+        return ForegroundFirst(FCFSQueue)
     if policy == "priority":
-        return PriorityQueue()
+        return ForegroundFirst(PriorityQueue)
     raise ValueError(f"unknown scheduling policy {policy!r}; choose fcfs or priority")

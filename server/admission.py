@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.engine.client.engine_client import EngineClient
+from kvserve.server.background import in_background
 from kvserve.server.errors import error_response
 
 # Routes that generate (they may stream), and all that put work on the engine.
@@ -72,7 +73,7 @@ class AdmissionMiddleware:
         self.admission = admission
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if not _is_generation(scope):
+        if not _is_generation(scope) or in_background():  # a batch job's line
             return await self.app(scope, receive, send)
         adm = self.admission
         refusal = adm.refusal()

@@ -14,9 +14,10 @@ requests), and whether it sees every request's engine id on /v1/engine/stream
 sees them all. No key is ever logged or stored."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -46,9 +47,26 @@ ANONYMOUS = Principal("anonymous", sees_request_ids=True)
 _CURRENT: ContextVar[Principal] = ContextVar("kvserve_principal", default=ANONYMOUS)
 
 
+# True while this process itself makes a request through the app on someone's behalf
+# (a batch job's line, as the key that created the job): never set by a client.
+_ON_BEHALF: ContextVar[bool] = ContextVar("kvserve_on_behalf", default=False)
+
+
 def current_principal() -> Principal:
     """Who sent the request being served; ANONYMOUS without keys."""
     return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def acting_for(principal: Principal) -> Iterator[None]:
+    """Requests made through the app inside this block run as `principal`, without a
+    key (the job's owner sent theirs when creating it; no key is ever stored)."""
+    tokens = _CURRENT.set(principal), _ON_BEHALF.set(True)
+    try:
+        yield
+    finally:
+        _ON_BEHALF.reset(tokens[1])
+        _CURRENT.reset(tokens[0])
 
 
 class ApiKeyMiddleware:
@@ -67,7 +85,8 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (scope["type"] != "http" or scope["method"] == "OPTIONS"  # CORS preflight
-                or not guarded(scope["path"], self.protect_metrics)):
+                or not guarded(scope["path"], self.protect_metrics)
+                or _ON_BEHALF.get()):  # as the principal acting_for set
             return await self.app(scope, receive, send)
         headers = Headers(scope=scope)
         found = self._principal(headers.get("authorization"), headers.get("x-api-key"))

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from kvserve.server import beam_search
 from kvserve.server.chat_template import (chat_prompt_ids, refuse_untrusted_template,
                                           render_chat_text)
 from kvserve.server.generation import ChoiceDelta, PromptGroup
-from kvserve.server.logprobs import chat_logprobs
+from kvserve.server.logprobs import chat_logprobs, vllm_prompt_logprobs
 from kvserve.server.protocol import ChatCompletionRequest, chat_completion_id
 from kvserve.server.reasoning import ReasoningStream, reasoning_parser
 from kvserve.server.response_view import ResponseView
@@ -18,7 +19,7 @@ from kvserve.server.tool_parsers import CallStream
 from kvserve.server.tools import ToolPlan, tool_plan
 from kvserve.server.unsupported_fields import CHAT_FIELDS
 from kvserve.server.validation import (bad_words_token_ids, check_prompt, output_budget,
-                                       sampling_params)
+                                       prompt_logprobs_k, sampling_params)
 
 
 class ChatService(GenerationService):
@@ -26,6 +27,8 @@ class ChatService(GenerationService):
 
     async def create(self, req: ChatCompletionRequest):
         view = await self.prepare(req)
+        if req.use_beam_search:
+            return await beam_search.respond(self, view, view.groups, req)
         return await self.respond(view, view.groups, req)
 
     async def prepare(self, req: ChatCompletionRequest) -> ChatView:
@@ -47,7 +50,8 @@ class ChatService(GenerationService):
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         tool_grammar = plan.structured if plan is not None else None
         groups = [PromptGroup(0, ids, sampling_params(
-            req, max_tokens, self.vocab_size, num_logprobs, tool_grammar=tool_grammar,
+            req, max_tokens, self.vocab_size, num_logprobs,
+            prompt_logprobs_k(req, self.vocab_size), tool_grammar=tool_grammar,
             structured=asked.spec if asked is not None else None,
             has_tokenizer=tokenizer is not None, bad_words=words),
             grammar_param="tools" if tool_grammar is not None
@@ -139,6 +143,11 @@ class ChatView(ResponseView):
         body = super().body(results)
         if self.req.return_token_ids:
             body["prompt_token_ids"] = self.groups[0].prompt_ids
+        if self.req.prompt_logprobs is not None:  # vLLM's: once, beside the choices
+            k = self.req.prompt_logprobs  # -1: all the engine listed
+            body["prompt_logprobs"] = vllm_prompt_logprobs(
+                results[min(results)][0].prompt_logprobs, self.token_text,
+                k if k >= 0 else None)
         return body
 
     def chunk_choices(self, d: ChoiceDelta) -> list[dict]:

@@ -1,18 +1,19 @@
 """POST /v1/completions: prompts -> engine requests -> text, whole or streamed (SSE)."""
 from __future__ import annotations
 
+from kvserve.server import beam_search
 from kvserve.server.errors import APIError
 from kvserve.server.generation import ChoiceDelta, PromptGroup
 from kvserve.server.logprobs import (completion_logprobs, merge_completion_logprobs,
-                                     prompt_completion_logprobs)
+                                     prompt_completion_logprobs, vllm_prompt_logprobs)
 from kvserve.server.protocol import CompletionRequest, completion_id
 from kvserve.server.response_view import ResponseView
 from kvserve.server.service import GenerationService
 from kvserve.server.spec_thread import run_off_loop
 from kvserve.server.structured_fields import AskedGrammar, asks_for_structure, structured_output
 from kvserve.server.unsupported_fields import COMPLETION_FIELDS
-from kvserve.server.validation import (bad_words_token_ids, output_budget, prompt_token_ids,
-                                       sampling_params)
+from kvserve.server.validation import (bad_words_token_ids, output_budget,
+                                       prompt_logprobs_k, prompt_token_ids, sampling_params)
 
 
 class CompletionService(GenerationService):
@@ -49,6 +50,8 @@ class CompletionService(GenerationService):
         groups = [self._group(i, p, req, prompt_ids, asked, words)
                   for i, (p, prompt_ids) in enumerate(zip(prompts, ids))]
         view = _CompletionView(completion_id(), model, req, groups, self.engine.tokenizer)
+        if req.use_beam_search and not req.echo_only:  # echo_only generates nothing
+            return await beam_search.respond(self, view, groups, req)
         return await self.respond(view, groups, req)
 
     def _group(self, index: int, prompt: str | list[int], req: CompletionRequest,
@@ -57,15 +60,21 @@ class CompletionService(GenerationService):
         # The engine always generates; for echo_only its one token is left out.
         max_tokens = 1 if req.echo_only else output_budget(req.max_tokens, len(ids),
                                                              self.engine.max_model_len)
-        prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
         params = sampling_params(req, max_tokens, self.vocab_size, req.logprobs,
-                                 prompt_logprobs,
+                                 self._prompt_logprobs(req),
                                  structured=asked.spec if asked is not None else None,
                                  has_tokenizer=self.engine.tokenizer is not None,
                                  bad_words=bad_words)
         return PromptGroup(index, ids, params, prompt if isinstance(prompt, str) else None,
                            count_output=not req.echo_only,
                            grammar_param=asked.param if asked is not None else None)
+
+    def _prompt_logprobs(self, req: CompletionRequest) -> int | None:
+        """The top k the engine lists per prompt token: echo's logprobs and vLLM's
+        prompt_logprobs read one list, each keeping its own k of it."""
+        ks = [k for k in (req.logprobs if req.echo else None,
+                          prompt_logprobs_k(req, self.vocab_size)) if k is not None]
+        return max(ks, default=None)
 
 
 class _CompletionView(ResponseView):
@@ -100,7 +109,7 @@ class _CompletionView(ResponseView):
                 g = self._group_of(d.index)
                 prompt = prompt_completion_logprobs(
                     g.prompt_ids, d.prompt_logprobs or [None] * len(g.prompt_ids),
-                    self.token_text)
+                    self.token_text, self.req.logprobs)
                 logprobs = merge_completion_logprobs(prompt, logprobs)
         self.offsets[d.index] = offset + len(generated)
         choice = {"index": d.index, "text": text, "logprobs": logprobs,
@@ -125,4 +134,8 @@ class _CompletionView(ResponseView):
             for p in parts[1:]:
                 merged = merge_completion_logprobs(merged, p["logprobs"])
             whole["logprobs"] = merged
+        if self.req.prompt_logprobs is not None:  # vLLM's: on every choice of its prompt
+            k = self.req.prompt_logprobs  # -1: all the engine listed
+            whole["prompt_logprobs"] = vllm_prompt_logprobs(
+                deltas[0].prompt_logprobs, self.token_text, k if k >= 0 else None)
         return whole

@@ -141,6 +141,21 @@ class ServerConfig:
         "traceparent header continues the caller's trace) over OTLP/HTTP to this URL, "
         "e.g. http://localhost:4318/v1/traces; needs pip install 'kvserve[otel]' "
         "(unset: no traces)")
+    # /v1/files and /v1/batches (server/batch/)
+    batch_dir: str | None = setting(
+        None, "where /v1/files keeps files and /v1/batches its jobs, across restarts "
+        "(unset: $KVSERVE_CACHE/batch)")
+    files_store_bytes: int = setting(
+        2 << 30, "most bytes the stored files (uploads and batch results) may hold "
+        "together; past it an upload, or a batch's results, is refused with 507 (0: no "
+        "limit)", parse=non_negative(int))
+    max_upload_bytes: int = setting(
+        200 << 20, "answer 413 to a file upload (POST /v1/files) larger than this "
+        "(OpenAI's limit for batch files: 200 MB); uploads stream to disk (0: no limit)",
+        parse=non_negative(int))
+    batch_concurrency: int = setting(
+        32, "most lines of a batch job in the engine at once; they are scheduled after "
+        "every interactive request", parse=positive_int)
 
     def __post_init__(self) -> None:
         if self.protect_metrics and not self.any_keys:

@@ -14,6 +14,7 @@ from pydantic import Field
 
 from kvserve.engine.client.engine_client import EngineClient
 from kvserve.scheduler.sampling_params import SamplingParams
+from kvserve.server.background import in_background
 from kvserve.server.errors import APIError
 from kvserve.server.generation import EXPECTED_ERRORS, status_of
 from kvserve.server.protocol import OpenAIRequest, TokenIds
@@ -83,7 +84,8 @@ class EmbeddingService:
 
     async def _embed(self, rid: str, ids: list[int], lora: str | None) -> list[float]:
         params = SamplingParams(max_tokens=1, temperature=0.0, pooling=self.pooling)
-        async for out in self.engine.generate(rid, ids, params, lora_name=lora):
+        async for out in self.engine.generate(rid, ids, params, lora_name=lora,
+                                              background=in_background()):
             if out.finish_reason == "error":
                 raise APIError(500, f"the engine failed this request: {out.error}")
             if out.embedding is not None:

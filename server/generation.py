@@ -55,6 +55,7 @@ class TextOptions:
     priority: int = 0
     timeout: float = 0.0  # --request-timeout: seconds, 0: none
     lora_name: str | None = None  # the LoRA adapter the request asked for as its model
+    background: bool = False  # a batch job's line (server/background.py)
 
 
 @dataclass
@@ -135,7 +136,7 @@ async def run_group(engine: EngineClient, base_id: str, group: PromptGroup,
     engine_id = f"{base_id}-{group.index}"
     gen = engine.generate(engine_id, group.prompt_ids, group.params,
                           cache_salt=opts.cache_salt, priority=opts.priority,
-                          lora_name=opts.lora_name)
+                          lora_name=opts.lora_name, background=opts.background)
     gen, emit = watch_group(base_id, group, opts, gen, emit)  # --otlp-traces-endpoint
     async with contextlib.aclosing(gen):
         with _deadline(engine, engine_id, opts.timeout):
@@ -194,9 +195,16 @@ async def collect(engine: EngineClient, base_id: str, groups: list[PromptGroup],
         # token's latency the whole request's (vLLM times it here too).
         clock.sent((d,))
 
-    tasks = [asyncio.create_task(run_group(engine, base_id, g, opts, keep)) for g in groups]
+    await gather_or_fail([asyncio.create_task(run_group(engine, base_id, g, opts, keep))
+                          for g in groups])
+    return results
+
+
+async def gather_or_fail(tasks: list[asyncio.Task]) -> list:
+    """The tasks' results; a failure ends the others, and an expected one (a refused
+    request, a dead engine) becomes its APIError (status_of)."""
     try:
-        await asyncio.gather(*tasks)
+        return await asyncio.gather(*tasks)
     except APIError:
         raise
     except EXPECTED_ERRORS as exc:
@@ -204,7 +212,6 @@ async def collect(engine: EngineClient, base_id: str, groups: list[PromptGroup],
     finally:
         for t in tasks:
             t.cancel()
-    return results
 
 
 async def stream(engine: EngineClient, base_id: str, groups: list[PromptGroup],

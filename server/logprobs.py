@@ -49,21 +49,44 @@ def completion_logprobs(entries: list, token_text: TokenText, text_offset: int) 
     return out
 
 
-def prompt_completion_logprobs(prompt_ids: list[int], entries: list, token_text: TokenText
-                               ) -> dict:
-    """Echoed prompt tokens: the first has no logprob (nothing precedes it)."""
+def prompt_completion_logprobs(prompt_ids: list[int], entries: list, token_text: TokenText,
+                               num_top: int) -> dict:
+    """Echoed prompt tokens: the first has no logprob (nothing precedes it). num_top:
+    the request's logprobs (the engine's lists may be longer, for prompt_logprobs)."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     offset = 0
     for token_id, e in zip(prompt_ids, entries):
         text = token_text(token_id)
         out["tokens"].append(text)
         out["token_logprobs"].append(None if e is None else _finite(e.logprob))
-        top = None if e is None else {token_text(t): _finite(lp) for t, lp in e.top}
+        top = None if e is None else {token_text(t): _finite(lp)
+                                      for t, lp in e.top[:num_top]}
         if top is not None:
             top.setdefault(text, _finite(e.logprob))
         out["top_logprobs"].append(top)
         out["text_offset"].append(offset)
         offset += len(text)
+    return out
+
+
+def vllm_prompt_logprobs(entries: list | None, token_text: TokenText,
+                         num_top: int | None) -> list | None:
+    """vLLM's prompt_logprobs: None for the first prompt token (nothing precedes it),
+    then per token {token id: {logprob, rank, decoded_token}}: the prompt's own token,
+    then the num_top most likely (None: every one listed) ranked 1..num_top. A token
+    that is both keeps the first place and takes its top-list rank, as in vLLM's dict.
+    None: the engine sent no lists (the request ended before its first token)."""
+    if entries is None:
+        return None
+    out: list[dict | None] = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        ranked = [(e.token_id, e.logprob, e.rank),
+                  *((t, lp, r) for r, (t, lp) in enumerate(e.top[:num_top], 1))]
+        out.append({str(t): {"logprob": _finite(lp), "rank": r,
+                             "decoded_token": token_text(t)} for t, lp, r in ranked})
     return out
 
 

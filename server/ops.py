@@ -36,7 +36,8 @@ def install_ops(app: FastAPI, engine: EngineClient, model_names: list[str], vers
     app.add_middleware(AdmissionMiddleware, admission=admission)
     # Outside admission: an oversized or slow body is refused before anything parses it.
     app.add_middleware(BodyLimitMiddleware, limit=config.max_request_body_bytes,
-                       read_timeout=config.body_read_timeout)
+                       read_timeout=config.body_read_timeout,
+                       uploads={"/v1/files": config.max_upload_bytes})
     if config.otlp_traces_endpoint or span_exporter is not None:
         # Inside the key check: a request without a valid key leaves no span.
         app.state.tracing = Tracing(config.otlp_traces_endpoint, span_exporter)
@@ -135,9 +136,19 @@ def _document_errors(app: FastAPI, *, keys: bool, protect_metrics: bool, queue_l
                 if path == "/metrics":
                     ok.clear()
                     ok["text/plain"] = {"schema": {"type": "string"}}
+                if path == "/v1/files/{file_id}/content":
+                    ok.clear()
+                    ok["application/octet-stream"] = {"schema": {"type": "string",
+                                                                 "format": "binary"}}
         return schema
 
     app.openapi = openapi
+
+
+# server/batch/routes.py: a full file store (507), a key's unfinished batches (429),
+# a batch cancelled after it ended (409).
+_BATCH_CODES = {("POST", "/v1/files"): [507], ("POST", "/v1/batches"): [429],
+                ("POST", "/v1/batches/{batch_id}/cancel"): [409]}
 
 
 def _error_codes(path: str, method: str, keys: bool, protect_metrics: bool,
@@ -145,8 +156,10 @@ def _error_codes(path: str, method: str, keys: bool, protect_metrics: bool,
     codes = []
     if method == "POST":  # every POST reads a JSON body naming a model
         codes += [400, 404] + [413] * body_limit
-    if "{model}" in path or "{response_id}" in path:  # what the path names may be gone
+    if any(name in path for name in ("{model}", "{response_id}", "{file_id}",
+                                     "{batch_id}")):  # what the path names may be gone
         codes.append(404)
+    codes += _BATCH_CODES.get((method, path), [])
     if keys and guarded(path, protect_metrics):
         codes.append(401)
     if path in ENGINE_PATHS:

@@ -20,7 +20,8 @@ MAX_CACHE_SALT = 128  # vLLM's cap on cache_salt's length
 NULL_IS_DEFAULT = frozenset({"stream", "n", "echo", "logprobs", "return_token_ids",
                              "ignore_eos", "skip_special_tokens", "min_tokens",
                              "include_stop_str_in_output", "add_generation_prompt",
-                             "continue_final_message", "speculative", "priority"})
+                             "continue_final_message", "speculative", "priority",
+                             "use_beam_search", "length_penalty", "early_stopping"})
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
@@ -129,12 +130,34 @@ class SamplingFields(OpenAIRequest):
         return self.include_usage and self.stream_options.continuous_usage_stats
 
 
-class CompletionRequest(SamplingFields):
+class BeamSearchFields(OpenAIRequest):
+    """vLLM's beam search (server/beam_search.py): `n` is the beam width and the n best
+    beams are the choices. Only the two generation routes have these (not SamplingFields:
+    the Responses and Anthropic routes, which copy SamplingFields' extras, run no beams);
+    without use_beam_search they are ignored, as vLLM ignores them."""
+    use_beam_search: bool = False
+    length_penalty: float = Field(default=1.0, allow_inf_nan=False)
+    # vLLM v0's field, transformers' values (vLLM v1 has none: its default, False)
+    early_stopping: bool | Literal["never"] = False
+
+    @field_validator("early_stopping", mode="before")
+    @classmethod
+    def _early_stopping_value(cls, value):
+        if value is True or value is False or value == "never":
+            return value
+        raise ValueError('early_stopping must be true, false or "never"')
+
+
+class CompletionRequest(SamplingFields, BeamSearchFields):
     prompt: str | list[str] | TokenIds | list[TokenIds]
     echo: bool = False  # before max_tokens: its validator reads it
     # 0 only with echo: score the prompt without generating (lm-eval-harness does it)
     max_tokens: int | None = Field(default=16, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's: each prompt token's logprob, rank and top k (-1: the whole vocabulary),
+    # range and stream checked in server/validation.py. Not a SamplingFields one: the
+    # Responses and Anthropic routes copy those, and their output has no place for it.
+    prompt_logprobs: int | None = None
 
     @field_validator("max_tokens")
     @classmethod
@@ -166,12 +189,13 @@ class ChatMessage(OpenAIRequest):
     name: str | None = None
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, BeamSearchFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)  # deprecated by OpenAI, still sent
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = None  # as on CompletionRequest
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None

@@ -7,6 +7,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvserve.engine.client.engine_client import EngineClient
 from kvserve.server import generation
+from kvserve.server.background import in_background
 from kvserve.server.config import ServerConfig
 from kvserve.server.errors import APIError
 from kvserve.server.generation import PromptGroup, TextOptions
@@ -48,7 +49,8 @@ class GenerationService:
     def text_options(self, req) -> TextOptions:
         return TextOptions(req.stop_strings(), req.include_stop_str_in_output,
                            req.skip_special_tokens, req.cache_salt, req.priority,
-                           self.config.request_timeout, lora_of(self.engine, req.model))
+                           self.config.request_timeout, lora_of(self.engine, req.model),
+                           in_background())
 
     async def respond(self, view: ResponseView, groups: list[PromptGroup], req):
         opts = self.text_options(req)

@@ -39,8 +39,7 @@ def _best_of_n(value, req) -> bool:
 # Both routes: vLLM's sampling extras that kvserve does not implement (structured
 # outputs are read by server/structured_fields.py).
 _SHARED: dict[str, Harmless] = {
-    "use_beam_search": _empty, "truncate_prompt_tokens": _empty,
-    "prompt_logprobs": _empty, "logits_processors": _empty,
+    "truncate_prompt_tokens": _empty, "logits_processors": _empty,
     "logprob_token_ids": _empty, "thinking_token_budget": _empty,
     "repetition_detection": _empty, "return_tokens_as_token_ids": _empty,
     "spaces_between_special_tokens": _true_or_unset,

@@ -8,7 +8,7 @@ from kvserve.engine.client.engine_client import EngineClient
 from kvserve.scheduler.sampling_params import SamplingParams
 from kvserve.scheduler.structured_output import StructuredOutput
 from kvserve.server.errors import APIError, no_tokenizer
-from kvserve.server.protocol import SamplingFields
+from kvserve.server.protocol import MAX_LOGPROBS, SamplingFields
 
 
 def check_model(requested: str | None, names: list[str], adapters: Mapping[str, str] = {}
@@ -92,6 +92,29 @@ def output_budget(max_tokens: int | None, prompt_len: int, max_model_len: int,
             f"prompt, {max_tokens} in the completion). Please reduce the length of "
             "the prompt or completion.", param)
     return max_tokens or room
+
+
+def prompt_logprobs_k(req, vocab_size: int) -> int | None:
+    """vLLM's prompt_logprobs as the top k per prompt token the engine computes, held
+    to the cap logprobs and top_logprobs have (MAX_LOGPROBS per token), so -1, the
+    whole vocabulary, passes only for a vocabulary that small. Not with stream, as in
+    vLLM (its words): its stream chunks have no place for them."""
+    k = req.prompt_logprobs
+    if k is None:
+        return None
+    if req.stream:
+        raise APIError(400, "`prompt_logprobs` are not available when `stream=True`.",
+                       "prompt_logprobs")
+    if k == -1 and vocab_size > MAX_LOGPROBS:
+        raise APIError(400, f"prompt_logprobs=-1 asks for the whole vocabulary "
+                       f"({vocab_size} tokens) at every prompt position; this server "
+                       f"returns at most {MAX_LOGPROBS} per token", "prompt_logprobs")
+    if k == -1:
+        return vocab_size
+    if not 0 <= k <= MAX_LOGPROBS:
+        raise APIError(400, f"prompt_logprobs must be -1 (the whole vocabulary) or "
+                       f"between 0 and {MAX_LOGPROBS}, got {k}", "prompt_logprobs")
+    return k
 
 
 def sampling_params(req: SamplingFields, max_tokens: int, vocab_size: int,

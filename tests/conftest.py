@@ -44,6 +44,18 @@ TEST_COMPILE = os.environ.get("KVSERVE_TEST_COMPILE", "off")
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _batch_dir(tmp_path_factory):
+    """Apps built in the suite's process keep /v1/files and /v1/batches in a folder of
+    this session, not the user's $KVSERVE_CACHE (tests that restart a server give
+    theirs one of its own; servers run as subprocesses make no batches)."""
+    root = tmp_path_factory.mktemp("batch")
+    patch = pytest.MonkeyPatch()
+    patch.setattr("kvserve.server.batch.routes.default_batch_dir", lambda: root)
+    yield
+    patch.undo()
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _compile_mode():
     """Engines built in this process with compile, dtype, cpu_kernels or compile_cache
     "auto" get TEST_COMPILE, float32 (on any device), kvserve (CPUs with AVX2, FMA

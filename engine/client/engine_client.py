@@ -137,6 +137,11 @@ class EngineClient:
         with self._lock:
             return self._engine_waiting()
 
+    def has_caller(self, request_id: str) -> bool:
+        """Whether someone still reads this request's outputs: generate() drops its
+        stream the moment its caller leaves, and an output then reaches nobody."""
+        return request_id in self._streams
+
     @property
     def queue_depth(self) -> int:
         """num_waiting plus requests reserved by the server but not yet added: what an
@@ -169,8 +174,8 @@ class EngineClient:
     # -- the API used by the server ---------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, cache_salt: str | None = None,
-                       priority: int = 0, lora_name: str | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, lora_name: str | None = None,
+                       background: bool = False) -> AsyncIterator[RequestOutput]:
         """Yields one output per step in which a sequence got tokens (for n > 1 the
         n sequences interleave; `index` tells them apart), until all n finished.
         Leaving the iteration early aborts whatever is unfinished. Check the request
@@ -181,7 +186,7 @@ class EngineClient:
         stream: asyncio.Queue = asyncio.Queue()
         self._register(request_id, stream)
         self._queue_add(AddRequest(request_id, prompt_token_ids, params, cache_salt,
-                                   priority, lora_name))
+                                   priority, lora_name, background))
         unfinished = set(range(params.n))
         waiting = len(prompt_token_ids)  # counted until the first output
         self.waiting_prompt_tokens += waiting
@@ -311,11 +316,14 @@ class EngineClient:
         if rep.spec is not None:
             stats.spec.add(rep.spec)
         for out in rep.outputs:
-            stats.generation_tokens += len(out.new_token_ids)
+            # An embedding's step samples one token nobody gets: it generated nothing.
+            pooled = out.embedding is not None
+            stats.generation_tokens += 0 if pooled else len(out.new_token_ids)
             if out.finished:
                 reason = out.finish_reason or "unknown"
                 stats.finished[reason] = stats.finished.get(reason, 0) + 1
-                generated = out.times.num_generation_tokens if out.times is not None else 0
+                generated = (out.times.num_generation_tokens
+                             if out.times is not None and not pooled else 0)
                 stats.recent_finished.append(FinishedSequence(
                     out.request_id, out.index, reason, generated, time.monotonic()))
 

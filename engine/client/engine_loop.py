@@ -102,7 +102,8 @@ class EngineLoop:
                 self.engine.add_request(command.request_id, command.prompt_token_ids,
                                         command.params, cache_salt=command.cache_salt,
                                         priority=command.priority,
-                                        lora_name=command.lora_name)
+                                        lora_name=command.lora_name,
+                                        background=command.background)
                 rep.prompt_tokens += len(command.prompt_token_ids)
                 rep.constrained += command.params.structured is not None
             except ValueError as exc:

@@ -22,6 +22,7 @@ class AddRequest:
     cache_salt: str | None = None
     priority: int = 0
     lora_name: str | None = None  # the LoRA adapter it runs under; None: the base model
+    background: bool = False  # a batch job's line: after interactive requests
 
 
 @dataclass(frozen=True, slots=True)

@@ -217,6 +217,7 @@ def _scheduler(ctx: EngineContext, kv_events: bool) -> Scheduler:
                         max_num_batched_tokens=config.max_num_batched_tokens,
                         max_model_len=ctx.max_model_len, policy=config.scheduling_policy,
                         long_prefill_token_threshold=config.long_prefill_token_threshold,
+                        background_prefill_tokens=config.background_prefill_tokens,
                         max_loras=config.lora.max_loras if config.lora is not None else 0),
         KVCacheConfig(num_blocks=ctx.num_blocks, block_size=config.block_size,
                       enable_prefix_caching=config.enable_prefix_caching,

@@ -62,7 +62,8 @@ class Engine(RuntimeAdapters):
                           shorter_embeddings=mc.shorter_embeddings,
                           adapters=lora.names if lora is not None else None,
                           max_loras=lora.config.max_loras if lora is not None else 0,
-                          warming_up=self.runner.warming_up)
+                          warming_up=self.runner.warming_up,
+                          eos_token_ids=tuple(self.eos_token_ids))
 
     def stats(self) -> EngineStats:
         """Counters since start and the queues now; the grammar compiles that ended
@@ -114,13 +115,14 @@ class Engine(RuntimeAdapters):
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, arrival_time: float | None = None,
                     cache_salt: str | None = None, priority: int = 0,
-                    lora_name: str | None = None) -> None:
+                    lora_name: str | None = None, background: bool = False) -> None:
         """Raises ValueError for a request that can never run. lora_name: the
-        adapter it runs under (None: the base model)."""
+        adapter it runs under (None: the base model); background: a batch job's line,
+        scheduled after every interactive request (scheduler/waiting_queue.py)."""
         self.validate(prompt_token_ids, params)
         lora = lora_key(self.lora, lora_name)
         req = Request(request_id, prompt_token_ids, params, self.eos_token_ids,
-                      arrival_time, cache_salt, priority, lora)
+                      arrival_time, cache_salt, priority, lora, background)
         req.make_siblings()
         if params.structured is None:
             self.scheduler.add_request(req)

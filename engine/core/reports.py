@@ -22,6 +22,9 @@ class EngineInfo:
     adapters: dict[str, str] | None = None  # served LoRA name -> path; None: LoRA off
     max_loras: int = 0
     warming_up: bool = False  # as the engine started (reports say when it changes)
+    # The tokens that end a sequence: the model config's eos_token_id and the
+    # tokenizer's EOS (engine/core/build.py); beam search ends hypotheses at them.
+    eos_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

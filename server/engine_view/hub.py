@@ -5,8 +5,11 @@ every `interval` seconds (never a second one before the first has come back, so 
 long step delays snapshots instead of queueing them), turns each into JSON once and
 offers it to every watcher; the history's points go out as they are sampled. With
 nobody connected the engine is asked nothing and no snapshot is built: the cost of
-the engine page is zero until it is opened. Streams end with `engine_dead` when the
-engine is gone and with `closing` once the server has drained for shutdown.
+the engine page is next to nothing until it is opened (one look at each step's
+outputs, for how each sequence ended: server/engine_view/endings.py, so the list of
+those just finished is right the moment a page opens). Streams end with
+`engine_dead` when the engine is gone and with `closing` once the server has
+drained for shutdown.
 
 A watcher that reads slowly never holds anyone up: it keeps only the newest
 snapshot (older ones are dropped unread) and the points it has not read yet.
@@ -25,6 +28,7 @@ from collections.abc import Callable
 from kvserve.engine.client.engine_client import EngineClient, EngineDeadError
 from kvserve.engine.core.reports import EngineSnapshot
 from kvserve.server.auth import ANONYMOUS, Principal
+from kvserve.server.engine_view.endings import Endings
 from kvserve.server.engine_view.history import EngineHistory
 from kvserve.server.engine_view.snapshot_json import snapshot_json
 from kvserve.server.errors import sse_event
@@ -76,6 +80,7 @@ class EngineViewHub:
         # server's exit, which waits for every open response.
         self.closing = closing
         self.watchers: set[Watcher] = set()
+        self.endings = Endings(engine)
         self.snapshots_taken = 0  # asked for and received (tests count them)
         self._poller: asyncio.Task | None = None
         self._sampler: asyncio.Task | None = None
@@ -87,8 +92,11 @@ class EngineViewHub:
         """On the server's event loop: the history's sampling starts."""
         self._loop = asyncio.get_running_loop()
         self._sampler = asyncio.ensure_future(self._sample_history())
+        self.engine.report_listeners.append(self.endings)
 
     async def stop(self) -> None:
+        if self.endings in self.engine.report_listeners:
+            self.engine.report_listeners.remove(self.endings)
         for task in (self._sampler, self._poller):
             if task is not None:
                 task.cancel()
@@ -142,9 +150,10 @@ class EngineViewHub:
         if not self.watchers:
             return
         self.snapshots_taken += 1
-        finished = self.engine.recent_finished()
+        finished, max_model_len = self.engine.recent_finished(), self.engine.max_model_len
         for principal in {w.principal for w in self.watchers}:
-            data = sse_event("snapshot", snapshot_json(snapshot, finished, _shows(principal)))
+            data = sse_event("snapshot", snapshot_json(
+                snapshot, finished, max_model_len, _shows(principal), self.endings))
             for watcher in [w for w in self.watchers if w.principal == principal]:
                 watcher.offer("snapshot", data)
 

@@ -7,7 +7,11 @@ are handed out in order from the free queue.
 
 A request's engine id is shown only where `shows(id)` (an admin key's watchers, or
 the request's own key's: server/engine_view/hub.py); every request also has a `ref`,
-a keyed hash of its id that tells rows apart across snapshots and nothing else."""
+a keyed hash of its id that tells rows apart across snapshots and nothing else.
+
+A decoding request's progress is its output tokens against the most it may have
+(`max_tokens`); a sequence that ended tells the output tokens its client got, or,
+an embedding's, that it was one and its prompt's length (server/engine_view/endings.py)."""
 from __future__ import annotations
 
 import hashlib
@@ -19,6 +23,7 @@ from collections.abc import Callable, Iterable
 from kvserve.engine.client.engine_client import FinishedSequence
 from kvserve.engine.core.reports import EngineSnapshot
 from kvserve.scheduler.snapshot import STATE_NAMES, RequestView
+from kvserve.server.engine_view.endings import Endings
 
 MAX_CELLS = 32768
 
@@ -54,16 +59,39 @@ def _shown(request_id: str, shows: Callable[[str], bool]) -> dict:
     return {"id": request_id if shows(request_id) else None, "ref": ref(request_id)}
 
 
-def _request(view: RequestView, shows: Callable[[str], bool]) -> dict:
+def max_output_tokens(view: RequestView, max_model_len: int) -> int:
+    """The most output tokens the request may end with: its max_tokens, within the
+    room its prompt leaves in the context (a request sent without max_tokens is given
+    all of that room: server/validation.py)."""
+    room = max_model_len - view.num_prompt_tokens
+    return min(view.max_tokens, room) if view.max_tokens else room
+
+
+def _request(view: RequestView, shows: Callable[[str], bool], max_model_len: int) -> dict:
     return {**_shown(view.request_id, shows), "index": view.index, "phase": view.phase,
             "prompt_tokens": view.num_prompt_tokens, "tokens": view.num_tokens,
             "computed_tokens": view.num_computed_tokens,
+            "output_tokens": view.num_tokens - view.num_prompt_tokens,
+            "max_tokens": max_output_tokens(view, max_model_len),
             "cached_tokens": view.num_cached_tokens, "preemptions": view.num_preemptions,
             "blocks": runs(view.block_ids), "lora": view.lora}
 
 
+def _finished(f: FinishedSequence, endings: Endings | None) -> dict:
+    """reason: the engine's finish reason; output_tokens: what its client got (none,
+    for an embedding: embedding is true and prompt_tokens its prompt's length)."""
+    ending = endings.get(f.request_id, f.index) if endings is not None else None
+    embedding = ending is not None and ending.embedding
+    unsent = ending.unsent_tokens if ending is not None else 0
+    return {"index": f.index, "reason": f.reason, "embedding": embedding,
+            "prompt_tokens": ending.prompt_tokens if ending is not None else None,
+            "output_tokens": 0 if embedding else max(0, f.num_generated - unsent)}
+
+
 def snapshot_json(snapshot: EngineSnapshot, finished: Iterable[FinishedSequence],
-                  shows: Callable[[str], bool] = lambda request_id: True) -> dict:
+                  max_model_len: int,
+                  shows: Callable[[str], bool] = lambda request_id: True,
+                  endings: Endings | None = None) -> dict:
     sched, now, wall = snapshot.scheduler, time.monotonic(), time.time()
     states = sched.block_states
     cells, per_cell = coarsen(states)
@@ -78,8 +106,7 @@ def snapshot_json(snapshot: EngineSnapshot, finished: Iterable[FinishedSequence]
                          for i, name in enumerate(STATE_NAMES)},
         "num_running": sum(r.phase in ("prefill", "decode") for r in sched.requests),
         "num_waiting": sched.num_waiting,
-        "requests": [_request(r, shows) for r in sched.requests],
-        "finished": [{**_shown(f.request_id, shows), "index": f.index, "reason": f.reason,
-                      "generated_tokens": f.num_generated,
+        "requests": [_request(r, shows, max_model_len) for r in sched.requests],
+        "finished": [{**_shown(f.request_id, shows), **_finished(f, endings),
                       "t": (wall - (now - f.at)) * 1000} for f in finished],
     }

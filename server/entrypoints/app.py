@@ -14,6 +14,7 @@ from kvserve.server.anthropic.errors import AnthropicErrorMiddleware, document_e
 from kvserve.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from kvserve.server.anthropic.service import MessagesService
 from kvserve.server.auth import current_principal
+from kvserve.server.batch.routes import install_batch
 from kvserve.server.chat import ChatService
 from kvserve.server.completions import CompletionService
 from kvserve.server.config import ServerConfig
@@ -47,7 +48,6 @@ def build_app(engine: EngineClient, model_names: list[str], model_root: str = ""
     the host, port and the rest are for the process that serves the app).
     span_exporter: a test hook, an OpenTelemetry SpanExporter the request spans go to
     (as with --otlp-traces-endpoint) instead of OTLP/HTTP (server/tracing.py)."""
-
     tokenization = Tokenization(engine.tokenizer, engine.max_model_len)
     tokenize_routes = tokenization.copy()  # /tokenize, /detokenize: never ahead of a prompt
 
@@ -55,9 +55,11 @@ def build_app(engine: EngineClient, model_names: list[str], model_root: str = ""
     async def lifespan(_: FastAPI):
         engine.start()
         engine_view.start()
+        batches.start()
         try:
             yield
         finally:
+            await batches.stop()  # unfinished jobs resume at the next start
             await engine_view.stop()
             tokenization.shutdown()
             tokenize_routes.shutdown()
@@ -80,10 +82,9 @@ def build_app(engine: EngineClient, model_names: list[str], model_root: str = ""
     app.include_router(engine_view_router(engine_view, model_names))
     install_ui(app)
     chat = _install_generation(app, engine, model_names, tokenization, config)
-    _install_responses(app, ResponsesService(chat, ResponseStore(
-        config.responses_store_max, config.responses_store_ttl,
-        config.responses_store_bytes)))
+    _install_responses(app, ResponsesService(chat, ResponseStore.of(config)))
 
+    batches = install_batch(app, config)  # /v1/files, /v1/batches
     app.include_router(models_router(engine, model_names, model_root))
     app.include_router(lora_router(engine, model_names, config.allow_runtime_lora_updating,
                                    config.lora_root))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import replace
 import os
 import sys
 
@@ -32,6 +33,14 @@ def build_parser() -> argparse.ArgumentParser:
     # Tools parsed by bench/client or bench/in_process: with "\0" as the only prefix
     # character every flag passes through unparsed, and neither package is imported
     # unless one of its tools runs.
+    batch = sub.add_parser("run-batch", help="serve a batch file's lines (OpenAI's batch "
+                           "format, as vLLM's run-batch) offline, answers into a file")
+    batch.add_argument("-i", "--input-file", required=True,
+                       help="the requests, one JSON line each (- for stdin)")
+    batch.add_argument("-o", "--output-file", required=True,
+                       help="where the answers go, one line each, in the input's order")
+    add_flags(batch, EngineConfig)
+    add_flags(batch, ServerConfig)
     for name, what in CLIENT_TOOLS.items():
         tool = sub.add_parser(name, help=what, add_help=False, prefix_chars="\0")
         tool.add_argument("argv", nargs="*")
@@ -94,23 +103,16 @@ def _check_model_arg(model: str, load_format: str) -> None:
                          "add --load-format random")
 
 
-def serve(args) -> None:
-    import uvicorn
-
+def build_server_app(args, config: ServerConfig):
+    """The model's engine (not started) and the app over it; (app, served names)."""
     from kvserve.engine.kernels.attention import AttentionBackendError
     from kvserve.engine.config.model_config import ModelConfigError
-    from kvserve.engine.platform.heap import freeze_startup_heap
     from kvserve.engine.client.launch import start_engine
     from kvserve.engine.weights.cpu_packing import build_in_background
     from kvserve.engine.weights.loader import ModelLoadError
     from kvserve.engine.client.process_engine import EngineStartError
     from kvserve.server.entrypoints.app import build_app
-    from kvserve.server.shutdown import GracefulServer
 
-    try:
-        config = server_config_from_args(args)
-    except ValueError as exc:  # settings that contradict each other
-        raise SystemExit(f"kvserve: {exc}") from None
     # The CPU kernels build (g++, off the GIL) while the default model converts and
     # the engine starts; the engine waits for this build rather than start its own.
     build_in_background(args.cpu_kernels, args.device)
@@ -120,7 +122,24 @@ def serve(args) -> None:
     except (ModelLoadError, ModelConfigError, AttentionBackendError, EngineStartError,
             ValueError) as exc:  # ValueError: settings that contradict each other
         raise SystemExit(f"kvserve: {exc}") from None
-    app = build_app(engine, names, model_root=path, config=config)
+    return build_app(engine, names, model_root=path, config=config), names
+
+
+def _server_config(args, **overrides) -> ServerConfig:
+    try:
+        return replace(server_config_from_args(args), **overrides)
+    except ValueError as exc:  # settings that contradict each other
+        raise SystemExit(f"kvserve: {exc}") from None
+
+
+def serve(args) -> None:
+    import uvicorn
+
+    from kvserve.engine.platform.heap import freeze_startup_heap
+    from kvserve.server.shutdown import GracefulServer
+
+    config = _server_config(args)
+    app, names = build_server_app(args, config)
     guarded = ("/v1, /tokenize, /detokenize" + (", /health, /ready, /version and /metrics"
                                                 if config.protect_metrics else ""))
     keys = len(config.api_keys) + len(config.admin_api_keys)
@@ -138,6 +157,18 @@ def serve(args) -> None:
     if server.engine_died:
         # Non-zero, so a supervisor (systemd, Kubernetes) restarts the server.
         raise SystemExit(f"kvserve: the engine died ({engine.error!r}); exiting")
+
+
+def run_batch(args) -> int:
+    """`kvserve run-batch`: its own job folder, gone afterwards (nothing resumes)."""
+    import tempfile
+
+    from kvserve.server.batch import offline
+
+    with tempfile.TemporaryDirectory(prefix="kvserve-run-batch-") as scratch:
+        config = _server_config(args, batch_dir=scratch)
+        app, _ = build_server_app(args, config)
+        return offline.main(app, config, args.input_file, args.output_file)
 
 
 def huge_pages_for_weights() -> None:
@@ -171,6 +202,12 @@ def main(argv: list[str] | None = None) -> int | None:
         from kvserve.engine.runner.compile_process import exit_if_compiling
 
         exit_if_compiling(0)
+    elif args.command == "run-batch":
+        code = run_batch(args)
+        from kvserve.engine.runner.compile_process import exit_if_compiling
+
+        exit_if_compiling(code)
+        return code
 
 
 if __name__ == "__main__":

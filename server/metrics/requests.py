@@ -64,4 +64,6 @@ class EngineHistograms:
             if seconds is not None:
                 hist.observe(seconds)
         self.prompt_tokens.observe(out.num_prompt_tokens)
-        self.generation_tokens.observe(times.num_generation_tokens)
+        # An embedding's one sampled token is thrown away: it generated none.
+        self.generation_tokens.observe(0 if out.embedding is not None
+                                       else times.num_generation_tokens)

@@ -34,6 +34,12 @@ class ResponseStore:
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
         self.bytes = 0  # what the entries hold, as JSON
 
+    @classmethod
+    def of(cls, config) -> ResponseStore:
+        """The store the server's settings (ServerConfig's responses_store_*) ask for."""
+        return cls(config.responses_store_max, config.responses_store_ttl,
+                   config.responses_store_bytes)
+
     def put(self, rid: str, body: dict, messages: list[dict], owner: str) -> None:
         """Keeps it (an entry larger than the whole budget is not kept)."""
         if self.max_entries <= 0:

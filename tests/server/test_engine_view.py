@@ -106,6 +106,13 @@ def test_the_stream_shows_running_requests_their_blocks_and_a_fork_sharing_them(
     for block in table0[:prompt_blocks]:
         assert snap["cells"][block] == "3"
     assert snap["num_running"] == 2 and snap["num_waiting"] == 0
+    # A decoding sequence's progress: its output tokens against its max_tokens
+    # (within the room its prompt leaves).
+    room = served.engine.max_model_len - seqs[0]["prompt_tokens"]
+    want = min(400, room)
+    for seq in seqs:
+        assert seq["output_tokens"] == seq["tokens"] - seq["prompt_tokens"] > 0
+        assert seq["max_tokens"] == want
 
 
 def test_a_stopped_request_is_listed_as_aborted(served):
@@ -123,7 +130,31 @@ def test_a_stopped_request_is_listed_as_aborted(served):
             f["id"].startswith(rid) for f in d["finished"]))
     ended = [f for f in done["finished"] if f["id"].startswith(rid)]
     assert [f["reason"] for f in ended] == ["abort"]
+    assert ended[0]["output_tokens"] >= 1 and ended[0]["embedding"] is False
     assert not any(r["id"].startswith(rid) for r in done["requests"])
+
+
+def test_a_request_left_before_its_first_token_got_none(served):
+    body = {"model": MODEL, "prompt": PREFIX * 8, "max_tokens": 400, "ignore_eos": True,
+            "stream": True}
+    with engine_events(served) as events:
+        with served.stream("POST", "/v1/completions", json=body) as r:
+            rid = r.headers["x-kvserve-request-id"]  # and gone, before any chunk
+        done = first(events, lambda n, d: n == "snapshot" and any(
+            f["id"].startswith(rid) for f in d["finished"]))
+    [ended] = [f for f in done["finished"] if f["id"].startswith(rid)]
+    assert ended["reason"] == "abort" and ended["output_tokens"] == 0
+
+
+def test_an_embedding_is_listed_as_one(served):
+    with engine_events(served) as events:
+        r = served.post("/v1/embeddings", json={"model": MODEL, "input": "embed me, please"})
+        assert r.status_code == 200, r.text
+        done = first(events, lambda n, d: n == "snapshot" and any(
+            f["embedding"] for f in d["finished"]))
+    [ended] = [f for f in done["finished"] if f["embedding"]]
+    assert ended["prompt_tokens"] == r.json()["usage"]["prompt_tokens"] > 0
+    assert ended["output_tokens"] == 0 and ended["reason"] == "length"
 
 
 def test_nobody_watching_means_no_snapshot_and_a_watcher_gets_a_few_a_second(served):

@@ -88,3 +88,16 @@ def test_a_stop_string_counts_as_stop_not_abort(http):
         time.sleep(0.02)
     assert _success(after, "stop") - _success(before, "stop") == 1
     assert _success(after, "abort") == _success(before, "abort")
+
+
+def test_an_embedding_generates_no_tokens(http):
+    """Its step samples one token that nobody gets: not a generated token in the
+    counters nor in the per-request histogram."""
+    before = _samples(http)
+    r = http.post("/v1/embeddings", json={"model": MODEL, "input": [[5, 6, 7], [8, 9]]})
+    assert r.status_code == 200, r.text
+    after = _samples(http)
+    assert after[("kvserve:prompt_tokens_total", ())] - \
+        before[("kvserve:prompt_tokens_total", ())] == 5
+    for name in ("kvserve:generation_tokens_total", "kvserve:request_generation_tokens_sum"):
+        assert after[(name, ())] == before[(name, ())], name

@@ -19,8 +19,7 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "description": "
 # A value of each field that would change the output, per route (structured
 # outputs are supported: tests/server/test_structured_outputs.py).
 SHARED = {
-    "use_beam_search": True, "truncate_prompt_tokens": 4, "prompt_logprobs": 1,
-    "logits_processors": ["my.proc"],
+    "truncate_prompt_tokens": 4, "logits_processors": ["my.proc"],
     "logprob_token_ids": [1, 2], "thinking_token_budget": 16,
     "repetition_detection": {"min_count": 2}, "return_tokens_as_token_ids": True,
     "spaces_between_special_tokens": False,

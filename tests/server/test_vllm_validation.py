@@ -141,7 +141,9 @@ def test_tokenize_refuses_an_untrusted_template_too(url):
 # - `stop` containing "": vLLM refuses it, kvserve drops it (it would match at once).
 # - `n` > 1 with temperature 0: OpenAI accepts it and n identical choices are right.
 # - `tools: []`: accepted as "no tools", as `functions: []` is.
-# - prompt embeddings, beam search, multimodal inputs, LoRA, truncation: features
-#   kvserve does not have; their fields are refused as unsupported
-#   (server/unsupported_fields.py) rather than checked. bad_words and
-#   allowed_token_ids are checked as vLLM does: tests/server/test_sampling_extras_api.py.
+# - prompt embeddings, multimodal inputs, LoRA, truncation: features kvserve does not
+#   have; their fields are refused as unsupported (server/unsupported_fields.py)
+#   rather than checked. Beam search (use_beam_search, length_penalty,
+#   early_stopping) is supported and its fields checked: tests/server/test_beam_search.py.
+#   bad_words and allowed_token_ids are checked as vLLM does:
+#   tests/server/test_sampling_extras_api.py.

@@ -4,6 +4,7 @@
 import { ApiError, readEventStream } from "./api.js";
 import { BLOCK_STATES, BlockMap, drawSparkline } from "./charts.js";
 import { $, el, formatPercent, formatSeconds, sameChildren, setText } from "./dom.js";
+import { finishedText, requestProgress } from "./format.js";
 
 const SHOWN_FINISHED = 12;
 const RETRY_MS = 2000;
@@ -77,9 +78,10 @@ class RequestRow {
       this.phase.textContent = r.phase;
     }
     if (data.mine !== String(mine)) data.mine = String(mine);
-    const done = `${Math.round((100 * r.computed_tokens) / Math.max(r.tokens, 1))}%`;
+    const progress = requestProgress(r);
+    const done = `${Math.round(100 * progress.fraction)}%`;
     if (this.bar.style.width !== done) this.bar.style.width = done;
-    setText(this.counts, ` ${r.computed_tokens} / ${r.tokens}`);
+    setText(this.counts, ` ${progress.text}`);
     setText(this.prompt, ` (prompt ${r.prompt_tokens})`);
     setText(this.cached, String(r.cached_tokens));
     setText(this.blocks, String(r.blocks.reduce((sum, [, count]) => sum + count, 0)));
@@ -284,10 +286,11 @@ export class EngineView {
       this.finishedKey = key;
       this.finishedItems = shown.map((f) => {
         const age = el("span", { className: "age" });
+        const text = finishedText(f);
         const item = el("li", { dataset: { id: f.id || "", reason: f.reason, mine: String(this.isMine(f.id)) } },
           el("span", { className: "id", text: label(f), title: f.id || HIDDEN_ID }),
-          el("span", { className: `reason ${f.reason}`, text: f.reason === "abort" ? "aborted" : f.reason }),
-          el("span", { className: "muted", text: `${f.generated_tokens} tokens · ` }), age);
+          el("span", { className: `reason ${text.kind}`, text: text.reason }),
+          el("span", { className: "muted", text: `${text.detail} · ` }), age);
         return { item, age, t: f.t };
       });
       $("#finished").replaceChildren(...this.finishedItems.map((f) => f.item));

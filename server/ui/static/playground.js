@@ -3,37 +3,25 @@
 // the request in the engine (the engine view then lists it as aborted).
 
 import { ApiError, postStream } from "./api.js";
-import { $, el, formatSeconds } from "./dom.js";
+import { $, el } from "./dom.js";
+import { answerStats } from "./format.js";
 
-// One streamed answer: what it costs and how fast it came.
+// One streamed answer: when its chunks came, and the token counts they carried.
 class AnswerClock {
   constructor() {
     this.sent = performance.now();
     this.first = null;
     this.last = null;
-    this.chunks = 0;
-    this.usage = null;
+    this.usage = null; // the latest the stream reported
   }
 
-  tokens() {
+  chunk() {
     this.last = performance.now();
     if (this.first === null) this.first = this.last;
-    this.chunks += 1;
   }
 
-  summary(outcome) {
-    const parts = [];
-    const usage = this.usage;
-    if (usage) parts.push(`${usage.prompt_tokens} prompt tokens`, `${usage.completion_tokens} completion tokens`);
-    else if (this.chunks) parts.push(`${this.chunks} chunks`);
-    if (this.first !== null) parts.push(`TTFT ${formatSeconds((this.first - this.sent) / 1000)}`);
-    const generated = usage ? usage.completion_tokens : this.chunks;
-    if (this.first !== null && this.last > this.first && generated > 1) {
-      const rate = (generated - 1) / ((this.last - this.first) / 1000);
-      parts.push(`${rate.toFixed(1)} tokens/s`);
-    }
-    if (outcome) parts.push(outcome);
-    return parts.join(" · ");
+  summary(note) {
+    return answerStats({ usage: this.usage, sent: this.sent, first: this.first, last: this.last, note });
   }
 }
 
@@ -182,13 +170,15 @@ export class Playground {
     let outcome = "done";
     let note = "";
     try {
+      // Usage on every chunk, not only after the last: a stopped answer's tokens
+      // are counted too.
       const body = { model: this.model(), ...samplingBody(), ...fields, stream: true,
-        stream_options: { include_usage: true } };
+        stream_options: { include_usage: true, continuous_usage_stats: true } };
       await postStream(path, body, (chunk) => {
         if (chunk.usage) clock.usage = chunk.usage;
         const choice = (chunk.choices || [])[0];
         if (choice) {
-          clock.tokens();
+          clock.chunk();
           onChoice(choice);
         }
       }, controller.signal, (engineId) => {
