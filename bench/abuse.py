@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import json
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import serve_process  # noqa: E402
 from bench.abuse_corpus import CORPUS  # noqa: E402
 from kvserve.benchmarks.provenance import provenance, simd_flags  # noqa: E402
 from kvserve.engine.platform.device import cpu_flags  # noqa: E402
@@ -43,30 +43,9 @@ from kvserve.engine.platform.device import cpu_flags  # noqa: E402
 KEYS = ("abuse-tenant-a", "abuse-tenant-b", "abuse-admin")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(extra: list[str]) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "kvserve.server.entrypoints.cli", "serve", "--port", str(port),
-           "--api-key", f"{KEYS[0]},{KEYS[1]}", "--admin-api-key", KEYS[2], *extra]
-    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1])
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited ({proc.returncode})")
-        time.sleep(1)
-    proc.kill()
-    raise SystemExit("the server did not become healthy")
+    return serve_process.start_server(["--api-key", f"{KEYS[0]},{KEYS[1]}",
+                                       "--admin-api-key", KEYS[2], *extra])
 
 
 async def stream_forever(c: httpx.AsyncClient, ctx: dict, i: int, gaps: list, stop):

@@ -20,9 +20,7 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +30,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import serve_process  # noqa: E402
 from kvserve.benchmarks.provenance import provenance, simd_flags  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -39,32 +38,10 @@ STORY = ("Write a detailed account of the history of the lighthouse on the north
          "cape, its keepers, the storms it saw and the ships it saved. ") * 6
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(batch_dir: str, concurrency: int, extra: list[str]):
-    port = _free_port()
-    cmd = [sys.executable, "-m", "kvserve.server.entrypoints.cli", "serve", "--port",
-           str(port), "--batch-dir", batch_dir, "--batch-concurrency", str(concurrency),
-           *extra]
-    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1])
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        try:
-            # /ready: the compiled forward pass is built (a warming server is slower)
-            if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited ({proc.returncode})")
-        time.sleep(1)
-    proc.kill()
-    raise SystemExit("the server did not become healthy")
+    # /ready: the compiled forward pass is built (a warming server is slower)
+    return serve_process.start_server(["--batch-dir", batch_dir, "--batch-concurrency",
+                                       str(concurrency), *extra], ready="/ready")
 
 
 def line_body(i: int, max_tokens: int) -> dict:

@@ -27,6 +27,9 @@ from kvserve.server.request_owners import ENGINE_ID_HEADER
 
 MAX_LINES = 50_000  # OpenAI's limit on a batch's requests
 MAX_CUSTOM_ID_CHARS = 512
+# A line's wrapper (custom_id, method, url) beside its body: a line longer than the
+# body limit by more than this has a body the app would refuse (413) anyway.
+LINE_WRAPPER_BYTES = 4096
 
 
 @dataclass
@@ -38,15 +41,23 @@ class Line:
     error: str | None = None  # why it cannot be sent
 
 
-def parse_lines(source: BinaryIO, endpoint: str | None) -> Iterator[Line]:
+def parse_lines(source: BinaryIO, endpoint: str | None,
+                max_body_bytes: int = 0) -> Iterator[Line]:
     """The file's lines in order, each checked: JSON, a custom_id, POST to one of
     ENDPOINTS (`endpoint`, the job's, when given), a JSON object body, no streaming.
-    Blank lines are skipped. Blocking: advance it on a worker thread."""
+    A line past max_body_bytes (--max-request-body-bytes; 0: no limit) and its
+    wrapper is refused unparsed. Blank lines are skipped. Blocking: advance it on a
+    worker thread."""
     number = 0
     for raw in source:
         if not raw.strip():
             continue
         number += 1
+        if max_body_bytes and len(raw) > max_body_bytes + LINE_WRAPPER_BYTES:
+            yield Line(number, None, error=f"line {number} has {len(raw)} bytes; a "
+                       f"request body may have at most {max_body_bytes} "
+                       "(--max-request-body-bytes)")
+            continue
         yield _parse(number, raw, endpoint)
 
 

@@ -22,7 +22,8 @@ from kvserve.server.config import ServerConfig
 log = logging.getLogger("kvserve.batch")
 
 
-async def run_batch(app, input_path: str, output_path: str, concurrency: int) -> tuple[int, int]:
+async def run_batch(app, input_path: str, output_path: str, concurrency: int,
+                    max_body_bytes: int = 0) -> tuple[int, int]:
     """Serves every line of input_path (a path, or "-" for stdin) into
     output_path; (answered, failed)."""
     dispatcher = LineDispatcher(app)
@@ -41,7 +42,7 @@ async def run_batch(app, input_path: str, output_path: str, concurrency: int) ->
             answered += 1
             failed += not succeeded(record)
 
-        lines = parse_lines(source, None)
+        lines = parse_lines(source, None, max_body_bytes)
         try:
             while line := await asyncio.to_thread(next, lines, None):
                 if line.custom_id is not None and not line.error:
@@ -65,7 +66,8 @@ def main(app, config: ServerConfig, input_path: str, output_path: str) -> int:
     """Runs the app (its engine not started yet) for the one file."""
     async def run() -> tuple[int, int]:
         async with app.router.lifespan_context(app):
-            return await run_batch(app, input_path, output_path, config.batch_concurrency)
+            return await run_batch(app, input_path, output_path, config.batch_concurrency,
+                                   config.max_request_body_bytes)
 
     answered, failed = asyncio.run(run())
     log.info("run-batch: %d line(s) answered into %s, %d of them failures", answered,

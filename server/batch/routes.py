@@ -41,7 +41,8 @@ def install_batch(app: FastAPI, config: ServerConfig) -> BatchRunner:
     root = Path(config.batch_dir) if config.batch_dir else default_batch_dir()
     files = FileStore(root / "files", config.files_store_bytes)
     jobs = JobStore(root / "jobs")
-    runner = BatchRunner(files, jobs, LineDispatcher(app), config.batch_concurrency)
+    runner = BatchRunner(files, jobs, LineDispatcher(app), config.batch_concurrency,
+                         config.max_request_body_bytes)
     app.include_router(files_router(files))
     app.include_router(batches_router(files, jobs, runner))
     return runner

@@ -37,9 +37,9 @@ SAVE_EVERY_S = 1.0  # a running job's counts reach its record at most this often
 
 class BatchRunner:
     def __init__(self, files: FileStore, jobs: JobStore, dispatcher: LineDispatcher,
-                 concurrency: int):
+                 concurrency: int, max_body_bytes: int = 0):
         self.files, self.jobs, self.dispatcher = files, jobs, dispatcher
-        self.concurrency = concurrency
+        self.concurrency, self.max_body_bytes = concurrency, max_body_bytes
         self._queue: asyncio.Queue[str] = asyncio.Queue()
         self._task: asyncio.Task | None = None
         self._current: tuple[str, asyncio.Task] | None = None  # the job running now
@@ -142,7 +142,7 @@ class BatchRunner:
         expired, last_save = False, time.monotonic()
         try:
             with open(source, "rb") as f:
-                lines = parse_lines(f, job.endpoint)
+                lines = parse_lines(f, job.endpoint, self.max_body_bytes)
                 while batch := await asyncio.to_thread(_take, lines, READ_AHEAD_LINES):
                     for line in batch:
                         if failures:

@@ -162,6 +162,14 @@ def test_a_torn_last_line_is_cut(tmp_path, content, kept):
     assert path.read_bytes() == kept
 
 
+def test_a_line_past_the_body_limit_is_refused_unparsed():
+    small, big = json.dumps(chat("a")).encode(), b"{" + b" " * 20_000 + b"}"
+    got = list(lines_module.parse_lines(io.BytesIO(small + b"\n" + big + b"\n"), None,
+                                        max_body_bytes=1000))
+    assert got[0].error is None
+    assert got[1].custom_id is None and "--max-request-body-bytes" in got[1].error
+
+
 def test_lines_are_checked_before_they_are_sent():
     raw = io.BytesIO(b"\n".join([
         json.dumps(chat("ok")).encode(), b"", b"[1, 2]",
