@@ -220,3 +220,19 @@ def test_bench_profile_end_to_end(tmp_path, capsys, frozen_heap):
         assert all(k["ms_per_step"] > 0 and k["name"] for k in case["kernels"])
     printed = capsys.readouterr().out
     assert "attn gather" in printed and "costliest ops and kernels" in printed
+
+
+def test_decode_split_end_to_end(tmp_path):
+    """bench/decode_split.py on the tiny model, eager: the step, its parts (each no
+    longer than the step) and the ops the profiler saw, as JSON."""
+    out = tmp_path / "split.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "decode_split.py"),
+                    "--model", "preset:llama-tiny", "--load-format", "random",
+                    "--dtype", "float32", "--compile", "off", "--prompt-len", "16",
+                    "--steps", "4", "--json", str(out)], check=True, cwd=ROOT,
+                   capture_output=True, timeout=300)
+    r = json.loads(out.read_text())
+    assert r["steps"] == 4 and r["compile"] == "off" and r["weight_bytes"] > 0
+    assert 0 < r["split_ms"]["forward"] <= r["step_ms"]
+    assert all(0 <= v <= r["step_ms"] for v in r["split_ms"].values())
+    assert r["ops_ms_per_step"] and r["decode_gb_per_s"] > 0

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from kvserve.engine.kernels.cpu.packing import (INT4_DOT_ROWS, ONEDNN_ROWS, int4_dot_rows,
-                                                pack_weight, reference_product, takes_dots,
-                                                unpack_weight)
+                                                pack_int4, pack_weight, reference_product,
+                                                takes_dots, unpack_weight)
 from kvserve.engine.models.linear import Linear
 from kvserve.engine.models.quantized.layer import QuantizedLinear
 from kvserve.engine.platform.device import cpu_flags
@@ -124,6 +124,31 @@ def test_vnni_takes_integer_products_at_prompt_sizes(kernels, kind, rows):
     torch.testing.assert_close(got32.double(), want, **close)
     assert not torch.allclose(got32.double(), exact, **close)
 
+
+
+@needs_avx2
+@pytest.mark.skipif(int4_dot_rows() is not None, reason="no VNNI here")
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_vnni_one_row_kernel_gives_the_many_row_kernels_sums(kernels, group):
+    """A decode's one row of int4 takes its own 512-bit kernel (micro_dot_vnni_row):
+    each row of a 3-row product (micro_dot_vnni) equals that row alone, bit for bit,
+    over whole panel pairs, a single panel and a partial one (n = 72), and the
+    reference's integer products."""
+    n, k = 72, 512
+    gen = torch.Generator().manual_seed(group)
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    scales = (torch.rand(k // group, n, generator=gen) * 0.02 + 1e-4).half()
+    mins = (torch.randn(k // group, n, generator=gen) * 0.1).half()
+    packed = pack_int4(q, scales, mins)
+    x = torch.randn(3, k, generator=gen) * 3
+    op = torch.ops.kvserve.packed_linear
+    together = op(x, packed.panels, n, None, packed.scales, packed.mins, True)
+    for row in range(3):
+        alone = op(x[row:row + 1], packed.panels, n, None, packed.scales, packed.mins, True)
+        assert torch.equal(alone, together[row:row + 1])
+        torch.testing.assert_close(alone.double(),
+                                   reference_product(x[row:row + 1], packed, n, True),
+                                   rtol=1e-5, atol=1e-5)
 
 def test_auto_packs_quantized_layers_under_bf16_wherever_the_kernels_run():
     assert quantized_packing_wanted("auto", CPU, BF16, AVX512)

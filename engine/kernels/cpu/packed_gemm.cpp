@@ -436,6 +436,10 @@ void sweep(const Problem& q, const typename Panel::T* weight, const Groups& grou
       micro_dot_i8_vnni<MR, decltype(np)::value, Base>(
           q.k_len, weight + p * panel_stride, q.k_len, g, c + p * kPanel, q.n, col_scale,
           bias, q.n - p * kPanel);
+    } else if constexpr (kVnni<Panel> && MR == 1) {
+      micro_dot_vnni_row<decltype(np)::value>(weight + p * panel_stride, q.k_len, g,
+                                              c + p * kPanel, q.n, col_scale, bias,
+                                              q.n - p * kPanel);
     } else if constexpr (kVnni<Panel>) {
       micro_dot_vnni<MR, decltype(np)::value>(q.k_len, weight + p * panel_stride, q.k_len, g,
                                               c + p * kPanel, q.n, col_scale, bias,

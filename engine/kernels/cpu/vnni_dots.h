@@ -95,6 +95,70 @@ __attribute__((target(KVSERVE_VNNI_TARGET))) void micro_dot_vnni(
 }
 
 
+// micro_dot_vnni for one row of x (a batch-1 decode, bound by the weight's bytes) on
+// 512-bit registers: a 64-byte load is K rows k..k+7 of the panel, and one vpermb
+// puts byte j of rows k..k+3 in 32-bit lane 2j and of rows k+4..k+7 in lane 2j + 1,
+// which x's eight inputs broadcast as one 64-bit word meet; adjacent lanes are added
+// at the end of each block. Half the instructions a byte of micro_dot_vnni<1, 2>, and
+// the stream prefetched into L2 (T1), not L1: on the 2-core Zen 4 a 1B model's int4
+// layers of one step (608 MB) took 0.88x the time (median of 40 alternating steps,
+// 22.3 against 25.4 ms; the prefetch alone 0.95x), the same sums bit for bit.
+template <int NP>
+__attribute__((target(KVSERVE_VNNI_TARGET))) void micro_dot_vnni_row(
+    const uint8_t* __restrict b, int64_t k_len, const Groups& g, float* __restrict c,
+    int64_t ldc, const float* __restrict col_scale, const float* __restrict bias,
+    int64_t n_left) {
+  constexpr int64_t kPrefetchBytes = 4096;
+  const int64_t panel_stride = k_len * U4Panel::kRowElems;
+  const int64_t groups = k_len / g.len;
+  alignas(64) uint8_t order[64];
+  for (int col = 0; col < 8; ++col)
+    for (int h = 0; h < 2; ++h)
+      for (int r = 0; r < 4; ++r)
+        order[4 * (2 * col + h) + r] = static_cast<uint8_t>(8 * (4 * h + r) + col);
+  const __m512i quads = _mm512_load_si512(order);
+  const __m512i nibble = _mm512_set1_epi8(15);
+  alignas(32) float acc[1][NP][kPanel] = {};
+  const int64_t blocks_per_group = g.len / kDotBlock;
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    __m256 part[1][NP][2];
+    clear(part, _mm256_setzero_ps());
+    for (int64_t bi = gi * blocks_per_group; bi < (gi + 1) * blocks_per_group; ++bi) {
+      __m512i sum[NP][2];
+#pragma GCC unroll 8
+      for (int p = 0; p < NP; ++p) sum[p][0] = sum[p][1] = _mm512_setzero_si512();
+      const int64_t k0 = bi * kDotBlock;
+#pragma GCC unroll 8
+      for (int64_t k = k0; k < k0 + kDotBlock; k += 8) {
+        int64_t eight;
+        std::memcpy(&eight, g.x_q + k, sizeof(eight));
+        const __m512i x = _mm512_set1_epi64(eight);
+#pragma GCC unroll 8
+        for (int p = 0; p < NP; ++p) {
+          const uint8_t* rows = b + p * panel_stride + k * U4Panel::kRowElems;
+          _mm_prefetch(reinterpret_cast<const char*>(rows + kPrefetchBytes), _MM_HINT_T1);
+          const __m512i v = _mm512_permutexvar_epi8(quads, _mm512_loadu_si512(rows));
+          sum[p][0] = _mm512_dpbusd_epi32(sum[p][0], _mm512_and_si512(v, nibble), x);
+          sum[p][1] = _mm512_dpbusd_epi32(
+              sum[p][1], _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble), x);
+        }
+      }
+      const __m256 step = _mm256_set1_ps(g.x_step[bi]);
+#pragma GCC unroll 8
+      for (int p = 0; p < NP; ++p)
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          // lane 2j + lane 2j + 1 into the low half of each 64-bit word, kept (vpmovqd)
+          const __m512i s = _mm512_add_epi32(sum[p][h], _mm512_srli_epi64(sum[p][h], 32));
+          part[0][p][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm512_cvtepi64_epi32(s)), step,
+                                          part[0][p][h]);
+        }
+    }
+    fold_group<1, NP, U4Panel>(part, acc, g, gi, groups);
+  }
+  store_tile<1, NP>(acc, c, ldc, col_scale, bias, n_left);
+}
+
 // int8 panels ([K, 16] signed bytes: I8Panel with a scale per column, I8GroupPanel
 // with one per group of whole blocks) times x quantized to int8. vpdpbusd takes one
 // unsigned operand: x is given as x_q + 128 (g.x_q holds those bytes, see dot_gemm),
