@@ -236,3 +236,19 @@ def test_decode_split_end_to_end(tmp_path):
     assert 0 < r["split_ms"]["forward"] <= r["step_ms"]
     assert all(0 <= v <= r["step_ms"] for v in r["split_ms"].values())
     assert r["ops_ms_per_step"] and r["decode_gb_per_s"] > 0
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8", "bf16"])
+def test_decode_layers_end_to_end(tmp_path, kind):
+    """bench/decode_layers.py on a tiny shape: the bytes a step reads (int4: half a
+    byte a weight plus a float16 scale and minimum per 32) and its GB/s."""
+    out = tmp_path / "layers.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "decode_layers.py"), "--kind", kind,
+                    "--shape", "tiny", "--steps", "3", "--json", str(out)], check=True,
+                   cwd=ROOT, capture_output=True, timeout=300)
+    r = json.loads(out.read_text())
+    weights = 2 * (384 * 256 + 256 * 256 + 1024 * 256 + 256 * 512)
+    if kind == "int4":
+        assert r["weight_bytes"] == weights // 2 + weights // 32 * 4
+    assert r["weight_bytes"] > 0 and r["best_ms"] <= r["median_ms"]
+    assert r["best_gb_per_s"] == pytest.approx(r["weight_bytes"] / r["best_ms"] / 1e6)
