@@ -177,6 +177,14 @@ def test_int4_panels_hold_column_j_low_and_j_plus_8_high():
 KINDS = ("float32", "bf16", "int8", "int8-groups", "int4")
 
 
+def random_int4(n: int, k: int, group: int, gen: torch.Generator) -> Packed:
+    """Random int4 panels of [n, k] with a float16 scale and minimum per `group`."""
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    scales = (torch.rand(k // group, n, generator=gen) * 0.02 + 1e-4).half()
+    mins = (torch.randn(k // group, n, generator=gen) * 0.1).half()
+    return pack_int4(q, scales, mins)
+
+
 def packed_kind(kind: str, n: int, k: int, seed: int = 0) -> tuple[Packed, torch.Tensor]:
     """A packed weight of `kind` and the float64 weight it stands for, computed
     from its integers and scales (groups of 32 where K has them, else one)."""
@@ -241,10 +249,7 @@ def test_int4_takes_integer_products_up_to_the_dot_rows_and_floats_past_them(ker
     weights packed as int4), x stays float32 at any row count."""
     n, k = 48, 256
     gen = torch.Generator().manual_seed(group)
-    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
-    scales = (torch.rand(k // group, n, generator=gen) * 0.02 + 1e-4).half()
-    mins = (torch.randn(k // group, n, generator=gen) * 0.1).half()
-    packed = pack_int4(q, scales, mins)
+    packed = random_int4(n, k, group, gen)
     w = unpack_weight(packed, n).double()
     for rows in (1, DOT_ROWS, DOT_ROWS + 1) if DOT_ROWS else (1, 13, 100):
         x = torch.randn(rows, k, generator=gen) * 3

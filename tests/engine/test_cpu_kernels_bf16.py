@@ -15,15 +15,15 @@ import pytest
 import torch
 
 from kvserve.engine.kernels.cpu.packing import (INT4_DOT_ROWS, ONEDNN_ROWS, int4_dot_rows,
-                                                pack_int4, pack_weight, reference_product,
-                                                takes_dots, unpack_weight)
+                                                pack_weight, reference_product, takes_dots,
+                                                unpack_weight)
 from kvserve.engine.models.linear import Linear
 from kvserve.engine.models.quantized.layer import QuantizedLinear
 from kvserve.engine.platform.device import cpu_flags
 from kvserve.engine.weights.cpu_packing import (load_once, pack_model,
                                                 quantized_packing_wanted)
 from kvserve.engine.weights.loader import load_model
-from tests.engine.test_cpu_kernels import packed_kind
+from tests.engine.test_cpu_kernels import packed_kind, random_int4
 from tests.support.tiny_gguf import INT4_SHAPES
 from tests.support.tiny_models import make_tiny_model
 
@@ -125,7 +125,6 @@ def test_vnni_takes_integer_products_at_prompt_sizes(kernels, kind, rows):
     assert not torch.allclose(got32.double(), exact, **close)
 
 
-
 @needs_avx2
 @pytest.mark.skipif(int4_dot_rows() is not None, reason="no VNNI here")
 @pytest.mark.parametrize("group", [32, 64, 128])
@@ -136,10 +135,7 @@ def test_vnni_one_row_kernel_gives_the_many_row_kernels_sums(kernels, group):
     reference's integer products."""
     n, k = 72, 512
     gen = torch.Generator().manual_seed(group)
-    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
-    scales = (torch.rand(k // group, n, generator=gen) * 0.02 + 1e-4).half()
-    mins = (torch.randn(k // group, n, generator=gen) * 0.1).half()
-    packed = pack_int4(q, scales, mins)
+    packed = random_int4(n, k, group, gen)
     x = torch.randn(3, k, generator=gen) * 3
     op = torch.ops.kvserve.packed_linear
     together = op(x, packed.panels, n, None, packed.scales, packed.mins, True)
