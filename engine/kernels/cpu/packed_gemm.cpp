@@ -464,7 +464,9 @@ void sweep(const Problem& q, const typename Panel::T* weight, const Groups& grou
 // and with too few left the compiler keeps some sums in memory.
 template <typename Panel, int MR>
 constexpr int panels_per_call() {
-  // VNNI: two panels' sums for up to 3 rows fit AVX-512's 32 registers
+  // VNNI: one 512-bit register of sums a row and panel; two panels a call for up to
+  // 3 rows (more chains of dot products in flight), one past that (faster at 4-6 rows
+  // than two: the group's float sums then stay in registers too)
   if constexpr (kVnni<Panel>) return MR <= 3 ? 2 : 1;
   if constexpr (kI8Vnni<Panel>) return 2;  // 16 columns a 512-bit register
   if constexpr (kDot<Panel>) return 1;  // one row: 20% faster than two panels a call

@@ -20,15 +20,34 @@ bool vnni_here() {
   return here;
 }
 
-// micro_dot with AVX512-VNNI (vpdpbusd on 256-bit registers: four unsigned 4-bit
-// weights times four signed 8-bit inputs summed into each 32-bit lane, 32 products an
-// instruction with no 16-bit intermediate) where micro_dot needs vpmaddubsw, a 16-bit
-// add and a widening at the end of the block. A 32-byte load holds K rows k..k+3 as
-// 8 bytes each; one byte permutation (vpermb) puts each column's four rows side by
-// side, so lane j holds column j's low nibbles (columns 0-7) or high ones (8-15).
-// Cheap enough per row that it pays for many rows, not only a decode's few (at 16-64
-// rows the widening path's float32 FMAs are the limit). No lambdas here: they would
-// not inherit the function's target.
+// One vpdpbusd with x's four inputs at x broadcast from memory (EVEX {1to16}): no
+// broadcast instruction of its own, which left the many-row kernel's steps bound by
+// the instructions issued rather than by the dot products (one core of the 2-core
+// Zen 4: a loop of 12 dot products, 6 broadcasts and a weight's unpacking ran at 0.77x
+// the dot products' own rate, 0.89x with the broadcasts embedded). GCC does not embed
+// a broadcast that two instructions share, hence the asm.
+__attribute__((target(KVSERVE_VNNI_TARGET), always_inline)) inline __m512i dot_x4(
+    __m512i acc, __m512i w, const int8_t* x) {
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0"
+          : "+v"(acc)
+          : "v"(w), "m"(*reinterpret_cast<const int32_t*>(x)));
+  return acc;
+}
+
+// micro_dot with AVX512-VNNI (vpdpbusd: four unsigned 4-bit weights times four signed
+// 8-bit inputs summed into each 32-bit lane, no 16-bit intermediate) on 512-bit
+// registers, one a row and panel: lane j is column j. A 64-byte load holds K rows
+// k..k+7 as 8 bytes each (byte j: column j's nibble low, column j + 8's high); one
+// byte permutation (vpermb) a half puts rows k..k+3 (or k+4..k+7) of column j side by
+// side in lane j, the same byte for j and j + 8, and one mask keeps the low nibble in
+// lanes 0-7 and the high one, unshifted (16 times its value), in lanes 8-15. Those
+// lanes' sums are 16 times the true ones, exact in int32 and float32 (at most
+// 32 * 240 * 127 a block), and their group scale is taken a sixteenth: scaling by a
+// power of two is exact, so the sums are the 256-bit kernel's bit for bit (that
+// kernel needed a shift and two masks a 4-row step, and its twice as many registers
+// a row left 6 rows one panel). Against it, one thread of the 2-core Zen 4 with the
+// weights in L2: 1.5-1.9x at 4-6 rows, 1.2-1.5x at 2-3 (group 32 and 128). No lambdas
+// here: they would not inherit the function's target.
 template <int MR, int NP>
 __attribute__((target(KVSERVE_VNNI_TARGET))) void micro_dot_vnni(
     int64_t lda, const uint8_t* __restrict b, int64_t k_len, const Groups& g,
@@ -36,60 +55,77 @@ __attribute__((target(KVSERVE_VNNI_TARGET))) void micro_dot_vnni(
     const float* __restrict bias, int64_t n_left) {
   const int64_t panel_stride = k_len * U4Panel::kRowElems;
   const int64_t groups = k_len / g.len, blocks = k_len / kDotBlock;
-  const __m256i quads = _mm256_setr_epi8(0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11,
-                                         19, 27, 4, 12, 20, 28, 5, 13, 21, 29, 6, 14, 22,
-                                         30, 7, 15, 23, 31);
-  const __m256i nibble = _mm256_set1_epi8(15);
-  alignas(32) float acc[MR][NP][kPanel] = {};
+  alignas(64) uint8_t order[2][64];
+  for (int half = 0; half < 2; ++half)
+    for (int j = 0; j < 16; ++j)
+      for (int r = 0; r < 4; ++r)
+        order[half][4 * j + r] = static_cast<uint8_t>(32 * half + 8 * r + j % 8);
+  const __m512i rows_lo = _mm512_load_si512(order[0]), rows_hi = _mm512_load_si512(order[1]);
+  const __m512i nibbles =
+      _mm512_inserti64x4(_mm512_set1_epi8(0x0F), _mm256_set1_epi8(char(0xF0)), 1);
+  const __m512 sixteenth = _mm512_castpd_ps(_mm512_insertf64x4(
+      _mm512_castps_pd(_mm512_set1_ps(1.0f)), _mm256_castps_pd(_mm256_set1_ps(0.0625f)), 1));
+  alignas(64) float acc[MR][NP][kPanel] = {};
   const int64_t blocks_per_group = g.len / kDotBlock;
   for (int64_t gi = 0; gi < groups; ++gi) {
-    __m256 part[MR][NP][2];
-    clear(part, _mm256_setzero_ps());
+    __m512 part[MR][NP];
     for (int64_t bi = gi * blocks_per_group; bi < (gi + 1) * blocks_per_group; ++bi) {
-      __m256i sum[MR][NP][2];
-      clear(sum, _mm256_setzero_si256());
-      const int64_t k0 = bi * kDotBlock;
+      __m512i sum[MR][NP];
 #pragma GCC unroll 8
-      for (int64_t k = k0; k < k0 + kDotBlock; k += 4) {
-        if ((k - k0) % 8 == 0) {
+      for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 8
-          for (int p = 0; p < NP; ++p)
-            _mm_prefetch(reinterpret_cast<const char*>(
-                             b + p * panel_stride + (k + U4Panel::kPrefetchRows) * U4Panel::kRowElems),
-                         _MM_HINT_T0);
-        }
-        __m256i lo[NP], hi[NP];
+        for (int p = 0; p < NP; ++p) sum[m][p] = _mm512_setzero_si512();
+      const uint8_t* block = b + bi * kDotBlock * U4Panel::kRowElems;
+      const int8_t* xb = g.x_q + bi * kDotBlock;
+      // Four steps of eight K rows (a 64-byte line of each panel, prefetched 4 KiB ahead).
+#pragma GCC unroll 4
+      for (int s = 0; s < kDotBlock / 8; ++s) {
+        __m512i w0[NP], w1[NP];
 #pragma GCC unroll 8
         for (int p = 0; p < NP; ++p) {
-          const __m256i v = _mm256_permutexvar_epi8(
-              quads, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                         b + p * panel_stride + k * U4Panel::kRowElems)));
-          lo[p] = _mm256_and_si256(v, nibble);
-          hi[p] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+          const uint8_t* rows = block + p * panel_stride + 64 * s;
+          _mm_prefetch(reinterpret_cast<const char*>(rows + U4Panel::kPrefetchRows *
+                                                                U4Panel::kRowElems),
+                       _MM_HINT_T0);
+          const __m512i v = _mm512_loadu_si512(rows);
+          w0[p] = _mm512_and_si512(_mm512_permutexvar_epi8(rows_lo, v), nibbles);
+          w1[p] = _mm512_and_si512(_mm512_permutexvar_epi8(rows_hi, v), nibbles);
         }
 #pragma GCC unroll 8
-        for (int m = 0; m < MR; ++m) {
-          int32_t four;
-          std::memcpy(&four, g.x_q + m * lda + k, sizeof(four));
-          const __m256i x = _mm256_set1_epi32(four);
+        for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 8
           for (int p = 0; p < NP; ++p) {
-            sum[m][p][0] = _mm256_dpbusd_epi32(sum[m][p][0], lo[p], x);
-            sum[m][p][1] = _mm256_dpbusd_epi32(sum[m][p][1], hi[p], x);
+            sum[m][p] = dot_x4(sum[m][p], w0[p], xb + m * lda + 8 * s);
+            sum[m][p] = dot_x4(sum[m][p], w1[p], xb + m * lda + 8 * s + 4);
           }
-        }
       }
+      const bool first = bi == gi * blocks_per_group;
 #pragma GCC unroll 8
       for (int m = 0; m < MR; ++m) {
-        const __m256 step = _mm256_set1_ps(g.x_step[m * blocks + bi]);
+        const __m512 step = _mm512_set1_ps(g.x_step[m * blocks + bi]);
 #pragma GCC unroll 8
-        for (int p = 0; p < NP; ++p)
-#pragma GCC unroll 2
-          for (int h = 0; h < 2; ++h)
-            part[m][p][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[m][p][h]), step, part[m][p][h]);
+        for (int p = 0; p < NP; ++p) {
+          const __m512 dots = _mm512_cvtepi32_ps(sum[m][p]);
+          part[m][p] = first ? _mm512_mul_ps(dots, step) : _mm512_fmadd_ps(dots, step, part[m][p]);
+        }
       }
     }
-    fold_group<MR, NP, U4Panel>(part, acc, g, gi, groups);
+    // fold_group's arithmetic on 16 columns a register (the same sums)
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) {
+      const int64_t at = (p * groups + gi) * kPanel;
+      const __m512 scale = _mm512_mul_ps(
+          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g.scales + at))),
+          sixteenth);
+      const __m512 mins =
+          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g.mins + at)));
+#pragma GCC unroll 8
+      for (int m = 0; m < MR; ++m) {
+        __m512 total = _mm512_fmadd_ps(part[m][p], scale, _mm512_load_ps(acc[m][p]));
+        total = _mm512_fmadd_ps(_mm512_set1_ps(g.x_sums[m * groups + gi]), mins, total);
+        _mm512_store_ps(acc[m][p], total);
+      }
+    }
   }
   store_tile<MR, NP>(acc, c, ldc, col_scale, bias, n_left);
 }
@@ -99,10 +135,11 @@ __attribute__((target(KVSERVE_VNNI_TARGET))) void micro_dot_vnni(
 // 512-bit registers: a 64-byte load is K rows k..k+7 of the panel, and one vpermb
 // puts byte j of rows k..k+3 in 32-bit lane 2j and of rows k+4..k+7 in lane 2j + 1,
 // which x's eight inputs broadcast as one 64-bit word meet; adjacent lanes are added
-// at the end of each block. Half the instructions a byte of micro_dot_vnni<1, 2>, and
-// the stream prefetched into L2 (T1), not L1: on the 2-core Zen 4 a 1B model's int4
-// layers of one step (608 MB) took 0.88x the time (median of 40 alternating steps,
-// 22.3 against 25.4 ms; the prefetch alone 0.95x), the same sums bit for bit.
+// at the end of each block. Half the instructions a byte of the 256-bit many-row
+// kernel of the time, and the stream prefetched into L2 (T1), not L1: on the 2-core
+// Zen 4 a 1B model's int4 layers of one step (608 MB) took 0.88x the time (median of
+// 40 alternating steps, 22.3 against 25.4 ms; the prefetch alone 0.95x), the same
+// sums bit for bit.
 template <int NP>
 __attribute__((target(KVSERVE_VNNI_TARGET))) void micro_dot_vnni_row(
     const uint8_t* __restrict b, int64_t k_len, const Groups& g, float* __restrict c,
