@@ -146,6 +146,22 @@ def test_vnni_one_row_kernel_gives_the_many_row_kernels_sums(kernels, group):
                                    reference_product(x[row:row + 1], packed, n, True),
                                    rtol=1e-5, atol=1e-5)
 
+@pytest.mark.skipif(int4_dot_rows() is not None, reason="no VNNI here")
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("rows", [2, 3, 4, 5, 6, 10])
+def test_vnni_many_row_kernel_at_every_row_count(kernels, group, rows):
+    """micro_dot_vnni at each of its row counts (2-6, and 6 + 4), groups of one block
+    and of four, equals the reference's integer products."""
+    n, k = 72, 512
+    gen = torch.Generator().manual_seed(group + rows)
+    packed = random_int4(n, k, group, gen)
+    x = torch.randn(rows, k, generator=gen) * 3
+    got = torch.ops.kvserve.packed_linear(x, packed.panels, n, None, packed.scales,
+                                          packed.mins, True)
+    torch.testing.assert_close(got.double(), reference_product(x, packed, n, True),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_auto_packs_quantized_layers_under_bf16_wherever_the_kernels_run():
     assert quantized_packing_wanted("auto", CPU, BF16, AVX512)
     assert quantized_packing_wanted("auto", CPU, BF16, AVX2)
