@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from kvserve.engine.kernels.cpu.packing import (INT4_DOT_ROWS, ONEDNN_ROWS, int4_dot_rows,
-                                                pack_weight, reference_product, takes_dots,
-                                                unpack_weight)
+                                                pack_int8, pack_weight, reference_product,
+                                                takes_dots, unpack_weight)
 from kvserve.engine.models.linear import Linear
 from kvserve.engine.models.quantized.layer import QuantizedLinear
 from kvserve.engine.platform.device import cpu_flags
@@ -156,6 +156,30 @@ def test_vnni_many_row_kernel_at_every_row_count(kernels, group, rows):
     gen = torch.Generator().manual_seed(group + rows)
     packed = random_int4(n, k, group, gen)
     x = torch.randn(rows, k, generator=gen) * 3
+    got = torch.ops.kvserve.packed_linear(x, packed.panels, n, None, packed.scales,
+                                          packed.mins, True)
+    torch.testing.assert_close(got.double(), reference_product(x, packed, n, True),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(int4_dot_rows() is not None, reason="no VNNI here")
+@pytest.mark.parametrize("group", [None, 32, 128])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 10])
+def test_vnni_int8_kernel_at_every_row_count(kernels, group, rows):
+    """micro_dot_i8_vnni (weights made unsigned, x's block sums taken off) at each of
+    its row counts, with a scale per column (group None) or per group of one block and
+    of four, equals the reference's integer products; the weights' extremes -128 and
+    127 included, where w + 128 is 0 and 255."""
+    n, k = 72, 512
+    gen = torch.Generator().manual_seed(rows + (group or 0))
+    q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    q[0, :] = -128
+    q[1, :] = 127
+    scales = (torch.rand(n, generator=gen) * 0.02 + 1e-4 if group is None
+              else (torch.rand(k // group, n, generator=gen) * 0.02 + 1e-4).half())
+    packed = pack_int8(q, scales)
+    x = torch.randn(rows, k, generator=gen) * 3
+    assert takes_dots(packed, rows, k)
     got = torch.ops.kvserve.packed_linear(x, packed.panels, n, None, packed.scales,
                                           packed.mins, True)
     torch.testing.assert_close(got.double(), reference_product(x, packed, n, True),

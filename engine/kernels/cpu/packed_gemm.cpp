@@ -147,6 +147,8 @@ struct Groups {
   // step of each block of kDotBlock of them, [rows, K / kDotBlock].
   const int8_t* x_q = nullptr;
   const float* x_step = nullptr;
+  // For int8 panels' integer products: the sum of each block's x_q, [rows, K / kDotBlock].
+  const int32_t* x_q_sums = nullptr;
 };
 
 inline __m256 half8(const uint16_t* p) {
@@ -430,6 +432,7 @@ void sweep(const Problem& q, const typename Panel::T* weight, const Groups& grou
     if constexpr (kDot<Panel>) {
       g.x_q += row * q.k_len;
       g.x_step += row * (q.k_len / kDotBlock);
+      if (g.x_q_sums != nullptr) g.x_q_sums += row * (q.k_len / kDotBlock);
     }
     if constexpr (kI8Vnni<Panel>) {
       using Base = std::conditional_t<Panel::kGroupScales, I8GroupPanel, I8Panel>;
@@ -589,9 +592,17 @@ void dot_gemm(const Problem& q) {
   std::vector<int8_t> x_q(q.rows * q.k_len);
   std::vector<float> x_step(q.rows * q.k_len / kDotBlock);
   quantize_for_dot(q.x, q.rows, q.k_len, x_q.data(), x_step.data());
-  if constexpr (kI8Vnni<DotPanel>)  // x_q + 128 as unsigned bytes: see micro_dot_i8_vnni
-    for (int8_t& v : x_q) v = static_cast<int8_t>(static_cast<uint8_t>(v) ^ 0x80u);
+  std::vector<int32_t> x_q_sums;
+  if constexpr (kI8Vnni<DotPanel>) {  // their share of (w + 128) x: see micro_dot_i8_vnni
+    x_q_sums.resize(x_step.size());
+    for (size_t bi = 0; bi < x_q_sums.size(); ++bi) {
+      int32_t total = 0;
+      for (int64_t i = 0; i < kDotBlock; ++i) total += x_q[bi * kDotBlock + i];
+      x_q_sums[bi] = total;
+    }
+  }
   Problem dots = q;
+  dots.groups.x_q_sums = x_q_sums.empty() ? nullptr : x_q_sums.data();
   dots.groups.x_sums = sums.empty() ? nullptr : sums.data();
   dots.groups.x_q = x_q.data();
   dots.groups.x_step = x_step.data();

@@ -198,12 +198,16 @@ __attribute__((target(KVSERVE_VNNI_TARGET))) void micro_dot_vnni_row(
 
 // int8 panels ([K, 16] signed bytes: I8Panel with a scale per column, I8GroupPanel
 // with one per group of whole blocks) times x quantized to int8. vpdpbusd takes one
-// unsigned operand: x is given as x_q + 128 (g.x_q holds those bytes, see dot_gemm),
-// so each lane sums (x + 128) w and the block's sum of w times 128 comes off at its
-// end: sum x w = sum (x + 128) w - 128 sum w. The weights' sums take one vpdpbusd a
-// panel row (against ones), shared by every row of x. A 64-byte load is K rows
-// k..k+3 of the panel; one vpermb on the 512-bit register puts each column's four
-// rows in its own 32-bit lane, columns 0-15 in order.
+// unsigned operand, and the one it can broadcast from memory is the signed one: the
+// weights are made unsigned (w + 128, one xor a load) and x's four inputs come
+// straight from memory (dot_x4), so each lane sums (w + 128) x and 128 times the
+// block's sum of x (g.x_q_sums, one integer a row and block) comes off at its end:
+// sum x w = sum (w + 128) x - 128 sum x. (It was x + 128 against the weights, whose
+// sums took one more vpdpbusd a panel row and x one broadcast a row: 14 dot products
+// and 6 broadcasts a step of 6 rows and two panels where 12 and none now do; the same
+// integers, so the same sums bit for bit.) A 64-byte load is K rows k..k+3 of the
+// panel; one vpermb puts each column's four rows in its own 32-bit lane, columns 0-15
+// in order.
 template <int MR, int NP, typename Base>
 __attribute__((target(KVSERVE_VNNI_TARGET))) void micro_dot_i8_vnni(
     int64_t lda, const int8_t* __restrict b, int64_t k_len, const Groups& g,
@@ -216,57 +220,64 @@ __attribute__((target(KVSERVE_VNNI_TARGET))) void micro_dot_i8_vnni(
   for (int j = 0; j < 16; ++j)
     for (int r = 0; r < 4; ++r) order[4 * j + r] = static_cast<uint8_t>(16 * r + j);
   const __m512i quads = _mm512_load_si512(order);
-  const __m512i ones = _mm512_set1_epi8(1);
-  alignas(32) float acc[MR][NP][kPanel] = {};
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  alignas(64) float acc[MR][NP][kPanel] = {};
   const int64_t blocks_per_group = group_len / kDotBlock;
   for (int64_t gi = 0; gi < groups; ++gi) {
-    __m256 part[MR][NP][2];
-    clear(part, _mm256_setzero_ps());
+    __m512 part[MR][NP];
     for (int64_t bi = gi * blocks_per_group; bi < (gi + 1) * blocks_per_group; ++bi) {
-      __m512i sum[MR][NP], w_sum[NP];
+      __m512i sum[MR][NP];
 #pragma GCC unroll 8
-      for (int p = 0; p < NP; ++p) {
-        w_sum[p] = _mm512_setzero_si512();
+      for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 8
-        for (int m = 0; m < MR; ++m) sum[m][p] = _mm512_setzero_si512();
-      }
-      const int64_t k0 = bi * kDotBlock;
+        for (int p = 0; p < NP; ++p) sum[m][p] = _mm512_setzero_si512();
+      const int8_t* block = b + bi * kDotBlock * I8Panel::kRowElems;
+      const int8_t* xb = g.x_q + bi * kDotBlock;
+      // Eight steps of four K rows, a 64-byte line of each panel a step.
 #pragma GCC unroll 8
-      for (int64_t k = k0; k < k0 + kDotBlock; k += 4) {
+      for (int s = 0; s < kDotBlock / 4; ++s) {
         __m512i w[NP];
 #pragma GCC unroll 8
         for (int p = 0; p < NP; ++p) {
-          const int8_t* row = b + p * panel_stride + k * I8Panel::kRowElems;
-          _mm_prefetch(reinterpret_cast<const char*>(row + I8Panel::kPrefetchRows *
-                                                               I8Panel::kRowElems),
+          const int8_t* rows = block + p * panel_stride + 64 * s;
+          _mm_prefetch(reinterpret_cast<const char*>(rows + I8Panel::kPrefetchRows *
+                                                                I8Panel::kRowElems),
                        _MM_HINT_T0);
-          w[p] = _mm512_permutexvar_epi8(quads, _mm512_loadu_si512(row));
-          w_sum[p] = _mm512_dpbusd_epi32(w_sum[p], ones, w[p]);
+          w[p] = _mm512_xor_si512(_mm512_permutexvar_epi8(quads, _mm512_loadu_si512(rows)),
+                                  flip);
         }
 #pragma GCC unroll 8
-        for (int m = 0; m < MR; ++m) {
-          int32_t four;
-          std::memcpy(&four, g.x_q + m * lda + k, sizeof(four));
-          const __m512i x = _mm512_set1_epi32(four);
+        for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 8
-          for (int p = 0; p < NP; ++p) sum[m][p] = _mm512_dpbusd_epi32(sum[m][p], x, w[p]);
-        }
+          for (int p = 0; p < NP; ++p) sum[m][p] = dot_x4(sum[m][p], w[p], xb + m * lda + 4 * s);
       }
+      const bool first = bi == gi * blocks_per_group;
 #pragma GCC unroll 8
-      for (int p = 0; p < NP; ++p) {
-        const __m512i offset = _mm512_slli_epi32(w_sum[p], 7);
+      for (int m = 0; m < MR; ++m) {
+        const __m512i offset = _mm512_set1_epi32(128 * g.x_q_sums[m * blocks + bi]);
+        const __m512 step = _mm512_set1_ps(g.x_step[m * blocks + bi]);
 #pragma GCC unroll 8
-        for (int m = 0; m < MR; ++m) {
-          const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum[m][p], offset));
-          const __m256 step = _mm256_set1_ps(g.x_step[m * blocks + bi]);
-          const __m256 lo = _mm512_castps512_ps256(dot);
-          const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(dot), 1));
-          part[m][p][0] = _mm256_fmadd_ps(lo, step, part[m][p][0]);
-          part[m][p][1] = _mm256_fmadd_ps(hi, step, part[m][p][1]);
+        for (int p = 0; p < NP; ++p) {
+          const __m512 dots = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum[m][p], offset));
+          part[m][p] = first ? _mm512_mul_ps(dots, step) : _mm512_fmadd_ps(dots, step, part[m][p]);
         }
       }
     }
-    fold_group<MR, NP, Base>(part, acc, g, gi, groups);
+    // fold_group's arithmetic on 16 columns a register (the same sums)
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) {
+      __m512 scale = _mm512_set1_ps(1.0f);
+      if constexpr (Base::kGroupScales)
+        scale = _mm512_cvtph_ps(_mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(g.scales + (p * groups + gi) * kPanel)));
+#pragma GCC unroll 8
+      for (int m = 0; m < MR; ++m) {
+        const __m512 sums = _mm512_load_ps(acc[m][p]);
+        _mm512_store_ps(acc[m][p], Base::kGroupScales
+                                       ? _mm512_fmadd_ps(part[m][p], scale, sums)
+                                       : _mm512_add_ps(sums, part[m][p]));
+      }
+    }
   }
   store_tile<MR, NP>(acc, c, ldc, col_scale, bias, n_left);
 }
