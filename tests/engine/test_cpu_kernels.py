@@ -4,6 +4,7 @@ and CPUs get it (--cpu-kernels), and greedy output through it against transforme
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from kvserve.modelstore.errors import ModelLoadError
 from kvserve.scheduler.sampling_params import SamplingParams
 from tests.support.reference import (assert_same_tokens, load_reference, reference_greedy,
                                      varied_prompts)
+from tests.support.own_process import run_script_ok
 from tests.support.threads import torch_threads
 from tests.support.tiny_models import make_tiny_model
 
@@ -374,8 +376,7 @@ def paged_case(batch, length, q_heads, kv_heads, dim, block_size, seed=0):
     return q, k_cache, v_cache, tables.int(), lens
 
 
-@needs_avx2
-@pytest.mark.parametrize("batch,length,q_heads,kv_heads,dim,block_size", [
+PAGED_CASES = [  # batch, length, q_heads, kv_heads, dim, block_size
     (1, 1, 9, 3, 64, 16),  # one key
     (1, 300, 9, 3, 64, 16),  # a task per KV head
     (3, 17, 9, 3, 64, 16),  # across a block boundary
@@ -383,7 +384,12 @@ def paged_case(batch, length, q_heads, kv_heads, dim, block_size, seed=0):
     (5, 40, 32, 8, 128, 16),  # Llama-3's grouping
     (4, 33, 14, 2, 64, 32),  # 7 query heads a KV head
     (6, 20, 4, 4, 8, 4),  # no grouping, the smallest head_dim
-])
+    (2, 70, 8, 2, 96, 16),  # a head of 96 (AVX-512 passes only for 64 and 128)
+]
+
+
+@needs_avx2
+@pytest.mark.parametrize("batch,length,q_heads,kv_heads,dim,block_size", PAGED_CASES)
 def test_paged_decode_matches_the_reference(kernels, batch, length, q_heads, kv_heads, dim,
                                             block_size):
     from kvserve.engine.kernels.attention.cpu_paged import paged_decode_reference
@@ -420,6 +426,13 @@ def test_paged_decode_split_along_the_context_matches_the_reference(kernels, thr
     empty = lens == 0
     assert torch.allclose(got[~empty], want[~empty], rtol=1e-5, atol=2e-6)
     assert torch.equal(got[empty], torch.zeros_like(got[empty]))
+    q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
+    exact = paged_decode_reference(q.float(), k_cache.float(), v_cache.float(), tables, lens,
+                                   0.125)
+    with torch_threads(threads):  # bf16 caches' runs (AVX-512's passes where it has them)
+        got = torch.ops.kvserve.paged_decode(q, k_cache, v_cache, tables, lens, 0.125)
+    assert torch.allclose(got[~empty].float(), exact[~empty], rtol=2 ** -8 + 1e-5, atol=2e-6)
+    assert torch.equal(got[empty], torch.zeros_like(got[empty]))
 
 
 @needs_avx2
@@ -436,6 +449,24 @@ def test_paged_decode_ignores_what_lies_past_each_length(kernels):
     lens[2] = 0
     out = op(q, k_cache, v_cache, tables, lens, 0.125)
     assert torch.equal(out[2], torch.zeros_like(out[2])) and torch.equal(out[:2], before[:2])
+
+
+@needs_avx2
+@pytest.mark.skipif(not {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags(),
+                    reason="no AVX-512 here: the AVX2 passes are what every test runs")
+def test_paged_decode_avx2_passes_still_run_where_avx512_would():
+    """$KVSERVE_CPU_ISA=avx2 keeps bf16 caches on the AVX2 passes on an AVX-512 CPU (as
+    a CPU without it runs them): the cases above against the reference, in a process
+    of its own (the op reads the variable once)."""
+    script = (
+        "import torch\n"
+        "from kvserve.engine.weights.cpu_packing import load_once\n"
+        "from tests.engine.test_cpu_kernels import PAGED_CASES, test_paged_decode_matches_the_reference\n"
+        "load_once()\n"
+        "for case in PAGED_CASES:\n"
+        "    test_paged_decode_matches_the_reference(None, *case)\n"
+        "print('ok')\n")
+    run_script_ok(script, {"KVSERVE_CPU_ISA": "avx2"})
 
 
 @needs_avx2
@@ -700,7 +731,6 @@ def test_a_failed_compile_says_why_and_leaves_no_file(tmp_path):
 def test_package_data_ships_the_kernel_source():
     """A non-editable install keeps the .cpp that build.py compiles on the target."""
     import tomllib
-    from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
     data = tomllib.loads((root / "pyproject.toml").read_text())
@@ -711,7 +741,7 @@ def test_package_data_ships_the_kernel_source():
                                                 "bf16_rows.h", "chunk_schedule.h",
                                                 "expert_bf16_dots.h", "expert_int8_dots.h",
                                                 "expert_linear.h", "int8_inputs.h",
-                                                "vnni_dots.h"}
+                                                "paged_decode_avx512.h", "vnni_dots.h"}
     assert {s.name for s in build.SOURCES} == {"bf16_pairs.cpp", "expert_linear.cpp",
                                                "moe_experts.cpp",
                                                "packed_gemm.cpp", "paged_decode.cpp",

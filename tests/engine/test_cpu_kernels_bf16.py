@@ -6,10 +6,6 @@ float layers are packed too (tests/engine/test_bf16_pairs.py)."""
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +20,7 @@ from kvserve.engine.weights.cpu_packing import (load_once, pack_model,
                                                 quantized_packing_wanted)
 from kvserve.engine.weights.loader import load_model
 from tests.engine.test_cpu_kernels import packed_kind, random_int4
+from tests.support.own_process import run_script_ok
 from tests.support.tiny_gguf import INT4_SHAPES
 from tests.support.tiny_models import make_tiny_model
 
@@ -295,8 +292,4 @@ def test_the_avx2_integer_products_still_run_where_vnni_would(tmp_path):
         "        for n in (16, 48, 73):\n"
         "            check_product(rows, n, 96, kind, bias=n % 2 == 1)\n"
         "print('ok')\n")
-    root = Path(__file__).resolve().parents[2]
-    done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True,
-                          text=True, timeout=600,
-                          env={**os.environ, "KVSERVE_NO_VNNI": "1"})
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+    run_script_ok(script, {"KVSERVE_NO_VNNI": "1"})

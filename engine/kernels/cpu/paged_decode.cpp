@@ -3,6 +3,8 @@
 // whose torch form stays the reference and serves fp8 caches). A bf16 value is widened
 // to float32 as it is loaded (its 16 bits are a float32's high half); scores, softmax
 // and sums are float32 whatever the cache holds, as in the reference.
+// On AVX-512 CPUs a bf16 cache's two passes take 512-bit registers instead
+// (paged_decode_avx512.h); the rest is this file's, on every x86 CPU.
 //
 // A task is one request (when requests are few, a run of its context's blocks, or
 // one of its KV heads), spread over torch's threads. It makes one pass over its keys,
@@ -21,6 +23,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -72,34 +75,16 @@ struct Span {
 // A run is at least this many blocks: shorter, merging costs more than it saves.
 constexpr int64_t kMinSplitBlocks = 4;
 
-// Request b's KV heads [h0, h1) and the query heads that share them, over the
-// positions `span`: `scratch` holds their scores (then probabilities) and the sums of
-// their outputs. Into `out` [heads, D], the attention's output; or, given `part`,
-// each head's unnormalised sums [heads, D], then its scores' maximum and its
-// exponentials' sum [heads, 2], which `merge` combines with the other runs'.
+// One pass over the keys [t0, t0 + len) of request b's KV heads [h0, h1), every
+// query head that shares them scored against each key as it is loaded: scores
+// [heads, len], scaled.
 template <typename T>
-void attend(const Decode<T>& a, int64_t b, int64_t h0, int64_t h1, Span span,
-            std::vector<float>& scratch, float* out, float* part) {
+void score_keys(const Decode<T>& a, int64_t b, int64_t h0, int64_t h1, int64_t t0,
+                int64_t len, float* scores) {
   const int64_t groups = a.q_heads / a.kv_heads, dim = a.head_dim;
   const int64_t heads = (h1 - h0) * groups, span_floats = (h1 - h0) * dim;
-  span.end = std::min<int64_t>(span.end, a.lens[b]);
-  const int64_t len = span.end - span.begin, t0 = span.begin;
-  float* dst = part ? part : out;
-  float* stats = part ? part + heads * dim : nullptr;
-  if (len <= 0) {  // nothing visible (never scheduled, or past its end): zeros, not NaNs
-    std::fill(dst, dst + heads * dim, 0.0f);
-    for (int64_t h = 0; stats && h < heads; ++h) {
-      stats[2 * h] = -INFINITY;
-      stats[2 * h + 1] = 0.0f;
-    }
-    return;
-  }
-  scratch.assign(heads * len + heads + heads * dim, 0.0f);
-  float* scores = scratch.data();
-  float* inv = scores + heads * len;
-  float* acc = inv + heads;
   const float* q = a.q + (b * a.q_heads + h0 * groups) * dim;
-  for (int64_t i = 0; i < len; ++i) {  // one pass over the keys, every head at once
+  for (int64_t i = 0; i < len; ++i) {
     const int64_t t = t0 + i;
     if (i + kPrefetchAhead < len)
       prefetch(a.k_cache + a.at(b, h0, t + kPrefetchAhead), span_floats);
@@ -117,6 +102,78 @@ void attend(const Decode<T>& a, int64_t b, int64_t h0, int64_t h1, Span span,
       scores[head * len + i] = hsum(_mm256_add_ps(s0, s1)) * a.scale;
     }
   }
+}
+
+// One pass over the same span's values: each query head's probabilities [heads, len]
+// times them, summed into acc [heads, D] (in L1).
+template <typename T>
+void sum_values(const Decode<T>& a, int64_t b, int64_t h0, int64_t h1, int64_t t0,
+                int64_t len, const float* probs, float* acc) {
+  const int64_t groups = a.q_heads / a.kv_heads, dim = a.head_dim;
+  const int64_t heads = (h1 - h0) * groups, span_floats = (h1 - h0) * dim;
+  for (int64_t i = 0; i < len; ++i) {
+    const int64_t t = t0 + i;
+    if (i + kPrefetchAhead < len)
+      prefetch(a.v_cache + a.at(b, h0, t + kPrefetchAhead), span_floats);
+    const T* v = a.v_cache + a.at(b, h0, t);
+    for (int64_t head = 0; head < heads; ++head) {
+      const __m256 p = _mm256_set1_ps(probs[head * len + i]);
+      const T* vh = v + head / groups * dim;
+      float* o = acc + head * dim;
+      for (int64_t d = 0; d < dim; d += 8)
+        _mm256_storeu_ps(o + d, _mm256_fmadd_ps(p, load8(vh + d),
+                                                _mm256_loadu_ps(o + d)));
+    }
+  }
+}
+
+#include "paged_decode_avx512.h"
+
+// The passes this CPU takes over a cache of T: the AVX-512 ones where they can (bf16).
+template <typename T>
+void keys_pass(const Decode<T>& a, int64_t b, int64_t h0, int64_t h1, int64_t t0,
+               int64_t len, float* scores) {
+  if constexpr (std::is_same_v<T, at::BFloat16>)
+    if (avx512_passes_take(a.head_dim)) return score_keys_avx512(a, b, h0, h1, t0, len, scores);
+  score_keys(a, b, h0, h1, t0, len, scores);
+}
+
+template <typename T>
+void values_pass(const Decode<T>& a, int64_t b, int64_t h0, int64_t h1, int64_t t0,
+                 int64_t len, const float* probs, float* acc) {
+  if constexpr (std::is_same_v<T, at::BFloat16>)
+    if (avx512_passes_take(a.head_dim))
+      return sum_values_avx512(a, b, h0, h1, t0, len, probs, acc);
+  sum_values(a, b, h0, h1, t0, len, probs, acc);
+}
+
+// Request b's KV heads [h0, h1) and the query heads that share them, over the
+// positions `span`: `scratch` holds their scores (then probabilities) and the sums of
+// their outputs. Into `out` [heads, D], the attention's output; or, given `part`,
+// each head's unnormalised sums [heads, D], then its scores' maximum and its
+// exponentials' sum [heads, 2], which `merge` combines with the other runs'.
+template <typename T>
+void attend(const Decode<T>& a, int64_t b, int64_t h0, int64_t h1, Span span,
+            std::vector<float>& scratch, float* out, float* part) {
+  const int64_t groups = a.q_heads / a.kv_heads, dim = a.head_dim;
+  const int64_t heads = (h1 - h0) * groups;
+  span.end = std::min<int64_t>(span.end, a.lens[b]);
+  const int64_t len = span.end - span.begin, t0 = span.begin;
+  float* dst = part ? part : out;
+  float* stats = part ? part + heads * dim : nullptr;
+  if (len <= 0) {  // nothing visible (never scheduled, or past its end): zeros, not NaNs
+    std::fill(dst, dst + heads * dim, 0.0f);
+    for (int64_t h = 0; stats && h < heads; ++h) {
+      stats[2 * h] = -INFINITY;
+      stats[2 * h + 1] = 0.0f;
+    }
+    return;
+  }
+  scratch.assign(heads * len + heads + heads * dim, 0.0f);
+  float* scores = scratch.data();
+  float* inv = scores + heads * len;
+  float* acc = inv + heads;
+  keys_pass(a, b, h0, h1, t0, len, scores);
   for (int64_t head = 0; head < heads; ++head) {  // softmax's exponentials, their sum
     float* s = scores + head * len;
     const float top = *std::max_element(s, s + len);
@@ -127,20 +184,7 @@ void attend(const Decode<T>& a, int64_t b, int64_t h0, int64_t h1, Span span,
       stats[2 * head + 1] = sum;
     }
   }
-  for (int64_t i = 0; i < len; ++i) {  // one pass over the values, sums in L1
-    const int64_t t = t0 + i;
-    if (i + kPrefetchAhead < len)
-      prefetch(a.v_cache + a.at(b, h0, t + kPrefetchAhead), span_floats);
-    const T* v = a.v_cache + a.at(b, h0, t);
-    for (int64_t head = 0; head < heads; ++head) {
-      const __m256 p = _mm256_set1_ps(scores[head * len + i]);
-      const T* vh = v + head / groups * dim;
-      float* o = acc + head * dim;
-      for (int64_t d = 0; d < dim; d += 8)
-        _mm256_storeu_ps(o + d, _mm256_fmadd_ps(p, load8(vh + d),
-                                                _mm256_loadu_ps(o + d)));
-    }
-  }
+  values_pass(a, b, h0, h1, t0, len, scores, acc);
   for (int64_t head = 0; head < heads; ++head) {
     const __m256 s = _mm256_set1_ps(inv[head]);
     for (int64_t d = 0; d < dim; d += 8)
