@@ -10,7 +10,7 @@ read in the same minutes. To compare two commits, run each tree's copy in turn
 10-20% on a shared host.
 
 usage: python bench/decode_layers.py [--kind int4|int8|bf16] [--group 32]
-       [--shape 1b|3b|tiny] [--steps 40] [--threads N] [--json OUT]
+       [--shape 135m|1b|3b|tiny] [--steps 40] [--threads N] [--json OUT]
 """
 from __future__ import annotations
 
@@ -29,9 +29,9 @@ from kvserve.engine.kernels.cpu import packing  # noqa: E402
 from kvserve.engine.platform.device import cpu_flags  # noqa: E402
 from kvserve.engine.weights.cpu_packing import load_once  # noqa: E402
 
-# (layers, hidden, intermediate, q + k + v outputs) of Llama-3.2-1B and -3B
-# (tiny: the tests' quick run)
-SHAPES = {"1b": (16, 2048, 8192, 2048 + 2 * 512), "3b": (28, 3072, 8192, 3072 + 2 * 1024),
+# (layers, hidden, intermediate, q + k + v outputs) of the default model
+# (SmolLM2-135M), Llama-3.2-1B and -3B (tiny: the tests' quick run)
+SHAPES = {"135m": (30, 576, 1536, 576 + 2 * 192), "1b": (16, 2048, 8192, 2048 + 2 * 512), "3b": (28, 3072, 8192, 3072 + 2 * 1024),
           "tiny": (2, 256, 512, 256 + 2 * 64)}
 
 

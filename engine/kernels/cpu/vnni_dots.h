@@ -240,9 +240,15 @@ __attribute__((target(KVSERVE_VNNI_TARGET))) void micro_dot_i8_vnni(
 #pragma GCC unroll 8
         for (int p = 0; p < NP; ++p) {
           const int8_t* rows = block + p * panel_stride + 64 * s;
+          // The stream goes into L2 (T1), as micro_dot_vnni_row's does: into L1 (T0) it
+          // left the default model's int8 batch-1 step 1.39x slower on the 2-core Zen 4
+          // (in-process and compiled, bench/decode_split.py: 10.4 against 7.5 ms), and
+          // its layers 1.1-1.4x slower at 2-6 rows, 1.05-1.1x at 16-32 (more rows read
+          // a chunk's lines again from L2 either way). int4's many-row kernel gained
+          // nothing from it there and keeps T0.
           _mm_prefetch(reinterpret_cast<const char*>(rows + I8Panel::kPrefetchRows *
                                                                 I8Panel::kRowElems),
-                       _MM_HINT_T0);
+                       _MM_HINT_T1);
           w[p] = _mm512_xor_si512(_mm512_permutexvar_epi8(quads, _mm512_loadu_si512(rows)),
                                   flip);
         }
