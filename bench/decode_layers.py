@@ -31,8 +31,8 @@ from kvserve.engine.weights.cpu_packing import load_once  # noqa: E402
 
 # (layers, hidden, intermediate, q + k + v outputs) of the default model
 # (SmolLM2-135M), Llama-3.2-1B and -3B (tiny: the tests' quick run)
-SHAPES = {"135m": (30, 576, 1536, 576 + 2 * 192), "1b": (16, 2048, 8192, 2048 + 2 * 512), "3b": (28, 3072, 8192, 3072 + 2 * 1024),
-          "tiny": (2, 256, 512, 256 + 2 * 64)}
+SHAPES = {"135m": (30, 576, 1536, 576 + 2 * 192), "1b": (16, 2048, 8192, 2048 + 2 * 512),
+          "3b": (28, 3072, 8192, 3072 + 2 * 1024), "tiny": (2, 256, 512, 256 + 2 * 64)}
 
 
 def layer_shapes(shape: str) -> list[tuple[int, int]]:
