@@ -19,6 +19,11 @@ REQUEST_SECONDS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 COMPILE_SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                    30.0, 60.0)
 
+# One engine step's wall time (kvserve's own: vLLM has no such histogram): 1 ms to
+# 10 s, a CPU's batch-1 decode step at the bottom, a long prompt chunk at the top.
+STEP_SECONDS = (0.001, 0.002, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1,
+                0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+
 # Tokens one engine step computed.
 ITERATION_TOKENS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 

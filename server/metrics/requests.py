@@ -1,7 +1,9 @@
 """Histograms fed by the engine's reports: per finished sequence (queue, prefill and
 decode time from the scheduler's timestamps, prompt and generated length) and per
-engine step (tokens computed). A report listener, so it runs once per step on the
-thread that receives reports, never per token on the event loop."""
+engine step (tokens computed; wall time, which against the inter-token latency says
+whether a token's time goes inside the engine's steps or between them). A report
+listener, so it runs once per step on the thread that receives reports, never per
+token on the event loop."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Histogram
@@ -9,7 +11,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from kvserve.engine.client.messages import StepReport
 from kvserve.engine.platform.outputs import RequestOutput
 from kvserve.server.metrics.buckets import (COMPILE_SECONDS, ITERATION_TOKENS, REQUEST_SECONDS,
-                                            one_two_five)
+                                            STEP_SECONDS, one_two_five)
 from kvserve.server.metrics.engine import LABEL, PREFIX
 
 
@@ -42,6 +44,9 @@ class EngineHistograms:
         self.iteration_tokens = make("iteration_tokens_total",
                                      "Tokens per engine step (prompt tokens computed "
                                      "plus tokens sampled).", ITERATION_TOKENS)
+        self.step_time = make("engine_step_seconds",
+                              "Wall time of one engine step (schedule, forward, sample).",
+                              STEP_SECONDS)
         self.grammar_compile = make("structured_output_compile_seconds",
                                     "Time to compile a structured output's grammar over "
                                     "the vocabulary (a cached one is not compiled).",
@@ -50,6 +55,8 @@ class EngineHistograms:
     def __call__(self, rep: StepReport) -> None:
         if rep.step_tokens:
             self.iteration_tokens.observe(rep.step_tokens)
+        if rep.step_start is not None:  # a report of commands alone ran no step
+            self.step_time.observe(rep.step_seconds)
         for seconds in rep.grammar_compile_seconds:
             self.grammar_compile.observe(seconds)
         for out in rep.outputs:

@@ -107,6 +107,11 @@ def test_values_after_a_scripted_load(http):
                                                     for s in sent)
     # Every step computed its prompt tokens (cache hits excepted) or sampled one token.
     assert grew("iteration_tokens_total_sum") == prompts - hits + generated
+    # One wall time a step, each at least the STEP_S every step sleeps.
+    steps = grew("engine_step_seconds_count")
+    assert steps == grew("iteration_tokens_total_count") > 0
+    assert_in_buckets(scrapes.bucket_deltas(after, P + "engine_step_seconds"),
+                      [(STEP_S, float("inf"))] * int(steps))
     _check_latencies(scrapes, after, sent, grew)
 
 
