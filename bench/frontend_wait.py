@@ -15,8 +15,13 @@ to a GPU host is the front end's own CPU time per streamed token: torch runs on 
 thread, so in thread mode process CPU minus the engine thread's CPU is what the event
 loop spent, and under the GIL that time is taken from the engine's Python work.
 
+With --threads 2 --compile wait (and --quantization) at --clients 1 it is issue 53's
+workload a as served: the compiled step offline against the same step in the
+server, both cores for torch, the client beside them as in bench/compare_cpu.py.
+
 Usage: python bench/frontend_wait.py [--model tiny|default|DIR] [--clients 256]
-       [--max-tokens 64] [--engine-mode thread|process] [--json PATH]
+       [--max-tokens 64] [--engine-mode thread|process] [--threads 1]
+       [--quantization auto|int8|int4] [--compile off|wait] [--json PATH]
 """
 from __future__ import annotations
 
@@ -33,12 +38,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvserve.benchmarks.provenance import provenance  # noqa: E402
+from kvserve.benchmarks.provenance import provenance, simd_flags  # noqa: E402
 from kvserve.engine.client.async_engine import AsyncEngine  # noqa: E402
 from kvserve.engine.client.messages import StepReport  # noqa: E402
 from kvserve.engine.client.process_engine import ProcessEngine  # noqa: E402
 from kvserve.engine.config.engine_config import EngineConfig  # noqa: E402
 from kvserve.engine.core.engine import Engine  # noqa: E402
+from kvserve.engine.platform.device import cpu_flags  # noqa: E402
 from kvserve.scheduler.sampling_params import SamplingParams  # noqa: E402
 from kvserve.server.entrypoints.app import build_app  # noqa: E402
 from tests.support.server import running_server  # noqa: E402
@@ -135,14 +141,20 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--engine-mode", choices=["thread", "process"], default="thread")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch's threads (1: the front end's CPU is the process's "
+                    "minus the engine thread's, as above)")
+    ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--compile", choices=["off", "wait"], default="off")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     import torch
-    torch.set_num_threads(1)  # all engine compute on one thread (see above)
-    os.environ["OMP_NUM_THREADS"] = "1"  # and in a spawned engine process too
+    torch.set_num_threads(args.threads)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # and in a spawned engine process
     config = EngineConfig(model=_model_dir(args.model), dtype=args.dtype,
                           max_num_seqs=args.clients, max_num_batched_tokens=4096,
-                          kv_cache_memory=2 << 30)
+                          kv_cache_memory=2 << 30, quantization=args.quantization,
+                          compile=args.compile)
     engine = Engine(config)
     prompts = [engine.tokenizer.encode(f"{i} {PROMPT}") for i in range(args.clients)]
     offline = offline_steps(engine, prompts, args.max_tokens)
@@ -158,6 +170,8 @@ def report(args, load: dict, offline: Steps, server: Steps) -> None:
     result = {
         **provenance(), "model": args.model, "dtype": args.dtype, "clients": args.clients,
         "max_tokens": args.max_tokens, "engine_mode": args.engine_mode,
+        "threads": args.threads, "quantization": args.quantization,
+        "compile": args.compile, "simd_flags": simd_flags(cpu_flags()),
         "client_load": load,
         "full_decode_steps": {"offline": len(offline.spans), "server": len(server.spans)},
         "offline_step_ms": offline.step_ms(), "server_step_ms": server.step_ms(),
