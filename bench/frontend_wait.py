@@ -148,6 +148,9 @@ def main() -> None:
     ap.add_argument("--compile", choices=["off", "wait"], default="off")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    if args.threads > 1 and args.engine_mode == "thread":
+        # torch's worker threads would then count as the front end's CPU time.
+        ap.error("--threads > 1 needs --engine-mode process")
     import torch
     torch.set_num_threads(args.threads)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # and in a spawned engine process
