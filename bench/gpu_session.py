@@ -70,7 +70,9 @@ FILES = ("summary.txt", "results.json", "tests.log", "stages.log", "families.log
 # The CUDA paths' test files (issue 49): kernels first, so a cut stage still ran them.
 CUDA_TESTS = ["tests/engine/attention", "tests/engine/test_decode_graphs.py",
               "tests/engine/test_kv_fp8.py", "tests/engine/lora/test_triton_lora.py",
-              "tests/engine/test_parity.py", "tests/engine/moe"]
+              "tests/engine/test_parity.py", "tests/engine/moe",
+              # the second KV tier's copies between the device and pinned host memory
+              "tests/engine/test_kv_offload.py"]
 # Every model family through the engine on the GPU (issue 52): Triton attention with
 # windows, soft-caps and sinks, the fused-MoE kernels, CUDA graphs, float32 parity;
 # and their GGUF files (kept experts read quantized by the Triton GEMMs).

@@ -18,7 +18,8 @@
 #
 #   tests 150            the CUDA paths' test files in 8 processes (Triton attention,
 #                        KV store, CUDA graphs, fp8 cache, LoRA and fused-MoE
-#                        kernels, parity in float32)
+#                        kernels, parity in float32, the second KV tier's
+#                        device-to-host copies)
 #   families 120         every model family through the engine on CUDA (Triton
 #                        windows, soft-caps, sinks, fused-MoE kernels, CUDA graphs),
 #                        float32 parity with transformers; log in families.log

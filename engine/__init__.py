@@ -16,6 +16,8 @@
   and draft verification, the LoRA adapters' registry, speculative decoding's
   proposers;
 - ranks/: the other tensor-parallel ranks' processes and the channel that feeds them;
+- kv_offload/: the second KV tier: evicted prefix blocks in host memory and on disk,
+  copied back into the cache before the step that reads them;
 - runner/: one step on the device: batches, the forward path (eager, compiled, CUDA
   graphs), sampling's launch;
 - core/: the engine itself and the one place that builds it;

@@ -14,13 +14,14 @@ from .block import Block
 from .events import KVEventLog
 from .free_queue import FreeBlockQueue
 from .records import CacheStats
+from .second_tier import SecondTier
 
 
 class BlockPool:
     """Hands out, shares, frees and evicts fixed-size blocks."""
 
     def __init__(self, num_blocks: int, stats: CacheStats,
-                 events: KVEventLog | None = None) -> None:
+                 events: KVEventLog | None = None, tier: SecondTier | None = None) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -34,6 +35,8 @@ class BlockPool:
         # groups: their chains are kvserve's own bookkeeping, not prefixes a router
         # can place requests by), so their eviction is not announced either.
         self._unannounced: set[bytes] = set()
+        # Where evicted prefix blocks go rather than being lost (None: lost).
+        self.tier = tier
 
     @property
     def num_free(self) -> int:
@@ -60,6 +63,10 @@ class BlockPool:
         return taken
 
     def _evict(self, block: Block) -> None:
+        # Only eviction hands a block on: an unregistered block (uncache, free past
+        # the computed tokens) holds KV nobody wrote.
+        if self.tier is not None:
+            self.tier.save(block.block_id, block.block_hash)
         self.unregister(block)
         self.stats.evictions += 1
 
@@ -147,6 +154,8 @@ class BlockPool:
             block.block_hash = None
         self.cached.clear()
         self._unannounced.clear()
+        if self.tier is not None:
+            self.tier.clear()
         if self.events is not None:
             self.events.cleared()
         return True

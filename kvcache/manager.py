@@ -18,11 +18,13 @@ from .block_pool import BlockPool
 from .events import KVCacheEvent, KVEventLog
 from .records import BlockCopy, CacheStats
 from .block_writes import BlockWrites
+from .prefix_match import PrefixMatch
 from .window_blocks import WindowBlocks
 from .request_blocks import RequestBlocks
+from .second_tier import SecondTier
 
 
-class KVCacheManager(BlockWrites, WindowBlocks):
+class KVCacheManager(BlockWrites, PrefixMatch, WindowBlocks):
     """Allocates, shares and frees KV-cache blocks for running requests."""
 
     def __init__(
@@ -35,6 +37,7 @@ class KVCacheManager(BlockWrites, WindowBlocks):
         sliding_window: int = 0,
         pool: BlockPool | None = None,
         announce: bool = True,
+        tier: SecondTier | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -47,9 +50,10 @@ class KVCacheManager(BlockWrites, WindowBlocks):
         self.model_key = model_key
         # pool: one shared with other layer groups' managers (kvcache/hybrid.py),
         # else its own; kv_events: the pool records what enters and leaves the
-        # prefix cache, the blocks this manager registers only if it announces them.
+        # prefix cache, the blocks this manager registers only if it announces them;
+        # tier: where evicted prefix blocks are kept and loaded back from.
         self._pool = pool if pool is not None else BlockPool(
-            num_blocks, CacheStats(), KVEventLog(block_size) if kv_events else None)
+            num_blocks, CacheStats(), KVEventLog(block_size) if kv_events else None, tier)
         self.stats = self._pool.stats
         self._announce = announce
         self._blocks: list[Block] = self._pool.blocks
@@ -123,35 +127,18 @@ class KVCacheManager(BlockWrites, WindowBlocks):
         self._requests[request_id] = req
         if not (self.enable_prefix_caching and match):
             return 0
-        matched = self._match_cached_blocks(req, token_ids)
+        matched, loads = self._match_cached_blocks(req, token_ids)
         touch = self._pool.touch
         for block in matched:
             touch(block)
             req.block_ids.append(block.block_id)
-        hit = len(matched) * self.block_size
+        if loads:
+            self._load_from_tier(req, loads, token_ids)
+        hit = len(req.block_ids) * self.block_size
         req.num_tokens = hit
         self.stats.prefix_queries += len(token_ids)
         self.stats.prefix_hits += hit
         return hit
-
-    def _match_cached_blocks(
-        self, req: RequestBlocks, token_ids: Sequence[int]
-    ) -> list[Block]:
-        """Walk the hash chain until the first miss; record hashes of hits."""
-        bs = self.block_size
-        hash_block = self._hasher.hash_block
-        lookup = self._pool.lookup
-        parent = req.root_hash
-        matched: list[Block] = []
-        # Stop hashing at the first miss: a later block can't hit without it.
-        for start in range(0, ((len(token_ids) - 1) // bs) * bs, bs):
-            parent = hash_block(parent, token_ids[start : start + bs])
-            block = lookup(parent)
-            if block is None:
-                break
-            matched.append(block)
-            req.hashes.append(parent)
-        return matched
 
     # ----------------------------------------------------------- allocation
 

@@ -24,6 +24,7 @@ class CacheStats:
 
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hits: int = 0  # of those, tokens served from cached blocks
+    tier_hits: int = 0  # of those, tokens loaded back from the second tier
     evictions: int = 0  # free blocks whose cached hash was dropped on reuse
     window_dropped: int = 0  # blocks let go of mid-request: every window had passed them
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from kvserve.kvcache import HybridKVCacheManager, KVCacheManager
+from kvserve.kvcache.second_tier import SecondTier
 
 
 @dataclass(frozen=True)
@@ -40,11 +41,14 @@ class KVCacheConfig:
     sliding_window: int = 0
     window_groups: int = 0
 
-    def manager(self):
+    def manager(self, tier: SecondTier | None = None):
         """The KVCacheManager (or, for a hybrid model, HybridKVCacheManager) of
-        these fields."""
+        these fields; tier: where evicted prefix blocks are kept (one layer group
+        only: a hybrid model's caches have none)."""
         fields = asdict(self)
         if not self.window_groups:
             del fields["window_groups"]
-            return KVCacheManager(**fields)
+            return KVCacheManager(**fields, tier=tier)
+        if tier is not None:
+            raise ValueError("a second KV tier needs one layer group")
         return HybridKVCacheManager(**fields)

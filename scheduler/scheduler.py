@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 
 from kvserve.kvcache import HybridKVCacheManager, KVCacheManager
+from kvserve.kvcache.second_tier import SecondTier
 from kvserve.kvcache.events import KVCacheEvent
 from kvserve.scheduler.config import KVCacheConfig, SchedulerConfig
 from kvserve.scheduler.failed_steps import withdraw_unwritten
@@ -42,8 +43,9 @@ class Scheduler(Preemption, StepResults):
     step and snapshot() when someone watches the engine page."""
 
     @classmethod
-    def with_kv_cache(cls, config: SchedulerConfig, cache: KVCacheConfig) -> Scheduler:
-        return cls(config, cache.manager())
+    def with_kv_cache(cls, config: SchedulerConfig, cache: KVCacheConfig,
+                      tier: SecondTier | None = None) -> Scheduler:
+        return cls(config, cache.manager(tier))
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager | HybridKVCacheManager):
         if config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:

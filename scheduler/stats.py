@@ -20,6 +20,7 @@ class SchedulerStats:
     # both empty while the scheduler runs no adapters).
     lora_running: frozenset = frozenset()
     lora_waiting: frozenset = frozenset()
+    tier_hits: int = 0  # of the hits, tokens loaded back from the second KV tier
 
     @staticmethod
     def of(scheduler) -> "SchedulerStats":
@@ -28,4 +29,5 @@ class SchedulerStats:
                               kv.num_free_blocks, kv.usage, kv.stats.prefix_queries,
                               kv.stats.prefix_hits, scheduler.num_preemptions,
                               *(frozenset(r.lora for r in q) for q in
-                                (scheduler.running, scheduler.waiting) if lora))
+                                (scheduler.running, scheduler.waiting) if lora),
+                              tier_hits=kv.stats.tier_hits)

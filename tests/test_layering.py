@@ -115,7 +115,8 @@ SCHEDULER_VERBS = {"add_request", "abort_request", "has_unfinished", "schedule",
 # engine/ in layers, from the bottom (engine/__init__.py says what each holds): a
 # folder imports only itself and the folders before it.
 ENGINE_LAYERS = ["platform", "config", "kernels", "models", "weights", "structured",
-                 "sampling", "lora", "spec_decode", "ranks", "runner", "core", "client"]
+                 "sampling", "lora", "spec_decode", "ranks", "kv_offload", "runner", "core",
+                 "client"]
 
 
 def _engine_folders_imported(path: Path) -> set[str]:

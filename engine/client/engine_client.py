@@ -55,6 +55,7 @@ class ServingStats:
     finished: dict[str, int] = field(default_factory=dict)
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hits: int = 0  # of those, tokens found cached
+    tier_hits: int = 0  # of those, tokens loaded back from the second KV tier
     preemptions: int = 0
     kv_usage: float = 0.0  # as of the last report (0..1)
     spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)  # speculative decoding
@@ -307,6 +308,7 @@ class EngineClient:
         stats.prompt_tokens += rep.prompt_tokens
         stats.prefix_queries += rep.prefix_queries
         stats.prefix_hits += rep.prefix_hits
+        stats.tier_hits += rep.tier_hits
         stats.preemptions += rep.preemptions
         stats.constrained_requests += rep.constrained
         stats.kv_usage = rep.kv_usage

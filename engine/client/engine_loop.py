@@ -85,6 +85,7 @@ class EngineLoop:
                            + now.generated_tokens - last.generated_tokens)
         rep.prefix_queries = now.prefix_queries - last.prefix_queries
         rep.prefix_hits = now.prefix_hits - last.prefix_hits
+        rep.tier_hits = now.tier_hits - last.tier_hits
         rep.preemptions = now.num_preemptions - last.num_preemptions
         rep.grammar_compile_seconds = list(now.grammar_compile_seconds)
         rep.warming_up = now.warming_up

@@ -94,6 +94,7 @@ class StepReport:
     # them up and no report is counted twice or lost between steps.
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hits: int = 0  # of those, tokens found cached
+    tier_hits: int = 0  # of those, tokens loaded back from the second KV tier
     preemptions: int = 0
     kv_usage: float = 0.0  # fraction of the KV cache's blocks in use, after it (0..1)
     spec: SpecDecodeStats | None = None  # speculative decoding's counts (deltas), if on

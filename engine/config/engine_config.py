@@ -127,6 +127,18 @@ class EngineConfig:
         choices=["fcfs", "priority"])
     enable_prefix_caching: bool = setting(True, "share cached prompt prefixes",
                                           parse=parse_bool)
+    # engine/kv_offload/: the second KV tier, what the prefix cache evicts kept and
+    # loaded back instead of recomputed (LMCache's job in vLLM; see host_tier.py).
+    kv_offload_bytes: int = setting(
+        0, "host memory that keeps prefix blocks evicted from the KV cache, found again "
+        "by the same hashes and loaded back instead of recomputed (0: off)",
+        parse=parse_size)
+    kv_offload_dir: str | None = setting(
+        None, "a local directory where blocks past --kv-offload-bytes go (checksummed; "
+        "found again after a restart of the same model)")
+    kv_offload_disk_bytes: int = setting(
+        16 << 30, "most bytes --kv-offload-dir may hold (least recently used go first)",
+        parse=parse_size)
     # kvcache/hybrid.py: a hybrid model's (Gemma 2/3, gpt-oss) sliding-window layers
     # in layer groups that let go of what their window has passed; vLLM's flag.
     disable_hybrid_kv_cache_manager: bool = setting(

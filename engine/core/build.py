@@ -18,6 +18,7 @@ from kvserve.engine.config.model_config import ModelConfig
 from kvserve.engine.core.kv_events import make_publisher
 from kvserve.engine.kernels.attention.selector import check_layers_fit, make_backend
 from kvserve.engine.kernels.cpu.build import c_compiler
+from kvserve.engine.kv_offload.build import make_kv_tier
 from kvserve.engine.lora.manager import LoRAManager
 from kvserve.engine.models import tp_comm as comm
 from kvserve.engine.models.kv_caches import KVCacheFormat, LayerGroups, layer_groups
@@ -106,9 +107,10 @@ def build_engine(config: EngineConfig, tokenizer=None) -> EngineParts:
         log.warning("async scheduling on %s overlaps nothing (the forward pass runs "
                     "on the host) and reports each step one step later", device.type)
     log_kv_cache(num_blocks, config.block_size, kv_format, kv_view, ctx.max_model_len, groups)
+    tier = make_kv_tier(config, runner, tp is not None, groups is not None)
     return EngineParts(context=ctx, runner=runner, tp=tp, lora=lora,
                        grammars=_grammar_gate(ctx, matchers),
-                       scheduler=_scheduler(ctx, kv_events is not None),
+                       scheduler=_scheduler(ctx, kv_events is not None, tier),
                        kv_events=kv_events, speculator=make_speculator(config))
 
 
@@ -210,7 +212,7 @@ def _grammar_gate(ctx: EngineContext, matchers: Matchers | None) -> GrammarGate 
         config.grammar_cache_bytes), matchers)
 
 
-def _scheduler(ctx: EngineContext, kv_events: bool) -> Scheduler:
+def _scheduler(ctx: EngineContext, kv_events: bool, tier=None) -> Scheduler:
     config, groups = ctx.config, ctx.layer_groups
     return Scheduler.with_kv_cache(
         SchedulerConfig(max_num_seqs=config.max_num_seqs,
@@ -224,7 +226,8 @@ def _scheduler(ctx: EngineContext, kv_events: bool) -> Scheduler:
                       model_key=str(config.model), kv_events=kv_events,
                       sliding_window=(groups.window if groups is not None
                                       else _droppable_window(config, ctx.model_config)),
-                      window_groups=groups.window_groups if groups is not None else 0))
+                      window_groups=groups.window_groups if groups is not None else 0),
+        tier)
 
 
 def _cache_context(config: EngineConfig, model_config: ModelConfig, num_blocks: int,

@@ -76,6 +76,7 @@ class Engine(RuntimeAdapters):
             steps=counters.steps, prompt_tokens_computed=counters.prompt_tokens_computed,
             generated_tokens=counters.generated_tokens,
             prefix_queries=sched.prefix_queries, prefix_hits=sched.prefix_hits,
+            tier_hits=sched.tier_hits,
             num_preemptions=sched.num_preemptions,
             spec=self.speculator.stats.copy() if self.speculator is not None else None,
             num_waiting=sched.num_waiting, num_running=sched.num_running,

@@ -47,6 +47,7 @@ class EngineStats:
     grammar_compile_seconds: tuple[float, ...]
     # Steps run eagerly while the compiled forward pass is built (ModelRunner).
     warming_up: bool = False
+    tier_hits: int = 0  # of the prefix hits, tokens loaded back from the second KV tier
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,6 +56,7 @@ class ModelRunner:
         groups = layer_groups.window_groups if layer_groups is not None else 0
         self.paths = ForwardPaths(model, attn_backend, device, block_size, lora, groups)
         self.step_channel = step_channel
+        self.kv_tier = None  # engine/kv_offload/'s, set by its build: copies it queued
         cfg = model.config
         # One block more than the KV cache manager hands out: the compiled graphs'
         # warm-up steps write there (background compiling runs beside live steps).
@@ -138,6 +139,8 @@ class ModelRunner:
         """Sends the step to the device without waiting for it. `previous`: the step
         still running whose sampled tokens are this step's pending ones (async
         scheduling); they go from its output to this step's input on the device."""
+        if self.kv_tier is not None:  # blocks out to and back from the second tier
+            self.kv_tier.apply()
         self.copy_blocks(out.block_copies)
         for request_id in out.preempted:  # readmitted, it gets other blocks
             self._drop_rows(request_id)
@@ -263,13 +266,18 @@ class ModelRunner:
             batch.pooled = self.pooler.observe(hidden, batch.pooling)
         return self.model.compute_logits(hidden[batch.logit_rows])
 
+    @property
+    def all_kv_caches(self) -> list[tuple]:
+        """Every (k, v) pair a block id indexes: the model's and its drafter's."""
+        return self.kv_caches + getattr(self.drafter, "kv_caches", [])
+
     def copy_blocks(self, copies) -> None:
         if not copies:  # almost every step: build nothing
             return
         triples = [(c.src, c.dst, c.num_tokens) for c in copies]
         if self.step_channel is not None:  # the other ranks copy with the next step
             self.step_channel.pending_copies += triples
-        copy_blocks(self.kv_caches + getattr(self.drafter, "kv_caches", []), triples)
+        copy_blocks(self.all_kv_caches, triples)
 
     def release(self, request_id: str) -> None:
         self.sampler.release(request_id)

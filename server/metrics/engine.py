@@ -45,6 +45,10 @@ class EngineCollector:
         yield self._one(CounterMetricFamily, "prefix_cache_hits",
                         "Prefix cache hits, in prompt tokens found cached.",
                         stats.prefix_hits)
+        yield self._one(CounterMetricFamily, "external_prefix_cache_hits",
+                        "Of the prefix cache hits, prompt tokens loaded back from the "
+                        "second KV tier (--kv-offload-bytes) instead of computed.",
+                        stats.tier_hits)
         yield self._one(CounterMetricFamily, "num_preemptions",
                         "Requests preempted (their KV freed, to be recomputed).",
                         stats.preemptions)
