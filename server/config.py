@@ -22,6 +22,9 @@ class ServerConfig:
     engine_mode: str = setting(
         "auto", "where the engine runs: a thread of the server, or a process of its own "
         "(auto: a process)", choices=["auto", "thread", "process"])
+    headless: bool = setting(
+        False, "serve no HTTP: run this node's tensor-parallel ranks for node 0's "
+        "engine (--nnodes, --node-rank above 0) until it stops", parse=parse_bool)
     log_level: str = setting("info", "debug|info|warning|error")
     api_keys: list[str] = setting(
         help="require `Authorization: Bearer <key>` on /v1 routes; comma-separated "

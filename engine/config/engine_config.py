@@ -253,6 +253,20 @@ class EngineConfig:
     tensor_parallel_size: int = setting(
         1, "ranks the model is split over (tensor parallelism; one GPU each, or one "
         "process each on CPU)", parse=positive_int)
+    # engine/ranks/: those ranks over several hosts, joined by torch.distributed's TCP
+    # rendezvous on node 0; every other node runs `kvserve serve --headless`.
+    nnodes: int = setting(
+        1, "hosts the tensor-parallel ranks are spread over, tensor-parallel-size / "
+        "nnodes on each", parse=positive_int)
+    node_rank: int = setting(
+        0, "this host's place among them: 0 serves HTTP, the others run --headless",
+        parse=int)
+    master_addr: str | None = setting(
+        None, "node 0's address, where the other nodes join its rendezvous (default: "
+        "$MASTER_ADDR, as torchrun sets it, else 127.0.0.1)")
+    master_port: int | None = setting(
+        None, "the rendezvous's port on node 0 (default: $MASTER_PORT; with one node "
+        "a free port; several nodes need one)", parse=int)
     # Plan and launch step N+1 while step N runs on the device, its sampled tokens
     # fed to N+1 there: the scheduler, batch preparation and output handling leave
     # the critical path. Not with speculative decoding (drafts need the tokens).
@@ -263,5 +277,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be at least 1")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"--nnodes {self.nnodes} does not divide "
+                             f"--tensor-parallel-size {self.tensor_parallel_size}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank {self.node_rank} is not one of --nnodes "
+                             f"{self.nnodes}'s (0 to {self.nnodes - 1})")
         if self.async_scheduling and self.speculative is not None:
             raise ValueError("async scheduling does not work with speculative decoding")

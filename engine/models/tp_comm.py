@@ -14,16 +14,19 @@ from kvserve.engine.models.tp_shard import SINGLE, TPShard
 _shard: TPShard = SINGLE
 
 
-def init(shard: TPShard, port: int, device: torch.device) -> None:
-    """Joins ranks on 127.0.0.1:port (rank 0 hosts the rendezvous): NCCL on CUDA,
-    gloo on CPU. Blocks until every rank has joined."""
+def init(shard: TPShard, port: int, device: torch.device, addr: str = "127.0.0.1",
+         ranks_here: int | None = None) -> None:
+    """Joins ranks on addr:port (rank 0 hosts the rendezvous): NCCL on CUDA, gloo on
+    CPU. Blocks until every rank has joined. ranks_here: how many of them share this
+    host (all by default)."""
     global _shard
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cpu":  # the ranks share the cores: more threads only contend
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // shard.size))
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0))
+                                  // (ranks_here or shard.size)))
     # A rank that dies is noticed by its peers' sockets, not by this timeout; it only
     # bounds a rank that hangs alive.
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}",
+    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}",
                             rank=shard.rank, world_size=shard.size,
                             timeout=timedelta(minutes=10),
                             device_id=device if device.type == "cuda" else None)

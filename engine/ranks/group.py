@@ -4,17 +4,18 @@ scheduler, sampler and runner); it starts one worker process per other rank
 CUDA, gloo on CPU), and watches them: a rank that dies takes the engine down,
 as a dead engine loop does (health 503, the server exits non-zero).
 
-Workers are plain subprocesses, not multiprocessing children: the engine process
-is itself a daemonic multiprocessing child, which may not have any."""
+With --nnodes N the ranks are spread over N hosts, tensor-parallel-size / N each:
+rank 0 starts only its own host's (launch.py), and each other host's are started
+by `kvserve serve --headless` there (headless.py); they all meet at node 0's
+rendezvous (--master-addr, --master-port).
+
+A rank that dies on another host is not watched from here: the group's next
+collective fails on its closed socket, and the engine dies of it."""
 from __future__ import annotations
 
 import logging
 import os
-import pickle
-import socket
 import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -26,8 +27,8 @@ from kvserve.engine.config.engine_config import EngineConfig
 from kvserve.engine.config.model_config import ModelConfig
 from kvserve.engine.models import tp_comm as comm
 from kvserve.engine.models.tp_shard import TPShard
+from kvserve.engine.ranks.launch import ranks_per_node, rendezvous, spawn_workers
 from kvserve.engine.ranks.step_channel import StepChannel
-from kvserve.engine.ranks.worker import WorkerSpec
 from kvserve.modelstore.errors import ModelLoadError
 
 log = logging.getLogger("kvserve.tensor_parallel")
@@ -52,12 +53,6 @@ def check_options(config: EngineConfig, device: torch.device) -> None:
                              f"not work with {', '.join(refused)} yet")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _exit_now(why: str) -> None:
     log.critical("%s: the engine stops", why)
     os._exit(1)
@@ -71,25 +66,25 @@ class TensorParallelGroup:
         size = config.tensor_parallel_size
         TPShard(0, size).check(model_config)
         check_options(config, device)
-        port = _free_port()
+        if config.node_rank:
+            raise ModelLoadError(f"--node-rank {config.node_rank} serves no engine: run "
+                                 "it with --headless")
+        addr, port = rendezvous(config)
         name = f"kvserve-tp-{os.getpid()}-{port}"
-        self._workers: list[subprocess.Popen] = []
         self._stopping = False
         self._on_death: Callable[[str], None] = _exit_now  # until someone watches
-        for rank in range(1, size):
-            spec = WorkerSpec(config, rank, size, port, name,
-                              f"cuda:{rank}" if device.type == "cuda" else "cpu", dtype,
-                              max_model_len, os.getpid())
-            with tempfile.NamedTemporaryFile("wb", suffix=".tp-spec", delete=False) as f:
-                pickle.dump(spec, f)
-            self._workers.append(subprocess.Popen(
-                [sys.executable, "-m", "kvserve.engine.ranks.worker", f.name]))
+        # This host's other ranks; the other nodes' are their --headless servers'.
+        self._workers = spawn_workers(config, range(1, ranks_per_node(config)), addr,
+                                      port, name, device, dtype, max_model_len)
         threading.Thread(target=self._watch, name="kvserve-tp-watch", daemon=True).start()
-        comm.init(TPShard(0, size), port, device)
+        comm.init(TPShard(0, size), port, device, addr, ranks_per_node(config))
         self.cpu_group = dist.new_group(backend="gloo") if device.type == "cuda" else None
-        self.channel = StepChannel(name, 0, device, config.block_size, self.cpu_group)
-        log.info("tensor parallel: %d ranks on %s (%s)", size, device.type,
-                 "nccl" if device.type == "cuda" else "gloo")
+        self.channel = StepChannel(name, 0, device, config.block_size, self.cpu_group,
+                                   networked=config.nnodes > 1)
+        log.info("tensor parallel: %d ranks on %s (%s)%s", size, device.type,
+                 "nccl" if device.type == "cuda" else "gloo",
+                 f", {config.nnodes} nodes, rendezvous {addr}:{port}"
+                 if config.nnodes > 1 else "")
 
     def share_num_blocks(self, num_blocks: int) -> None:
         """Every rank allocates the KV cache rank 0 sized (its own heads of it)."""

@@ -21,7 +21,11 @@ and map it only if it is a regular file of theirs that no one else may open.
 Rank 0 unlinks a segment when a larger one replaces it, and at close.
 multiprocessing.shared_memory would give O_EXCL and 0600 too, but before Python
 3.13 attaching registers the segment with the attaching process's resource
-tracker, which unlinks it when that rank exits."""
+tracker, which unlinks it when that rank exits.
+
+With ranks on several hosts (`networked`) there is no segment to share: the same
+payload follows the header in one broadcast over the CPU group, into a buffer of
+each rank's own."""
 from __future__ import annotations
 
 import mmap
@@ -100,10 +104,11 @@ class StepChannel:
     on CPU) for the header."""
 
     def __init__(self, name: str, rank: int, device: torch.device, block_size: int,
-                 cpu_group=None):
+                 cpu_group=None, networked: bool = False):
         self.stem = os.path.join(_segment_dir(), name)
         self.rank, self.device, self.block_size = rank, device, block_size
         self.cpu_group = cpu_group
+        self.networked = networked  # ranks on other hosts: the payload is broadcast
         self.generation, self.capacity = -1, 0
         self.token = [0, 0]  # the current segment's random name part
         self.path: str | None = None  # rank 0: the current segment, until unlinked
@@ -114,6 +119,10 @@ class StepChannel:
         return f"{self.stem}-{generation}-{token[0]:016x}{token[1]:016x}"
 
     def _map(self, generation: int, token: list[int], capacity: int) -> None:
+        if self.networked:
+            self.buffer = torch.empty(capacity, dtype=torch.int64)
+            self.generation, self.token, self.capacity = generation, token, capacity
+            return
         path = self._segment_path(generation, token)
         if self.rank == 0:
             mapped = _create(path, capacity * 8)
@@ -162,6 +171,8 @@ class StepChannel:
                       len(host.positions), r, w, len(logit_rows), len(copies) // 3,
                       host.max_query_len, host.max_seq_len, host.num_decodes,
                       len(host.groups)])
+        if self.networked:
+            dist.broadcast(self.buffer[:size], src=0, group=self.cpu_group)
         if not on_cpu:
             dist.broadcast(torch.cat(on_device), src=0)
 
@@ -185,6 +196,8 @@ class StepChannel:
         on_cpu = self.device.type == "cpu"
         sizes = [t, num_rows] if on_cpu else []
         sizes += [t, t, r + 1, r, r * w, 3 * num_copies] + [t, r * w] * num_groups
+        if self.networked:
+            dist.broadcast(self.buffer[:sum(sizes)], src=0, group=self.cpu_group)
         parts = self.buffer[:sum(sizes)].clone().split(sizes)
         if on_cpu:
             (input_ids, rows), parts = parts[:2], parts[2:]

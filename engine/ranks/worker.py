@@ -31,6 +31,9 @@ class WorkerSpec:
     dtype: torch.dtype
     max_model_len: int
     parent_pid: int
+    addr: str = "127.0.0.1"  # rank 0's rendezvous host
+    ranks_here: int | None = None  # ranks on this host (they share its cores)
+    networked: bool = False  # ranks on several hosts: steps come by broadcast
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -56,7 +59,7 @@ def serve(spec: WorkerSpec) -> None:
     config, device = spec.config, torch.device(spec.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    comm.init(TPShard(spec.rank, spec.size), spec.port, device)
+    comm.init(TPShard(spec.rank, spec.size), spec.port, device, spec.addr, spec.ranks_here)
     cpu_group = dist.new_group(backend="gloo") if device.type == "cuda" else None
     model_config = ModelConfig.from_pretrained(config.model)
     model = load_model(config.model, model_config, spec.dtype,
@@ -70,7 +73,8 @@ def serve(spec: WorkerSpec) -> None:
                               layer_groups(model_config, config))  # rank 0's
     backend = make_backend(config.attention_backend, device, config.block_size, spec.dtype,
                            spec.dtype)
-    channel = StepChannel(spec.channel, spec.rank, device, config.block_size, cpu_group)
+    channel = StepChannel(spec.channel, spec.rank, device, config.block_size, cpu_group,
+                          spec.networked)
     log.info("rank %d of %d ready", spec.rank, spec.size)
     with torch.inference_mode():
         while (step := channel.receive()) is not None:

@@ -159,6 +159,17 @@ def serve(args) -> None:
         raise SystemExit(f"kvserve: the engine died ({engine.error!r}); exiting")
 
 
+def headless(args) -> int:
+    """A node other than 0 of a multi-node group: its ranks, no HTTP."""
+    from kvserve.engine.ranks.headless import run_headless
+
+    path, _ = resolve_model(args)
+    try:
+        return run_headless(engine_config_from_args(args, path))
+    except ValueError as exc:
+        raise SystemExit(f"kvserve: {exc}") from None
+
+
 def run_batch(args) -> int:
     """`kvserve run-batch`: its own job folder, gone afterwards (nothing resumes)."""
     import tempfile
@@ -197,6 +208,8 @@ def main(argv: list[str] | None = None) -> int | None:
         return client_main([args.command, *args.argv])
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "serve" and args.headless:
+        return headless(args)
     if args.command == "serve":
         serve(args)
         from kvserve.engine.runner.compile_process import exit_if_compiling
@@ -211,4 +224,4 @@ def main(argv: list[str] | None = None) -> int | None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())  # (`python -m`: the exit code main returns, as the script's)

@@ -70,13 +70,14 @@ def run(e: Engine, batch: list[list[int]]) -> tuple[list[list[int]], int]:
     return tokens + forked, e.scheduler.stats().prefix_hits
 
 
-def assert_same_as_one_rank(model_dir, tp: int, vocab: int) -> int:
-    """Returns the generation its step channel's segment reached."""
+def assert_same_as_one_rank(model_dir, tp: int, vocab: int, **overrides) -> int:
+    """Returns the generation its step channel's segment reached. overrides: the
+    tensor-parallel engine's other settings."""
     batch = prompts(vocab)
     assert max(map(len, batch)) > 64  # chunked
     with engine(model_dir, 1) as e:
         want, hits_one = run(e, batch)
-    with engine(model_dir, tp) as e:
+    with engine(model_dir, tp, **overrides) as e:
         got, hits = run(e, batch)
         generation = e.runner.step_channel.generation
     assert hits > 0 and hits == hits_one
