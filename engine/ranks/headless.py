@@ -25,6 +25,8 @@ def run_headless(config: EngineConfig) -> int:
     if config.nnodes < 2 or config.node_rank == 0:
         raise ValueError("--headless runs a node other than 0: give --nnodes (2 or more) "
                          "and --node-rank (1 or more)")
+    stopping = []  # SIGTERM from here on stops the ranks first, then exits 0
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     model_config = ModelConfig.from_pretrained(config.model)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
@@ -38,8 +40,6 @@ def run_headless(config: EngineConfig) -> int:
                           max_model_len)
     log.info("node %d of %d: ranks %d-%d of %d, rendezvous at %s:%d", config.node_rank,
              config.nnodes, ranks[0], ranks[-1], config.tensor_parallel_size, addr, port)
-    stopping = []
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     try:
         return _watch(procs, ranks, stopping)
     finally:

@@ -26,7 +26,7 @@ from tests.support.server import free_port
 KERNELS = "kvserve" if set(NEEDED_FLAGS) <= cpu_flags() else "torch"
 
 
-def headless(model_dir, port: int, *extra: str) -> subprocess.Popen:
+def headless(model_dir, port: int, *extra: str, **popen) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "kvserve.server.entrypoints.cli", "serve", "--headless",
          "--model", str(model_dir), "--tensor-parallel-size", "2", "--nnodes", "2",
@@ -34,7 +34,7 @@ def headless(model_dir, port: int, *extra: str) -> subprocess.Popen:
          "--dtype", "float32", "--device", "cpu", "--compile", "off",
          "--cpu-kernels", KERNELS, "--num-kv-blocks", "256",
          "--max-num-batched-tokens", "64", *extra],
-        start_new_session=True)  # its own process tree, as on another host
+        start_new_session=True, **popen)  # its own process tree, as on another host
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -80,12 +80,18 @@ def test_flags_that_do_not_fit_are_refused(tiny_model_dir):
 
 
 def test_node_1_waiting_for_node_0_stops_on_sigterm(tiny_model_dir):
-    node1 = headless(tiny_model_dir("llama"), free_port())
+    node1 = headless(tiny_model_dir("llama"), free_port(), stderr=subprocess.PIPE,
+                     text=True)
     try:
-        with pytest.raises(subprocess.TimeoutExpired):
-            node1.wait(3)  # its rank waits at the rendezvous
+        deadline = time.monotonic() + 120
+        for line in node1.stderr:  # its rank started, and waits at the rendezvous
+            if "rendezvous at" in line:
+                break
+            assert time.monotonic() < deadline
+        assert node1.poll() is None
         node1.terminate()  # SIGTERM: the ranks are stopped first
-        assert node1.wait(30) == 0
+        node1.communicate(timeout=30)  # (drained: its ranks log to the same pipe)
+        assert node1.returncode == 0
     finally:
         stop(node1)
 
