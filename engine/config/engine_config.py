@@ -274,6 +274,12 @@ class EngineConfig:
         False, "plan and launch each step while the previous one runs on the device "
         "(hides the scheduler's time; not with speculative decoding)", parse=parse_bool)
 
+    def context_cap(self, model_config) -> int:
+        """The context length every rank is built for: --max-model-len, at most the
+        model's (node 0 caps it further by its KV cache's size)."""
+        return min(self.max_model_len or model_config.max_model_len,
+                   model_config.max_model_len)
+
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be at least 1")

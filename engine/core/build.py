@@ -77,8 +77,7 @@ def build_engine(config: EngineConfig, tokenizer=None) -> EngineParts:
     model_config = ModelConfig.from_pretrained(config.model)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    max_model_len = min(config.max_model_len or model_config.max_model_len,
-                        model_config.max_model_len)
+    max_model_len = config.context_cap(model_config)
     tokenizer = _tokenizer(config, tokenizer)
     torch.manual_seed(config.seed)
     # Tensor parallelism: the other ranks start loading their parts beside ours.

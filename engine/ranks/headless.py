@@ -30,8 +30,7 @@ def run_headless(config: EngineConfig) -> int:
     model_config = ModelConfig.from_pretrained(config.model)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    max_model_len = min(config.max_model_len or model_config.max_model_len,
-                        model_config.max_model_len)
+    max_model_len = config.context_cap(model_config)
     addr, port = rendezvous(config)
     per_node = ranks_per_node(config)
     first = config.node_rank * per_node
