@@ -73,6 +73,9 @@ CUDA_TESTS = ["tests/engine/attention", "tests/engine/test_decode_graphs.py",
               "tests/engine/test_parity.py", "tests/engine/moe",
               # the second KV tier's copies between the device and pinned host memory
               "tests/engine/test_kv_offload.py"]
+# Not here: tensor and pipeline parallelism on CUDA (NCCL all-reduces, NCCL P2P
+# between stages) need two GPUs or more, which one lent GPU is not; their tests run
+# on CPU over gloo (tests/engine/parallel/).
 # Every model family through the engine on the GPU (issue 52): Triton attention with
 # windows, soft-caps and sinks, the fused-MoE kernels, CUDA graphs, float32 parity;
 # and their GGUF files (kept experts read quantized by the Triton GEMMs).

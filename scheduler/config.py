@@ -21,6 +21,11 @@ class SchedulerConfig:
     # Most LoRA adapters among running requests (0: no limit; LoRA off): the
     # adapter slots the model has. A request of another adapter waits for one.
     max_loras: int = 0
+    # Pipeline stages: this many steps in flight at once. A request whose sampled
+    # token is still on its way sits the steps out until it comes (a stage cannot
+    # take a token the last stage has not sampled), and a step seats at most
+    # 1/steps_in_flight of the requests, so every step in flight has some.
+    steps_in_flight: int = 1
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,7 @@ class Scheduler(Preemption, StepResults):
         # until when their share stays small (interactive requests were seen).
         self._background_left = config.max_num_batched_tokens
         self._interactive_until = float("-inf")
+        self._seats = 1 << 30  # most requests the step being planned may take
 
     # -- requests in and out ------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -152,6 +153,8 @@ class Scheduler(Preemption, StepResults):
         if self.waiting.foreground or len(running) > background:
             self._interactive_until = now + INTERACTIVE_LINGER_S
         self._background_left = cap if cap > 0 and now < self._interactive_until else budget
+        depth = self.config.steps_in_flight
+        self._seats = -(-(len(running) + len(self.waiting)) // depth) if depth > 1 else 1 << 30
         budget = self._schedule_running(out, budget, background, hold)
         if not out.preempted:  # never preempt someone just to admit a newcomer
             self._admit_waiting(out, budget)
@@ -186,12 +189,13 @@ class Scheduler(Preemption, StepResults):
         scheduled = out.scheduled
         foreground_after = len(running) - background  # interactive ones from i on
         i = 0
-        while i < len(running) and budget > 0:
+        wait_for_sampled = self.config.steps_in_flight > 1
+        while i < len(running) and budget > 0 and len(scheduled) < self._seats:
             req = running[i]
             foreground_after -= not req.background
             pending = req.num_pending_tokens
-            if pending and self._ends_with_pending(req):
-                i += 1  # its last token is still on the way: nothing left to compute
+            if pending and (wait_for_sampled or self._ends_with_pending(req)):
+                i += 1  # its (last) token is still on the way: nothing to compute yet
                 continue
             n = len(req.token_ids) + pending - req.num_computed_tokens
             if n != 1:
@@ -263,7 +267,7 @@ class Scheduler(Preemption, StepResults):
             num_seqs += sum(len(r.pending_forks) for r in self.running)
         # LoRA adapters running, and None: the base model is never held back.
         adapters = {None, *(r.lora for r in self.running)} if self.config.max_loras else set()
-        while self.waiting and budget > 0:
+        while self.waiting and budget > 0 and len(out.scheduled) < self._seats:
             req = self.waiting.peek()
             if num_seqs + 1 + len(req.pending_forks) > self.config.max_num_seqs \
                     and self.running:

@@ -253,11 +253,17 @@ class EngineConfig:
     tensor_parallel_size: int = setting(
         1, "ranks the model is split over (tensor parallelism; one GPU each, or one "
         "process each on CPU)", parse=positive_int)
+    # engine/ranks/pipeline.py: the layers split into consecutive stages, one process
+    # each (the engine's own runs the last and samples), P steps in flight.
+    pipeline_parallel_size: int = setting(
+        1, "stages the model's layers are split over (pipeline parallelism; one "
+        "process each, the engine's own the last), as many steps in flight",
+        parse=positive_int)
     # engine/ranks/: those ranks over several hosts, joined by torch.distributed's TCP
     # rendezvous on node 0; every other node runs `kvserve serve --headless`.
     nnodes: int = setting(
-        1, "hosts the tensor-parallel ranks are spread over, tensor-parallel-size / "
-        "nnodes on each", parse=positive_int)
+        1, "hosts the ranks are spread over, tensor-parallel-size x "
+        "pipeline-parallel-size / nnodes on each", parse=positive_int)
     node_rank: int = setting(
         0, "this host's place among them: 0 serves HTTP, the others run --headless",
         parse=int)
@@ -283,9 +289,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be at least 1")
-        if self.tensor_parallel_size % self.nnodes:
-            raise ValueError(f"--nnodes {self.nnodes} does not divide "
-                             f"--tensor-parallel-size {self.tensor_parallel_size}")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError("pipeline_parallel_size must be at least 1")
+        if (self.tensor_parallel_size * self.pipeline_parallel_size) % self.nnodes:
+            raise ValueError(f"--nnodes {self.nnodes} does not divide the ranks "
+                             f"(--tensor-parallel-size {self.tensor_parallel_size} x "
+                             f"--pipeline-parallel-size {self.pipeline_parallel_size})")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank {self.node_rank} is not one of --nnodes "
                              f"{self.nnodes}'s (0 to {self.nnodes - 1})")

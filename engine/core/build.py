@@ -24,7 +24,9 @@ from kvserve.engine.models import tp_comm as comm
 from kvserve.engine.models.kv_caches import KVCacheFormat, LayerGroups, layer_groups
 from kvserve.modelstore.errors import ModelLoadError
 from kvserve.engine.platform.device import resolve_device, resolve_dtype
+from kvserve.engine.models.pipeline_stage import WHOLE, stage_of
 from kvserve.engine.ranks.group import TensorParallelGroup, start_group
+from kvserve.engine.ranks.pipeline import PipelineGroup, start_pipeline
 from kvserve.engine.runner.compile_process import use_cache_dir
 from kvserve.engine.core.package_build_process import build_in_child
 from kvserve.engine.runner.cuda_graphs import DecodeGraphPlan
@@ -66,6 +68,7 @@ class EngineParts:
     runner: ModelRunner
     scheduler: Scheduler
     tp: TensorParallelGroup | None  # the other tensor-parallel ranks; None at one rank
+    pipeline: PipelineGroup | None  # the pipeline stages before ours; None at one stage
     lora: LoRAManager | None  # None: LoRA off
     grammars: GrammarGate | None  # None: no tokenizer to build grammars over
     kv_events: object | None  # the KV cache events' publisher (--kv-events-config)
@@ -82,16 +85,23 @@ def build_engine(config: EngineConfig, tokenizer=None) -> EngineParts:
     torch.manual_seed(config.seed)
     # Tensor parallelism: the other ranks start loading their parts beside ours.
     tp = start_group(config, model_config, device, dtype, max_model_len)
+    # Pipeline stages: ours is the last, the others start loading theirs beside it.
+    pipeline = start_pipeline(config, model_config, device, dtype, max_model_len)
+    stage = pipeline.stage if pipeline is not None else WHOLE
     model, kv_format = load_served_model(config, model_config, tokenizer, device, dtype,
-                                         max_model_len, comm.shard())
+                                         max_model_len, comm.shard(), stage)
     # Before the KV cache is sized: the adapter slots' memory is not the cache's.
     lora = (LoRAManager(config.lora, model_config, device, dtype)
             if config.lora is not None else None)
     kv_view = comm.shard().kv_view(model_config)  # the KV heads this process's cache holds
+    if pipeline is not None:  # and the layers: the most any stage has
+        kv_view = dataclasses.replace(kv_view, num_layers=max(
+            stage_of(model_config, i, stage.size).num_layers for i in range(stage.size)))
     groups = layer_groups(model_config, config)
     num_blocks = num_kv_blocks(config, kv_view, model, device, dtype, kv_format, groups)
-    if tp is not None:
-        tp.share_num_blocks(num_blocks)
+    for group in (tp, pipeline):
+        if group is not None:
+            group.share_num_blocks(num_blocks)
     ctx = EngineContext(
         config=config, model_config=model_config, device=device, dtype=dtype,
         tokenizer=tokenizer, eos_token_ids=_eos_ids(model_config, tokenizer),
@@ -99,15 +109,15 @@ def build_engine(config: EngineConfig, tokenizer=None) -> EngineParts:
         max_model_len=min(max_model_len,
                           _cache_context(config, model_config, num_blocks, groups)))
     matchers = Matchers(model_config.vocab_size) if tokenizer is not None else None
-    runner = _runner(ctx, model, lora, tp, matchers)
-    _start_compiling(ctx, runner, tp)
+    runner = _runner(ctx, model, lora, tp, matchers, pipeline)
+    _start_compiling(ctx, runner, tp or pipeline)
     kv_events = make_publisher(config.kv_events_config)
     if config.async_scheduling and device.type != "cuda":
         log.warning("async scheduling on %s overlaps nothing (the forward pass runs "
                     "on the host) and reports each step one step later", device.type)
     log_kv_cache(num_blocks, config.block_size, kv_format, kv_view, ctx.max_model_len, groups)
     tier = make_kv_tier(config, runner, tp is not None, groups is not None)
-    return EngineParts(context=ctx, runner=runner, tp=tp, lora=lora,
+    return EngineParts(context=ctx, runner=runner, tp=tp, pipeline=pipeline, lora=lora,
                        grammars=_grammar_gate(ctx, matchers),
                        scheduler=_scheduler(ctx, kv_events is not None, tier),
                        kv_events=kv_events, speculator=make_speculator(config))
@@ -140,7 +150,7 @@ def _eos_ids(model_config: ModelConfig, tokenizer) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def _runner(ctx: EngineContext, model, lora, tp, matchers) -> ModelRunner:
+def _runner(ctx: EngineContext, model, lora, tp, matchers, pipeline=None) -> ModelRunner:
     config = ctx.config
     backend = make_backend(config.attention_backend, ctx.device, config.block_size,
                            ctx.dtype, ctx.kv_format.dtype)
@@ -151,9 +161,9 @@ def _runner(ctx: EngineContext, model, lora, tp, matchers) -> ModelRunner:
         model, num_blocks=ctx.num_blocks, block_size=config.block_size, device=ctx.device,
         kv_format=ctx.kv_format, attn_backend=backend,
         drafter=make_drafter(ctx, model, backend),
-        decode_graphs=_decode_graph_plan(ctx, backend, tp), lora=lora,
+        decode_graphs=_decode_graph_plan(ctx, backend, tp or pipeline), lora=lora,
         step_channel=tp.channel if tp is not None else None, matchers=matchers,
-        layer_groups=ctx.layer_groups)
+        layer_groups=ctx.layer_groups, pipeline=pipeline)
     if runner.decode_graphs is not None:
         log.info("captured CUDA graphs for decode batch sizes %s in %.1f s",
                  runner.decode_graphs.buckets, time.perf_counter() - t0)
@@ -172,7 +182,8 @@ def _decode_graph_plan(ctx: EngineContext, backend, tp) -> DecodeGraphPlan | Non
 
 
 def _start_compiling(ctx: EngineContext, runner: ModelRunner, tp) -> None:
-    """The Inductor-compiled forward pass, as `compile` and --enforce-eager say."""
+    """The Inductor-compiled forward pass, as `compile` and --enforce-eager say
+    (eager under tensor or pipeline parallelism, `tp`: the other ranks run eagerly)."""
     config = ctx.config
     mode = "off" if config.enforce_eager or tp is not None else config.compile
     if mode == "auto":
@@ -219,7 +230,8 @@ def _scheduler(ctx: EngineContext, kv_events: bool, tier=None) -> Scheduler:
                         max_model_len=ctx.max_model_len, policy=config.scheduling_policy,
                         long_prefill_token_threshold=config.long_prefill_token_threshold,
                         background_prefill_tokens=config.background_prefill_tokens,
-                        max_loras=config.lora.max_loras if config.lora is not None else 0),
+                        max_loras=config.lora.max_loras if config.lora is not None else 0,
+                        steps_in_flight=config.pipeline_parallel_size),
         KVCacheConfig(num_blocks=ctx.num_blocks, block_size=config.block_size,
                       enable_prefix_caching=config.enable_prefix_caching,
                       model_key=str(config.model), kv_events=kv_events,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, replace
 
 from kvserve.engine.config.engine_config import EngineConfig
@@ -49,9 +50,11 @@ class Engine(RuntimeAdapters):
         self.runner, self.scheduler, self.speculator = (parts.runner, parts.scheduler,
                                                         parts.speculator)
         self.tp, self.lora, self.grammars = parts.tp, parts.lora, parts.grammars
+        self.pipeline = parts.pipeline
         self.kv_events = parts.kv_events
         self.counters = StepCounters()
         self._inflight: InFlight | None = None  # async scheduling's running step
+        self._staged: deque[InFlight] = deque()  # pipeline stages' steps, oldest first
 
     # -- what it tells its driver ------------------------------------------------
     def info(self) -> EngineInfo:
@@ -97,6 +100,9 @@ class Engine(RuntimeAdapters):
         if self.tp is not None:
             self.tp.close()
             self.tp = None
+        if self.pipeline is not None:
+            self.pipeline.close()
+            self.pipeline = None
         if self.kv_events is not None:
             self.kv_events.close()
             self.kv_events = None
@@ -108,9 +114,11 @@ class Engine(RuntimeAdapters):
             self.kv_events.publish(self.scheduler.take_kv_events())
 
     def on_rank_death(self, callback) -> None:
-        """callback(why), on another thread, when a tensor-parallel rank dies."""
-        if self.tp is not None:
-            self.tp.on_death(callback)
+        """callback(why), on another thread, when a tensor-parallel rank or a
+        pipeline stage dies."""
+        for group in (self.tp, self.pipeline):
+            if group is not None:
+                group.on_death(callback)
 
     # -- requests --------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
@@ -152,7 +160,7 @@ class Engine(RuntimeAdapters):
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished() or self._inflight is not None
-                or bool(self.grammars))
+                or bool(self._staged) or bool(self.grammars))
 
     @staticmethod
     def _ended(req: Request, reason: str) -> Request:
@@ -163,7 +171,8 @@ class Engine(RuntimeAdapters):
         """Constrained requests whose grammar is ready go to the scheduler; one refused
         (its grammar failed, or passed its deadline: gate.py) ends with finish reason
         "error". An engine with nothing but grammars compiling waits for one instead."""
-        if not self.scheduler.has_unfinished() and self._inflight is None:
+        if not self.scheduler.has_unfinished() and self._inflight is None \
+                and not self._staged:
             self.grammars.wait(timeout=0.05)
         admitted, failed = self.grammars.ready()
         for req in admitted:
@@ -181,6 +190,8 @@ class Engine(RuntimeAdapters):
         self._retire_adapters()
         if self.grammars:
             outputs += self._admit_compiled()
+        if self.pipeline is not None:
+            return outputs + self._step_staged()
         if previous is not None and not self._can_overlap(previous.out):
             outputs, previous = outputs + self._complete(previous), None
         out = self.scheduler.schedule()
@@ -198,6 +209,23 @@ class Engine(RuntimeAdapters):
             launched = None
         self._inflight = launched
         return outputs
+
+    def _step_staged(self) -> list[RequestOutput]:
+        """Pipeline stages: launches a step while fewer than P are in flight, and
+        completes the oldest once P are, or when no new step could start (its
+        requests are all waiting for tokens in flight)."""
+        staged = self._staged
+        out = self.scheduler.schedule() if len(staged) < self.pipeline.steps_in_flight \
+            else None
+        if out is not None and not out.is_empty:
+            launched = InFlight(out, self.runner.launch(out))
+            if launched.launched.failed:
+                self.scheduler.withdraw_unwritten(out, launched.launched.failed)
+            staged.append(launched)
+        if staged and (out is None or out.is_empty
+                       or len(staged) == self.pipeline.steps_in_flight):
+            return self._complete(staged.popleft())
+        return []
 
     @staticmethod
     def _can_overlap(out: SchedulerOutput) -> bool:

@@ -22,6 +22,7 @@ from kvserve.engine.models.layers import RMSNorm
 from kvserve.engine.models.linear import Linear
 from kvserve.engine.models.lora_step import LoRAStep
 from kvserve.engine.models.mlp import MLP
+from kvserve.engine.models.pipeline_stage import WHOLE, PipelineStage
 from kvserve.engine.models.moe import SparseMoE, expert_name
 from kvserve.engine.models.rotary import RotaryEmbedding
 from kvserve.engine.models.tp_layers import VocabParallelEmbedding
@@ -53,6 +54,10 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     norm_class: type[nn.Module] = RMSNorm
+    # The pipeline stage this process holds (engine/models/pipeline_stage.py prunes
+    # the rest) and the pruned parameters' name prefixes.
+    stage: PipelineStage = WHOLE
+    absent_prefixes: tuple[str, ...] = ()
 
     def __init__(self, cfg: ModelConfig, max_positions: int, shard: TPShard = SINGLE):
         super().__init__()
@@ -126,6 +131,16 @@ class DecoderModel(nn.Module):
         for layer in layers:
             x = layer(ropes, x, paged, lora)
         return self.norm(x)
+
+    def forward_stage(self, inputs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """This pipeline stage's layers: from the token ids on the first stage, else
+        from the previous stage's hidden states; normalised on the last."""
+        stage = self.stage
+        x = self.embed(inputs) if stage.first else inputs
+        ropes = [r.table(positions, x.dtype) for r in self.rotaries()]
+        for i in range(stage.start, min(stage.end, len(self.layers))):
+            x = self.layers[i](ropes, x)
+        return self.norm(x) if stage.last else x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [rows, vocab] (under tensor parallelism on rank 0; every

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.engine.models.decoder import DecoderModel
+from kvserve.engine.models.pipeline_stage import held_layers
 
 log = logging.getLogger("kvserve.engine")
 
@@ -84,7 +85,8 @@ def attach_kv_caches(model: DecoderModel, num_blocks: int, block_size: int,
     block table: [(k, v)], each [num_blocks, block_size, kv_heads, head_dim]. With
     latent attention K and V are one tensor, [num_blocks, block_size, 1, latent +
     rotary key] (engine/models/mla.py)."""
-    cfg, attn = model.config, model.layers[0].self_attn
+    held = held_layers(model)  # a pipeline stage's own (all of them without)
+    cfg, attn = model.config, held[0][1].self_attn
     tensors, _, dim = cfg.kv_cache_dims()
     # The KV heads this tensor-parallel rank holds (all of them at one rank).
     shape = (num_blocks, block_size, attn.num_kv_heads, dim)
@@ -92,12 +94,12 @@ def attach_kv_caches(model: DecoderModel, num_blocks: int, block_size: int,
     def zeros():
         return torch.zeros(shape, dtype=fmt.dtype, device=device)
 
-    count = groups.num_tensors if groups is not None else cfg.num_layers
+    count = groups.num_tensors if groups is not None else len(held)
     caches = [(zeros(), zeros()) if tensors == 2 else (z := zeros(), z)
               for _ in range(count)]
-    for i, layer in enumerate(model.layers):
+    for j, (i, layer) in enumerate(held):
         attn = layer.self_attn
-        attn.k_cache, attn.v_cache = caches[groups.tensor[i] if groups is not None else i]
+        attn.k_cache, attn.v_cache = caches[groups.tensor[i] if groups is not None else j]
         attn.kv_group = groups.group[i] if groups is not None else 0
         attn.kv_scales = fmt.scales[i] if fmt.scales else None
         attn.key_rotation = fmt.key_rotation

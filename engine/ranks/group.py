@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
-import threading
-import time
 from collections.abc import Callable
 
 import torch
@@ -29,6 +26,7 @@ from kvserve.engine.models import tp_comm as comm
 from kvserve.engine.models.tp_shard import TPShard
 from kvserve.engine.ranks.launch import ranks_per_node, rendezvous, spawn_workers
 from kvserve.engine.ranks.step_channel import StepChannel
+from kvserve.engine.ranks.watch import WorkerWatch
 from kvserve.modelstore.errors import ModelLoadError
 
 log = logging.getLogger("kvserve.tensor_parallel")
@@ -47,15 +45,14 @@ def check_options(config: EngineConfig, device: torch.device) -> None:
             device.type == "cuda" and not config.num_kv_blocks
             and config.kv_cache_memory is None),
     }
+    refuse_options(f"--tensor-parallel-size {config.tensor_parallel_size}", refuse)
+
+
+def refuse_options(flag: str, refuse: dict[str, bool]) -> None:
+    """Raises ModelLoadError naming every option of `refuse` that is on."""
     refused = [what for what, on in refuse.items() if on]
     if refused:
-        raise ModelLoadError(f"--tensor-parallel-size {config.tensor_parallel_size} does "
-                             f"not work with {', '.join(refused)} yet")
-
-
-def _exit_now(why: str) -> None:
-    log.critical("%s: the engine stops", why)
-    os._exit(1)
+        raise ModelLoadError(f"{flag} does not work with {', '.join(refused)} yet")
 
 
 class TensorParallelGroup:
@@ -71,12 +68,10 @@ class TensorParallelGroup:
                                  "it with --headless")
         addr, port = rendezvous(config)
         name = f"kvserve-tp-{os.getpid()}-{port}"
-        self._stopping = False
-        self._on_death: Callable[[str], None] = _exit_now  # until someone watches
         # This host's other ranks; the other nodes' are their --headless servers'.
-        self._workers = spawn_workers(config, range(1, ranks_per_node(config)), addr,
-                                      port, name, device, dtype, max_model_len)
-        threading.Thread(target=self._watch, name="kvserve-tp-watch", daemon=True).start()
+        self._watch = WorkerWatch(spawn_workers(config, range(1, ranks_per_node(config)),
+                                                addr, port, name, device, dtype,
+                                                max_model_len), "tensor-parallel rank")
         comm.init(TPShard(0, size), port, device, addr, ranks_per_node(config))
         self.cpu_group = dist.new_group(backend="gloo") if device.type == "cuda" else None
         self.channel = StepChannel(name, 0, device, config.block_size, self.cpu_group,
@@ -93,32 +88,17 @@ class TensorParallelGroup:
 
     def on_death(self, callback: Callable[[str], None]) -> None:
         """callback(why) runs on the watcher's thread when a worker rank dies."""
-        self._on_death = callback
-
-    def _watch(self) -> None:
-        while not self._stopping:
-            for rank, proc in enumerate(self._workers, start=1):
-                code = proc.poll()
-                if code is not None and not self._stopping:
-                    self._on_death(f"tensor-parallel rank {rank} died (exit code {code})")
-                    return
-            time.sleep(0.2)
+        self._watch.on_death(callback)
 
     def close(self, timeout: float = 10.0) -> None:
         """Stops the workers (killed if they do not stop in `timeout`) and leaves
         the group."""
-        self._stopping = True
+        self._watch.stopping = True
         try:
             self.channel.stop()
         except RuntimeError:  # a rank is gone: the broadcast cannot complete
             pass
-        deadline = time.monotonic() + timeout
-        for proc in self._workers:
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        self._watch.stop(timeout)
         self.channel.close()
         comm.destroy()
 
@@ -126,6 +106,6 @@ class TensorParallelGroup:
 def start_group(config: EngineConfig, model_config: ModelConfig, device: torch.device,
                 dtype: torch.dtype, max_model_len: int) -> TensorParallelGroup | None:
     """The group of --tensor-parallel-size ranks; None at one rank."""
-    if config.tensor_parallel_size == 1:
-        return None
+    if config.tensor_parallel_size == 1 or config.pipeline_parallel_size > 1:
+        return None  # (pipeline stages start their own ranks: engine/ranks/pipeline.py)
     return TensorParallelGroup(config, model_config, device, dtype, max_model_len)

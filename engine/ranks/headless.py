@@ -1,7 +1,8 @@
 """`kvserve serve --headless` on a node other than 0 (--node-rank > 0): this host's
-share of the tensor-parallel ranks, tensor-parallel-size / nnodes of them, started
-as node 0 starts its own (launch.py), joined at node 0's rendezvous, and watched
-until they end. No HTTP, no scheduler: node 0's engine drives every step.
+share of the ranks (tensor-parallel ranks, and pipeline stages' with
+--pipeline-parallel-size: world_size / nnodes of them), started as node 0 starts its
+own (launch.py), joined at node 0's rendezvous, and watched until they end. No HTTP,
+no scheduler: node 0's engine drives every step.
 
 Exit code: 0 once every rank has ended cleanly (node 0 stopped its engine), else the
 first failure's (a rank died, or lost node 0): a supervisor restarts the node, as
@@ -16,7 +17,7 @@ import time
 from kvserve.engine.config.engine_config import EngineConfig
 from kvserve.engine.config.model_config import ModelConfig
 from kvserve.engine.platform.device import resolve_device, resolve_dtype
-from kvserve.engine.ranks.launch import ranks_per_node, rendezvous, spawn_workers
+from kvserve.engine.ranks.launch import ranks_per_node, rendezvous, spawn_workers, world_size
 
 log = logging.getLogger("kvserve.headless")
 
@@ -38,7 +39,7 @@ def run_headless(config: EngineConfig) -> int:
     procs = spawn_workers(config, ranks, addr, port, "kvserve-headless", device, dtype,
                           max_model_len)
     log.info("node %d of %d: ranks %d-%d of %d, rendezvous at %s:%d", config.node_rank,
-             config.nnodes, ranks[0], ranks[-1], config.tensor_parallel_size, addr, port)
+             config.nnodes, ranks[0], ranks[-1], world_size(config), addr, port)
     try:
         return _watch(procs, ranks, stopping)
     finally:

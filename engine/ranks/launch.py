@@ -13,7 +13,7 @@ import tempfile
 import torch
 
 from kvserve.engine.config.engine_config import EngineConfig
-from kvserve.engine.ranks.worker import WorkerSpec
+from kvserve.engine.ranks.worker_spec import WorkerSpec
 
 
 def _free_port() -> int:
@@ -35,21 +35,27 @@ def rendezvous(config: EngineConfig) -> tuple[str, int]:
     return addr, port
 
 
+def world_size(config: EngineConfig) -> int:
+    """Every rank: tensor-parallel-size in each of pipeline-parallel-size stages."""
+    return config.tensor_parallel_size * config.pipeline_parallel_size
+
+
 def ranks_per_node(config: EngineConfig) -> int:
-    return config.tensor_parallel_size // config.nnodes
+    return world_size(config) // config.nnodes
 
 
 def spawn_workers(config: EngineConfig, ranks: range, addr: str, port: int, channel: str,
                   device: torch.device, dtype: torch.dtype, max_model_len: int
                   ) -> list[subprocess.Popen]:
-    """One worker process per rank of `ranks`, each told its rendezvous, its device
-    (cuda:<its index on this host>) and to exit with this process. Plain
+    """One worker process per rank of `ranks` (of world_size(config); per_node of
+    them on each host), each told its rendezvous,
+    its device (cuda:<its index on this host>) and to exit with this process. Plain
     subprocesses: the engine process is itself a daemonic multiprocessing child,
     which may not have any."""
     per_node = ranks_per_node(config)
     procs = []
     for rank in ranks:
-        spec = WorkerSpec(config, rank, config.tensor_parallel_size, port, channel,
+        spec = WorkerSpec(config, rank, world_size(config), port, channel,
                           f"cuda:{rank % per_node}" if device.type == "cuda" else "cpu",
                           dtype, max_model_len, os.getpid(), addr, per_node,
                           networked=config.nnodes > 1)

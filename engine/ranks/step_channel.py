@@ -39,11 +39,12 @@ import torch
 import torch.distributed as dist
 
 from kvserve.engine.kernels.attention.step_metadata import HostStep
+from kvserve.engine.ranks import step_codec
 
 STOP, FORWARD = 0, 1
-# op, generation, name (2 words), capacity, T, R, W, L, C, max_query_len, max_seq_len,
-# decodes, G (a hybrid model's sliding layer groups: their slots and tables follow)
-_HEADER = 14
+# op, generation, name (2 words), capacity, L (logit rows), then the step's sizes
+# (step_codec.META_WORDS)
+_HEADER = 6 + step_codec.META_WORDS
 _INITIAL_CAPACITY = 1 << 18  # int64s: 2 MiB
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
@@ -153,24 +154,17 @@ class StepChannel:
     def send(self, host: HostStep, input_ids: torch.Tensor, logit_rows: torch.Tensor) -> None:
         """Before rank 0's forward pass of the step: every rank runs the same one."""
         on_cpu = self.device.type == "cpu"
-        copies = torch.tensor(self.pending_copies, dtype=torch.int64).reshape(-1)
+        meta, step_parts = step_codec.encode(host, self.pending_copies)
         self.pending_copies = []
         on_device = [input_ids.reshape(-1), logit_rows.reshape(-1)]
-        parts = on_device if on_cpu else []
-        parts += [host.positions, host.slot_mapping, host.query_start_loc.long(),
-                  host.seq_lens.long(), host.block_tables.long().reshape(-1), copies]
-        for slots, tables in host.groups:  # as wide as the full group's (same blocks)
-            parts += [slots, tables.long().reshape(-1)]
+        parts = (on_device if on_cpu else []) + step_parts
         size = sum(p.numel() for p in parts)
         if size > self.capacity:
             self._map(self.generation + 1, _new_token(),
                       max(size, 2 * self.capacity, _INITIAL_CAPACITY))
         torch.cat(parts, out=self.buffer[:size])
-        r, w = host.block_tables.shape
         self._header([FORWARD, self.generation, *self.token, self.capacity,
-                      len(host.positions), r, w, len(logit_rows), len(copies) // 3,
-                      host.max_query_len, host.max_seq_len, host.num_decodes,
-                      len(host.groups)])
+                      len(logit_rows), *meta])
         if self.networked:
             dist.broadcast(self.buffer[:size], src=0, group=self.cpu_group)
         if not on_cpu:
@@ -187,26 +181,22 @@ class StepChannel:
     # -- the other ranks -----------------------------------------------------------
     def receive(self) -> Step | None:
         """The next step; None when rank 0 stops."""
-        (op, gen, token_a, token_b, capacity, t, r, w, num_rows, num_copies, max_q, max_seq,
-         decodes, num_groups) = self._header([0] * _HEADER)
+        op, gen, token_a, token_b, capacity, num_rows, *meta = self._header([0] * _HEADER)
         if op == STOP:
             return None
         if gen != self.generation:
             self._map(gen, [token_a, token_b], capacity)
         on_cpu = self.device.type == "cpu"
-        sizes = [t, num_rows] if on_cpu else []
-        sizes += [t, t, r + 1, r, r * w, 3 * num_copies] + [t, r * w] * num_groups
+        t = meta[0]
+        lengths = ([t, num_rows] if on_cpu else []) + step_codec.sizes(meta)
         if self.networked:
-            dist.broadcast(self.buffer[:sum(sizes)], src=0, group=self.cpu_group)
-        parts = self.buffer[:sum(sizes)].clone().split(sizes)
+            dist.broadcast(self.buffer[:sum(lengths)], src=0, group=self.cpu_group)
+        parts = self.buffer[:sum(lengths)].clone().split(lengths)
         if on_cpu:
             (input_ids, rows), parts = parts[:2], parts[2:]
         else:
             on_device = torch.empty(t + num_rows, dtype=torch.long, device=self.device)
             dist.broadcast(on_device, src=0)
             input_ids, rows = on_device.split([t, num_rows])
-        positions, slots, qsl, seq_lens, tables, copies, *groups = parts
-        host = HostStep(positions, slots, qsl.int(), seq_lens.int(), tables.int().view(r, w),
-                        max_q, max_seq, decodes, self.block_size,
-                        tuple((s, t.int().view(r, w)) for s, t in zip(groups[::2], groups[1::2])))
-        return Step(host, input_ids, rows, [tuple(c) for c in copies.view(-1, 3).tolist()])
+        host, copies = step_codec.decode(meta, list(parts), self.block_size)
+        return Step(host, input_ids, rows, copies)

@@ -1,7 +1,9 @@
-"""A tensor-parallel rank other than 0: `python -m engine.parallel.worker SPEC`, started
-by rank 0 (engine/ranks/group.py). It loads its part of the weights, allocates
-its part of the KV cache, and runs every step rank 0 sends until told to stop.
-It samples nothing: its share of the logits goes to rank 0."""
+"""A tensor-parallel rank other than 0: `python -m kvserve.engine.ranks.worker SPEC`,
+started by rank 0 (engine/ranks/group.py). It loads its part of the weights,
+allocates its part of the KV cache, and runs every step rank 0 sends until told to
+stop. It samples nothing: its share of the logits goes to rank 0. Under pipeline
+parallelism the same command runs a pipeline rank instead (stage_worker.py, started
+by engine/ranks/pipeline.py)."""
 from __future__ import annotations
 
 import logging
@@ -10,30 +12,13 @@ import pickle
 import sys
 import threading
 import time
-from dataclasses import dataclass
 
 import torch
 
-from kvserve.engine.config.engine_config import EngineConfig
 from kvserve.engine.config.model_config import ModelConfig
+from kvserve.engine.ranks.worker_spec import WorkerSpec
 
 log = logging.getLogger("kvserve.tp_worker")
-
-
-@dataclass
-class WorkerSpec:
-    config: EngineConfig
-    rank: int
-    size: int
-    port: int  # rank 0's rendezvous
-    channel: str  # the step channel's segment name
-    device: str
-    dtype: torch.dtype
-    max_model_len: int
-    parent_pid: int
-    addr: str = "127.0.0.1"  # rank 0's rendezvous host
-    ranks_here: int | None = None  # ranks on this host (they share its cores)
-    networked: bool = False  # ranks on several hosts: steps come by broadcast
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -97,7 +82,12 @@ def main() -> None:
                         format=f"%(asctime)s %(levelname)s %(name)s[rank {spec.rank}]: "
                         "%(message)s")
     threading.Thread(target=_exit_with_parent, args=(spec.parent_pid,), daemon=True).start()
-    serve(spec)
+    if spec.config.pipeline_parallel_size > 1:
+        from kvserve.engine.ranks.stage_worker import serve_stage
+
+        serve_stage(spec)
+    else:
+        serve(spec)
 
 
 if __name__ == "__main__":

@@ -19,24 +19,25 @@ from kvserve.engine.models.kv_caches import (KVCacheFormat, LayerGroups, attach_
 from kvserve.engine.models.decoder import DecoderModel
 from kvserve.engine.platform import faults
 from kvserve.engine.platform.host_copy import to_device
+from kvserve.engine.ranks.pipeline import PipelineGroup
 from kvserve.engine.ranks.step_channel import StepChannel
 from kvserve.engine.runner.block_table_rows import BlockTableRows
 from kvserve.engine.runner.compiled_model import CompiledModel
 from kvserve.engine.runner.cuda_graphs import DecodeGraphPlan
 from kvserve.engine.runner.forward_paths import ForwardPaths, traced_decode
-from kvserve.engine.runner.pooling import Pooler, PoolRows
+from kvserve.engine.runner.pooling import Pooler, pool_rows
+from kvserve.engine.runner.staged_steps import StagedSteps
 from kvserve.engine.runner.step_batch import FlatBatch, LaunchedStep
 from kvserve.engine.sampling import Sampler, StepResult
 from kvserve.engine.sampling.logprobs import MAX_EXACT_ID
 from kvserve.engine.sampling.step_logits import LogitRows, StepLogits
-from kvserve.engine.sampling.step_result import SampleLaunch
 from kvserve.engine.structured.matchers import Matchers
 from kvserve.scheduler.output import ScheduledRequest, SchedulerOutput
 
 log = logging.getLogger("kvserve.engine")
 
 
-class ModelRunner:
+class ModelRunner(StagedSteps):
     """Everything a step uses is handed over here: the attention backend, the drafter
     that fills model-drafted placeholders before a step (speculative early exit or a
     draft model; None without), the plan for decode-only steps' CUDA graphs, and the
@@ -50,12 +51,15 @@ class ModelRunner:
                  attn_backend: AttentionBackend,
                  drafter=None, decode_graphs: DecodeGraphPlan | None = None,
                  lora: LoRAManager | None = None, step_channel: StepChannel | None = None,
-                 matchers: Matchers | None = None, layer_groups: LayerGroups | None = None):
+                 matchers: Matchers | None = None, layer_groups: LayerGroups | None = None,
+                 pipeline: PipelineGroup | None = None):
         self.model, self.device, self.block_size = model, device, block_size
         self.drafter, self.lora = drafter, lora
         groups = layer_groups.window_groups if layer_groups is not None else 0
         self.paths = ForwardPaths(model, attn_backend, device, block_size, lora, groups)
         self.step_channel = step_channel
+        self.pipeline = pipeline  # the stages before this one (staged_steps.py)
+        self._staged_copies: list[tuple[int, int, int]] = []
         self.kv_tier = None  # engine/kv_offload/'s, set by its build: copies it queued
         cfg = model.config
         # One block more than the KV cache manager hands out: the compiled graphs'
@@ -144,6 +148,8 @@ class ModelRunner:
         self.copy_blocks(out.block_copies)
         for request_id in out.preempted:  # readmitted, it gets other blocks
             self._drop_rows(request_id)
+        if self.pipeline is not None:
+            return self._launch_staged(out.scheduled)
         if self.paths.takes_decode_graphs(out.scheduled, self.drafter):
             return self._launch_decode(out.scheduled, previous)
         if self.drafter is not None:
@@ -158,7 +164,7 @@ class ModelRunner:
             if batch.sampling or batch.prompt_spans:
                 step.sample = self.sampler.launch(StepLogits.of(logits, batch.rows),
                                                   batch.sampling, batch.prompt_spans,
-                                                  _sampled(previous))
+                                                  previous and previous.sample)
             if batch.verifying:
                 step.verified = StepResult()
                 self.sampler.verify(StepLogits.verify_rows(logits, batch.rows),
@@ -168,7 +174,11 @@ class ModelRunner:
     @torch.inference_mode()
     def finish(self, step: LaunchedStep) -> StepResult:
         """Waits for a launched step and returns what it sampled."""
+        if step.staged is not None:
+            self._finish_staged(step)
         result = self.sampler.finish(step.sample) if step.sample is not None else StepResult()
+        if step.staged is not None:
+            self._release_ended(step)
         if step.verified is not None:
             result.tokens.update(step.verified.tokens)
             result.failed.update(step.verified.failed)
@@ -229,7 +239,7 @@ class ModelRunner:
             logits = logits[to_device(rows, torch.long, logits.device)]
         sampling = [scheduled[i] for i in rows]
         return LaunchedStep(self.sampler.launch(StepLogits(logits, len(sampling)), sampling, [],
-                                                _sampled(previous))
+                                                previous and previous.sample)
                             if sampling else None)
 
     def _feed_pending(self, input_ids: torch.Tensor, scheduled: list[ScheduledRequest],
@@ -277,6 +287,8 @@ class ModelRunner:
         triples = [(c.src, c.dst, c.num_tokens) for c in copies]
         if self.step_channel is not None:  # the other ranks copy with the next step
             self.step_channel.pending_copies += triples
+        if self.pipeline is not None:  # every stage copies before its next step's layers
+            return self._queue_copies(triples)
         copy_blocks(self.all_kv_caches, triples)
 
     def release(self, request_id: str) -> None:
@@ -333,16 +345,5 @@ class ModelRunner:
                          attention=prepare_step(self.attn_backend, common),
                          logit_rows=logit_rows,
                          rows=counts, sampling=sampling, prompt_spans=spans,
-                         verifying=verifying, pooling=_pool_rows(scheduled, query_starts),
+                         verifying=verifying, pooling=pool_rows(scheduled, query_starts),
                          lora=lora, host=host)
-
-
-def _pool_rows(scheduled: list[ScheduledRequest], query_starts: list[int]) -> list[PoolRows]:
-    return [PoolRows(s.request.request_id, s.request.params.pooling, query_starts[i],
-                     s.num_new_tokens, restarts=s.start == 0, completes=s.samples)
-            for i, s in enumerate(scheduled) if s.request.params.pooling]
-
-
-def _sampled(step: LaunchedStep | None) -> SampleLaunch | None:
-    """The sampling of the step still running (async scheduling), if it sampled."""
-    return step.sample if step is not None else None

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.scheduler.output import ScheduledRequest
+
 
 @dataclass
 class PoolRows:
@@ -53,3 +55,9 @@ class Pooler:
     def release(self, request_id: str) -> None:
         self._sums.pop(request_id, None)
 
+
+def pool_rows(scheduled: list[ScheduledRequest], query_starts: list[int]) -> list[PoolRows]:
+    """The embedding requests' rows of a step whose requests start at query_starts."""
+    return [PoolRows(s.request.request_id, s.request.params.pooling, query_starts[i],
+                     s.num_new_tokens, restarts=s.start == 0, completes=s.samples)
+            for i, s in enumerate(scheduled) if s.request.params.pooling]

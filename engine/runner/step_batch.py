@@ -25,6 +25,9 @@ class LaunchedStep:
     verified: StepResult | None = None  # verifications' results (read at once)
     failed: dict[str, str] = field(default_factory=dict)  # left out at preparation
     pooled: dict[str, torch.Tensor] = field(default_factory=dict)  # on the device
+    # Pipeline stages: the step sent to the first stage, its last stage's layers (and
+    # sampling) run when it comes back (ModelRunner.finish), with its block copies.
+    staged: tuple[FlatBatch, list[tuple[int, int, int]]] | None = None
     _feed: tuple[torch.Tensor, dict[str, int]] | None = None
 
     def feed_source(self, device: torch.device) -> tuple[torch.Tensor, dict[str, int]]:

@@ -14,6 +14,7 @@ from torch import nn
 
 from kvserve.engine.config.model_config import ModelConfig
 from kvserve.engine.models.decoder import DecoderModel
+from kvserve.engine.models.pipeline_stage import WHOLE, PipelineStage, prune_to_stage
 from kvserve.engine.models.registry import model_class
 from kvserve.engine.models.tp_shard import SINGLE, TPShard
 from kvserve.engine.platform.device import check_fits
@@ -34,15 +35,20 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                max_positions: int, shard: TPShard = SINGLE) -> DecoderModel:
+                max_positions: int, shard: TPShard = SINGLE,
+                stage: PipelineStage = WHOLE) -> DecoderModel:
     """Parameters are created on the meta device (no memory, no init work), then
-    given uninitialised storage on `device`; `shard`: the tensor-parallel rank's part."""
-    check_fits(int(weight_bytes(cfg, dtype.itemsize)) // shard.size, device,
+    given uninitialised storage on `device`; `shard`: the tensor-parallel rank's part,
+    `stage`: the pipeline stage's layers (the others get no storage)."""
+    share = shard.size * (cfg.num_layers / stage.num_layers if not stage.whole else 1)
+    check_fits(int(weight_bytes(cfg, dtype.itemsize) / share), device,
                "the model's weights")
     with _default_dtype(dtype), torch.device("meta"):
         model = model_class(cfg)(cfg, max_positions, shard)
+    if not stage.whole:
+        prune_to_stage(model, stage)
     model.to_empty(device=device)
-    if cfg.tie_word_embeddings:  # to_empty may untie shared parameters
+    if cfg.tie_word_embeddings and stage.last:  # to_empty may untie shared parameters
         model.lm_head.weight = model.embed_tokens.weight
     for rotary in model.rotaries():
         rotary.materialize(device)
@@ -67,23 +73,28 @@ def resolve_load_format(model: str | Path, load_format: str) -> str:
 def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
                device: torch.device, max_positions: int,
                load_format: str = "safetensors", seed: int = 0,
-               quantization: str = "auto", shard: TPShard = SINGLE) -> DecoderModel:
+               quantization: str = "auto", shard: TPShard = SINGLE,
+               stage: PipelineStage = WHOLE) -> DecoderModel:
     """`model_dir` may be `preset:NAME`; `random` never reads it (no checkpoint).
     A GGUF's quantized blocks are kept unless `quantization` is none; a float
     checkpoint is quantized afterwards (engine.quantization.quantize_model).
-    shard: the tensor-parallel rank's part, the only part read (safetensors)."""
+    shard: the tensor-parallel rank's part, the only part read (safetensors); stage:
+    the pipeline stage's layers, the only ones read (safetensors only)."""
     load_format = resolve_load_format(model_dir, load_format)
     if load_format not in ("random", "safetensors", "gguf"):
         raise ModelLoadError(f"unknown load format {load_format!r}")
     if load_format == "gguf":
         from kvserve.engine.weights.gguf_loader import load_gguf_model
 
-        if shard.size > 1:
-            raise ModelLoadError("tensor parallelism reads safetensors checkpoints, "
-                                 "not GGUF files")
+        if shard.size > 1 or not stage.whole:
+            raise ModelLoadError("tensor and pipeline parallelism read safetensors "
+                                 "checkpoints, not GGUF files")
         return load_gguf_model(resolve_model_path(model_dir), cfg, dtype, device,
                                max_positions, quantization)
-    model = build_model(cfg, dtype, device, max_positions, shard)
+    if load_format == "random" and not stage.whole:
+        raise ModelLoadError("pipeline stages load a checkpoint (random weights would "
+                             "differ from stage to stage's draws)")
+    model = build_model(cfg, dtype, device, max_positions, shard, stage)
     if load_format == "random":
         init_random(model, seed)
     else:
@@ -139,8 +150,8 @@ def _load_one(model, params: dict, ckpt_name: str, tensor, tp: TPShard = SINGLE)
     if name == "lm_head.weight" and model.config.tie_word_embeddings:
         return False  # tied: the embedding is the head
     if name not in params:
-        if "rotary_emb" in name:
-            return False
+        if "rotary_emb" in name or name.startswith(model.absent_prefixes):
+            return False  # (or another pipeline stage's)
         raise ModelLoadError(f"unexpected weight {ckpt_name!r} in checkpoint")
     module_name, _, attr = name.rpartition(".")
     module = model.get_submodule(module_name)

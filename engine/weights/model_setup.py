@@ -12,6 +12,7 @@ from torch import nn
 from kvserve.engine.config.engine_config import EngineConfig
 from kvserve.engine.config.model_config import ModelConfig
 from kvserve.engine.models.kv_caches import KVCacheFormat
+from kvserve.engine.models.pipeline_stage import WHOLE, PipelineStage
 from kvserve.engine.models.tp_shard import SINGLE, TPShard
 from kvserve.engine.weights.cpu_packing import pack_model
 from kvserve.engine.weights.loader import load_model, resolve_load_format
@@ -24,12 +25,13 @@ log = logging.getLogger("kvserve.engine")
 
 def load_served_model(config: EngineConfig, cfg: ModelConfig, tokenizer,
                       device: torch.device, dtype: torch.dtype,
-                      max_model_len: int, shard: TPShard = SINGLE
-                      ) -> tuple[nn.Module, KVCacheFormat]:
-    """shard: the tensor-parallel rank's part of the weights (rank 0's here)."""
+                      max_model_len: int, shard: TPShard = SINGLE,
+                      stage: PipelineStage = WHOLE) -> tuple[nn.Module, KVCacheFormat]:
+    """shard: the tensor-parallel rank's part of the weights (rank 0's here); stage:
+    the pipeline stage's layers (the last stage's here)."""
     load_format = resolve_load_format(config.model, config.load_format)
     model = load_model(config.model, cfg, dtype, device, max_model_len, load_format,
-                       config.seed, config.quantization, shard)
+                       config.seed, config.quantization, shard, stage)
     online = load_format != "gguf"  # a GGUF's blocks are quantized as the file says
     if online:
         quantize_model(model, config.quantization, config.quantization_group_size,

@@ -156,7 +156,8 @@ def serve(args) -> None:
     server.run()
     if server.engine_died:
         # Non-zero, so a supervisor (systemd, Kubernetes) restarts the server.
-        raise SystemExit(f"kvserve: the engine died ({engine.error!r}); exiting")
+        raise SystemExit(f"kvserve: the engine died ({app.state.admission.engine.error!r}); "
+                         "exiting")
 
 
 def headless(args) -> int:

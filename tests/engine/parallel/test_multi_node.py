@@ -26,10 +26,11 @@ from tests.support.server import free_port
 KERNELS = "kvserve" if set(NEEDED_FLAGS) <= cpu_flags() else "torch"
 
 
-def headless(model_dir, port: int, *extra: str, **popen) -> subprocess.Popen:
+def headless(model_dir, port: int, *extra: str, split=("--tensor-parallel-size", "2"),
+             **popen) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "kvserve.server.entrypoints.cli", "serve", "--headless",
-         "--model", str(model_dir), "--tensor-parallel-size", "2", "--nnodes", "2",
+         "--model", str(model_dir), *split, "--nnodes", "2",
          "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
          "--dtype", "float32", "--device", "cpu", "--compile", "off",
          "--cpu-kernels", KERNELS, "--num-kv-blocks", "256",
@@ -60,9 +61,28 @@ def test_two_nodes_on_loopback_match_one_process(tiny_model_dir, monkeypatch):
     assert sent and all(sent)  # every step by broadcast, none through /dev/shm
 
 
+def test_two_pipeline_stages_on_two_nodes_match_one_process(tiny_model_dir):
+    """P=2 over two nodes: node 1 runs the first stage (global rank 1), node 0 the
+    engine's last; the steps and hidden states cross the hosts point to point."""
+    from tests.engine.parallel.test_pipeline_parallel import assert_same_as_one_process
+
+    model_dir = tiny_model_dir("llama")
+    port = free_port()
+    node1 = headless(model_dir, port, split=("--pipeline-parallel-size", "2"))
+    try:
+        assert_same_as_one_process(model_dir, 2, vocab=300, cpu_kernels=KERNELS,
+                                   staged={"nnodes": 2, "master_port": port,
+                                           "master_addr": "127.0.0.1"})
+        assert node1.wait(60) == 0
+    finally:
+        stop(node1)
+
+
 def test_flags_that_do_not_fit_are_refused(tiny_model_dir):
     with pytest.raises(ValueError, match="does not divide"):
         EngineConfig(model="m", tensor_parallel_size=3, nnodes=2)
+    with pytest.raises(ValueError, match="does not divide"):
+        EngineConfig(model="m", pipeline_parallel_size=3, nnodes=2)
     with pytest.raises(ValueError, match="node-rank 2"):
         EngineConfig(model="m", tensor_parallel_size=2, nnodes=2, node_rank=2)
     model_dir = tiny_model_dir("llama")
