@@ -6,8 +6,7 @@ in launch order, as every stage makes them. Uses the runner's model, pipeline,
 attention backend, sampler, pooler and KV caches."""
 from __future__ import annotations
 
-from kvserve.engine.kernels.attention import (clear_attention_context, prepare_step,
-                                              set_attention_context)
+from kvserve.engine.kernels.attention import clear_attention_context, set_attention_context
 from kvserve.engine.models.kv_caches import copy_blocks
 from kvserve.engine.runner.step_batch import LaunchedStep
 from kvserve.engine.sampling.step_logits import StepLogits
@@ -30,8 +29,9 @@ class StagedSteps:
         batch, copies = step.staged
         hidden = self.pipeline.receive(len(batch.input_ids))
         copy_blocks(self.all_kv_caches, copies)
-        _, common, _ = batch.host.to_device(self.device)
-        set_attention_context(self.attn_backend, prepare_step(self.attn_backend, common))
+        # The attention metadata prepared at launch: each step's own tensors, which
+        # no later step's preparation touches (as async scheduling relies on too).
+        set_attention_context(self.attn_backend, batch.attention)
         try:
             hidden = self.model.forward_stage(hidden, batch.positions)
         finally:
