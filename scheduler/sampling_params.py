@@ -60,6 +60,11 @@ class SamplingParams:
     # POOLING_METHODS) are the output; it generates nothing (max_tokens 1, the token
     # thrown away).
     pooling: str | None = None
+    # Prefill/decode disaggregation's hand-off (engine/kv_transfer/), as the router
+    # sends it: {"do_remote_decode": true} on the prefill instance, the prefill's
+    # answer (remote_host, remote_port, transfer_id, ...) on the decode one. Only
+    # an engine run with --kv-transfer-config reads it.
+    kv_transfer_params: dict | None = None
     # Derived in __post_init__: any penalty, bias, min_tokens, allowed set or bad
     # word to apply to logits; bad_words_token_ids indexed for the sampler.
     needs_processing: bool = field(default=False, init=False, repr=False, compare=False)

@@ -110,6 +110,22 @@ class Scheduler(Preemption, StepResults):
     def snapshot(self) -> SchedulerSnapshot:
         return SchedulerSnapshot.of(self)
 
+    def pin_prompt(self, token_ids: list[int], cache_salt: str | None,
+                   lora: str | None) -> list[tuple[int, bytes]]:
+        """Pins a finished prompt's cached blocks (kvcache/prefix_pins.py), for
+        another instance to read; unpin() lets go."""
+        return self.kv.pin_prefix(token_ids, cache_salt, lora)
+
+    def prompt_hashes(self, token_ids: list[int], cache_salt: str | None,
+                      lora: str | None) -> list[bytes]:
+        return self.kv.prompt_hashes(token_ids, cache_salt, lora)
+
+    def cached_prefix(self, hashes: list[bytes]) -> int:
+        return self.kv.cached_prefix(hashes)
+
+    def unpin(self, block_ids: list[int]) -> None:
+        self.kv.unpin(block_ids)
+
     def take_kv_events(self) -> list[KVCacheEvent]:
         """What entered and left the prefix cache since the last call (or [])."""
         return self.kv.take_events()

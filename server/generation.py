@@ -71,6 +71,9 @@ class ChoiceDelta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     first: bool = False  # the choice's first delta
+    # A prefill instance's hand-off to the decode one (engine/kv_transfer/), on the
+    # finishing delta of choice 0 when the request asked for do_remote_decode.
+    kv_transfer_params: dict | None = None
 
 
 class _Sequence:
@@ -118,6 +121,7 @@ class _Sequence:
                                                             out.num_cached_tokens)
         if not self.started:
             delta.prompt_logprobs = self.prompt_logprobs
+        delta.kv_transfer_params = getattr(out, "kv_transfer_params", None)
         self.started = True
         self.done = delta.finish_reason is not None
         return delta

@@ -31,6 +31,21 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+class KVTransferParams(BaseModel):
+    """vLLM's kv_transfer_params, what a P/D router (vllm-router
+    --vllm-pd-disaggregation) passes between a prefill and a decode instance. Read
+    only by a server run with --kv-transfer-config (engine/kv_transfer/); bounded so
+    one request costs at most a few hundred KiB to parse."""
+    model_config = ConfigDict(extra="ignore")
+    do_remote_decode: bool = False  # to a prefill instance: keep the KV for a decode one
+    do_remote_prefill: bool = False  # to a decode instance: read the KV from a prefill one
+    remote_engine_id: str | None = Field(default=None, max_length=128)
+    remote_host: str | None = Field(default=None, max_length=255)
+    remote_port: int | None = Field(default=None, ge=1, le=65535)
+    remote_block_ids: list[int] | None = Field(default=None, max_length=65536)
+    transfer_id: str | None = Field(default=None, max_length=64)
+
+
 class OpenAIRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -78,6 +93,7 @@ class SamplingFields(OpenAIRequest):
     return_token_ids: bool = False
     # lower is sooner, with --scheduling-policy priority
     priority: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
+    kv_transfer_params: KVTransferParams | None = None
     # kvserve's: false opts this request out of speculative decoding (when the server
     # runs it); the output is the same either way, only its speed differs
     speculative: bool = True

@@ -44,7 +44,13 @@ class ResponseView:
     def body(self, results: dict[int, list[ChoiceDelta]]) -> dict:
         choices = [self.choice(i, results[i]) for i in sorted(results)]
         last = {i: ds[-1] for i, ds in results.items()}
-        return self.envelope(self.body_object, choices, generation.usage(self.groups, last))
+        body = self.envelope(self.body_object, choices, generation.usage(self.groups, last))
+        # vLLM's top-level field, which a P/D router hands to the decode instance.
+        handoff = next((d.kv_transfer_params for ds in results.values() for d in ds
+                        if d.kv_transfer_params is not None), None)
+        if handoff is not None:
+            body["kv_transfer_params"] = handoff
+        return body
 
     async def sse(self, events):
         """events: batches of deltas; each batch goes out as one write."""

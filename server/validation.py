@@ -163,7 +163,8 @@ def sampling_params(req: SamplingFields, max_tokens: int, vocab_size: int,
             repetition_penalty=_or(req.repetition_penalty, 1.0),
             logit_bias=bias or None, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             speculative=req.speculative, structured=structured or tool_grammar,
-            allowed_token_ids=allowed, bad_words_token_ids=bad_words)
+            allowed_token_ids=allowed, bad_words_token_ids=bad_words,
+            kv_transfer_params=req.kv_transfer_params and req.kv_transfer_params.model_dump())
     except ValueError as exc:
         raise APIError(400, str(exc)) from exc
 

@@ -109,14 +109,17 @@ def test_layers_import_the_benchmarks_only_lazily(package):
 # by the speculator, which proposes drafts for the running requests.
 SCHEDULER_VERBS = {"add_request", "abort_request", "has_unfinished", "schedule", "update",
                    "stats", "fail_requests", "withdraw_unwritten", "with_kv_cache",
-                   "running", "take_kv_events", "snapshot"}
+                   "running", "take_kv_events", "snapshot",
+                   # P/D disaggregation's (engine/kv_transfer/): a finished prompt's
+                   # blocks pinned for another instance, and looked up by hash
+                   "pin_prompt", "unpin", "prompt_hashes", "cached_prefix"}
 
 
 # engine/ in layers, from the bottom (engine/__init__.py says what each holds): a
 # folder imports only itself and the folders before it.
 ENGINE_LAYERS = ["platform", "config", "kernels", "models", "weights", "structured",
                  "sampling", "lora", "spec_decode", "ranks", "kv_offload", "runner", "core",
-                 "client"]
+                 "kv_transfer", "client"]
 
 
 def _engine_folders_imported(path: Path) -> set[str]:

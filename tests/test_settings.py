@@ -11,6 +11,8 @@ import pytest
 from kvserve.engine.config.arg_types import parse_bool, parse_size
 from kvserve.engine.config.engine_config import EngineConfig, SpeculativeConfig
 from kvserve.engine.config.kv_events_config import KVEventsConfig, parse_flag
+from kvserve.engine.config.kv_transfer_config import KVTransferConfig
+from kvserve.engine.config.kv_transfer_config import parse_flag as parse_transfer_flag
 from kvserve.engine.config.lora_config import LoRAConfig
 from kvserve.engine.config.settings import dest_name, env_name, flag_name, from_args, settings_of
 from kvserve.server.config import ServerConfig
@@ -64,6 +66,8 @@ def _sample(f) -> tuple[str, object]:
     if parse is parse_flag:
         text = '{"enable_kv_cache_events": true, "topic": "kv"}'
         return text, KVEventsConfig(enable_kv_cache_events=True, topic="kv")
+    if parse is parse_transfer_flag:
+        return '{"kv_role": "kv_producer"}', KVTransferConfig(kv_role="kv_producer")
     value = 7 if parse(str(7)) == 7 else 0.5  # an int flag or a float one
     return str(value), parse(str(value))
 

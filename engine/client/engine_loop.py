@@ -4,6 +4,10 @@ one StepReport, made from the engine's own stats() snapshots (the differences si
 the last one). Where the commands come from and where the report goes is up to the
 caller (a queue and a callback in a thread; a pipe in a process).
 
+With --kv-transfer-config a connector (engine/kv_transfer/) sees requests and
+outputs on their way: a decode instance's request waits in it while its KV is read
+from the prefill instance, and is added from the first loop turn after.
+
 A LoRA adapter is read from disk on a thread of its own (seconds for a large one)
 while steps go on, and served from the first loop turn after it is read."""
 from __future__ import annotations
@@ -38,6 +42,10 @@ class EngineLoop:
         self._last = engine.stats()  # counters are reported as differences
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvserve-lora-read")
         self._reads: list[tuple[ChangeAdapter, Future]] = []  # adapters being read
+        self.kv_transfer = None
+        if engine.config.kv_transfer_config is not None:
+            from kvserve.engine.kv_transfer.connector import KVTransferConnector
+            self.kv_transfer = KVTransferConnector(engine)
 
     def run(self) -> None:
         """Until a stop command; exceptions propagate (the engine is then dead)."""
@@ -47,6 +55,8 @@ class EngineLoop:
                 rep = StepReport()
                 for command in self.commands.take(self._wait()):
                     self._handle(command, rep)
+                if self.kv_transfer is not None:
+                    self._add_transferred(rep)
                 if engine.has_unfinished_requests() and not self.stopped:
                     self._step(rep)
                 elif self._reads:  # nothing to run: wait a little for a read to end
@@ -57,6 +67,8 @@ class EngineLoop:
                 self.report(rep)
         finally:
             self._reader.shutdown(wait=False, cancel_futures=True)
+            if self.kv_transfer is not None:
+                self.kv_transfer.close()
 
     def _wait(self) -> float | None:
         """How long to wait for a command: not at all with work to do, a little while
@@ -66,11 +78,16 @@ class EngineLoop:
         if self.engine.has_unfinished_requests() or self._reads:
             return 0.0
         warming = self._last.warming_up or self.engine.runner.warming_up
-        return WARMING_REPORT_S if warming else None
+        wait = WARMING_REPORT_S if warming else None
+        hint = self.kv_transfer.wait_hint() if self.kv_transfer is not None else None
+        return hint if wait is None or (hint is not None and hint < wait) else wait
 
     def _step(self, rep: StepReport) -> None:
         rep.step_start = time.monotonic()
-        rep.outputs.extend(self.engine.step())
+        outputs = self.engine.step()
+        if self.kv_transfer is not None:
+            self.kv_transfer.on_outputs(outputs)
+        rep.outputs.extend(outputs)
         rep.step_seconds = time.monotonic() - rep.step_start
 
     def _counts(self, rep: StepReport) -> None:
@@ -99,18 +116,12 @@ class EngineLoop:
     def _handle(self, command: EngineCommand, rep: StepReport) -> None:
         if isinstance(command, AddRequest):
             rep.added += 1
-            try:
-                self.engine.add_request(command.request_id, command.prompt_token_ids,
-                                        command.params, cache_salt=command.cache_salt,
-                                        priority=command.priority,
-                                        lora_name=command.lora_name,
-                                        background=command.background)
-                rep.prompt_tokens += len(command.prompt_token_ids)
-                rep.constrained += command.params.structured is not None
-            except ValueError as exc:
-                rep.rejected.append((command.request_id, str(exc)))
+            if self.kv_transfer is None or not self.kv_transfer.defer(command):
+                self._add(command, rep)
         elif isinstance(command, AbortRequest):
-            rep.outputs.extend(self.engine.abort_request(
+            waiting = (self.kv_transfer.abort(command.request_id, command.index)
+                       if self.kv_transfer is not None else None)
+            rep.outputs.extend(waiting if waiting is not None else self.engine.abort_request(
                 command.request_id, command.index, command.reason))
         elif isinstance(command, ChangeAdapter):
             reply = self._change_adapter(command)
@@ -122,6 +133,28 @@ class EngineLoop:
             self.stopped = True
         else:
             raise TypeError(f"not an engine command: {command!r}")
+
+    def _add(self, command: AddRequest, rep: StepReport) -> bool:
+        try:
+            self.engine.add_request(command.request_id, command.prompt_token_ids,
+                                    command.params, cache_salt=command.cache_salt,
+                                    priority=command.priority, lora_name=command.lora_name,
+                                    background=command.background)
+        except ValueError as exc:
+            rep.rejected.append((command.request_id, str(exc)))
+            return False
+        rep.prompt_tokens += len(command.prompt_token_ids)
+        rep.constrained += command.params.structured is not None
+        if self.kv_transfer is not None:
+            self.kv_transfer.added(command)
+        return True
+
+    def _add_transferred(self, rep: StepReport) -> None:
+        """Requests whose KV came (or failed to), and sequences aborted meanwhile."""
+        for command, aborted in self.kv_transfer.ready():
+            if self._add(command, rep):
+                for index in sorted(aborted):
+                    rep.outputs.extend(self.engine.abort_request(command.request_id, index))
 
     def _change_adapter(self, command: ChangeAdapter) -> AdapterReply | None:
         """An unload at once; a load is read on the reader's thread (None: replied to

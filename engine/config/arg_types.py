@@ -3,7 +3,9 @@ and `kvserve bench offline|decode` in bench/in_process/)."""
 from __future__ import annotations
 
 import argparse
+import json
 import re
+from dataclasses import fields
 
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
@@ -41,3 +43,19 @@ def positive_int(text: str) -> int:
 def split_keys(values) -> list[str]:
     """['a,b', 'c'] -> ['a', 'b', 'c']; blanks dropped."""
     return [k.strip() for v in values for k in str(v).split(",") if k.strip()]
+
+
+def json_fields(text: str, cls) -> dict:
+    """A JSON object flag's keys, each one of dataclass `cls`'s fields (vLLM's
+    --kv-events-config, --kv-transfer-config); ValueError says what is wrong."""
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON: {exc}") from exc
+    if not isinstance(values, dict):
+        raise ValueError("not a JSON object")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown keys {unknown}; known: {sorted(known)}")
+    return values

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from kvserve.engine.config.arg_types import non_negative, parse_bool, parse_size, positive_int
 from kvserve.engine.config.kv_events_config import (KVEventsConfig,
                                                     parse_flag as parse_kv_events_flag)
+from kvserve.engine.config.kv_transfer_config import (KVTransferConfig,
+                                                      parse_flag as parse_kv_transfer_flag)
 from kvserve.engine.config.lora_config import LoRAConfig
 from kvserve.engine.config.settings import setting
 
@@ -248,6 +250,16 @@ class EngineConfig:
         "router on another host: let only the router reach it), and "
         "\"include_token_ids\": false sends block hashes only (vllm-router's kv_aware "
         "needs the ids)", parse=parse_kv_events_flag)
+    # engine/kv_transfer/: prefill/decode disaggregation, a prompt's KV blocks moved
+    # from a prefill instance to a decode one (the router passes kv_transfer_params).
+    kv_transfer_config: KVTransferConfig | None = setting(
+        None, "prefill/decode disaggregation as vLLM configures it, a JSON object: "
+        "'{\"kv_connector\": \"MooncakeConnector\", \"kv_role\": \"kv_producer\"}' "
+        "(kv_consumer on the decode instance, kv_both either; also kv_ip, default "
+        "127.0.0.1, the address the other instance reaches this one's KV at, kv_port, "
+        "engine_id, kv_connector_extra_config: hold_timeout_s, fetch_timeout_s, "
+        "protocol tcp|rdma). Run behind vllm-router --vllm-pd-disaggregation",
+        parse=parse_kv_transfer_flag)
     # engine/parallel/: the model split over ranks, one process each (rank 0 is the
     # engine's own), its layers' partial sums all-reduced.
     tensor_parallel_size: int = setting(

@@ -12,8 +12,9 @@ The events carry the token ids of every block cached, whoever sent them, so:
 from __future__ import annotations
 
 import argparse
-import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+
+from kvserve.engine.config.arg_types import json_fields
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
 
@@ -33,17 +34,7 @@ class KVEventsConfig:
     @staticmethod
     def parse(text: str) -> "KVEventsConfig":
         """From --kv-events-config's JSON text; ValueError says what is wrong."""
-        try:
-            values = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"not JSON: {exc}") from exc
-        if not isinstance(values, dict):
-            raise ValueError("not a JSON object")
-        known = {f.name for f in fields(KVEventsConfig)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown keys {unknown}; known: "
-                             f"{sorted(known)}")
+        values = json_fields(text, KVEventsConfig)
         # A string "false" would be truthy: the tokens would go out while the
         # operator believes they do not.
         if not isinstance(values.get("include_token_ids", True), bool):

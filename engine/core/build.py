@@ -116,7 +116,8 @@ def build_engine(config: EngineConfig, tokenizer=None) -> EngineParts:
         log.warning("async scheduling on %s overlaps nothing (the forward pass runs "
                     "on the host) and reports each step one step later", device.type)
     log_kv_cache(num_blocks, config.block_size, kv_format, kv_view, ctx.max_model_len, groups)
-    tier = make_kv_tier(config, runner, tp is not None, groups is not None)
+    tier = make_kv_tier(config, runner, tp is not None, pipeline is not None,
+                        groups is not None, ctx.max_model_len)
     return EngineParts(context=ctx, runner=runner, tp=tp, pipeline=pipeline, lora=lora,
                        grammars=_grammar_gate(ctx, matchers),
                        scheduler=_scheduler(ctx, kv_events is not None, tier),

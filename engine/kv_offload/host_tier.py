@@ -33,6 +33,7 @@ class TierStats:
     from_disk: int = 0  # blocks read back from disk (and found sound)
     spilled: int = 0  # blocks moved from host memory to disk
     dropped: int = 0  # blocks lost past both capacities
+    received: int = 0  # blocks another instance's prefill sent (engine/kv_transfer/)
 
 
 class _Entry:
@@ -51,11 +52,18 @@ def layout_key(model_key: str, block_size: int, caches: list[tuple]) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
 
 
+def cache_tensors(caches: list[tuple]) -> list[torch.Tensor]:
+    """Each layer's cache tensors, K then V (latent attention's one tensor once): the
+    order a block's bytes are packed in."""
+    return [t for k, v in caches for t in ((k,) if v is k else (k, v))]
+
+
 class HostKVTier:
     def __init__(self, caches: list[tuple], capacity_bytes: int,
-                 disk: DiskBlocks | None = None):
-        # Each layer's tensors, K then V (latent attention's one tensor once).
-        self._tensors = [t for k, v in caches for t in ((k,) if v is k else (k, v))]
+                 disk: DiskBlocks | None = None, keep_evicted: bool = True):
+        # keep_evicted False: a tier only for blocks received from a prefill
+        # instance (a decode instance without --kv-offload-bytes).
+        self._tensors = cache_tensors(caches)
         self._sizes = [t[0].numel() * t.element_size() for t in self._tensors]
         self.block_bytes = sum(self._sizes)
         self.capacity_blocks = capacity_bytes // self.block_bytes
@@ -67,12 +75,15 @@ class HostKVTier:
         self._host: OrderedDict[bytes, _Entry] = OrderedDict()  # LRU first
         self._ops: list[tuple[int, int, _Entry]] = []
         self._pin = self._tensors[0].device.type == "cuda"
+        self.keep_evicted = keep_evicted
 
     def __len__(self) -> int:
         return len(self._host)
 
     # -- the scheduler's side (kvcache.second_tier.SecondTier) -------------------
     def save(self, block_id: int, block_hash: bytes) -> None:
+        if not self.keep_evicted:
+            return
         held = self._host.get(block_hash)
         if held is not None:
             self._host.move_to_end(block_hash)
@@ -102,6 +113,18 @@ class HostKVTier:
         self._host.clear()  # queued copies keep their entries until made
         if self.disk is not None:
             self.disk.clear()
+
+    # -- the KV transfer's side (the engine loop's thread too) ------------------
+    def receive(self, block_hash: bytes, data: torch.Tensor) -> None:
+        """A block's KV another instance computed (its bytes in this tier's layout:
+        block_layout.py checks), most recently used: the request it came for is
+        added next, and its prefix lookup finds it here."""
+        if block_hash in self._host:
+            self._host.move_to_end(block_hash)
+            return
+        self._host[block_hash] = _Entry(data)
+        self.stats.received += 1
+        self._trim()
 
     # -- the runner's side ----------------------------------------------------------
     def apply(self) -> None:

@@ -58,6 +58,9 @@ class RequestOutput:
     times: RequestTimes | None = None
     # Only on a pooling request's finishing output: its unit-length vector.
     embedding: list[float] | None = None
+    # Only on a prefill instance's finishing output of a request that asked for
+    # do_remote_decode: where the decode instance reads its KV (engine/kv_transfer/).
+    kv_transfer_params: dict | None = None
     # With finish_reason "error": the HTTP status the failure is, where it is not
     # ours (400: the request's own spec, e.g. a grammar past
     # --grammar-compile-timeout; 503: busy); None: the engine's fault (500).

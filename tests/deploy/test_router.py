@@ -34,7 +34,9 @@ def router(workers: list[str], policy: str, log_path, package: str = "sglang_rou
            *flags: str):
     """Yields (the router's URL, the URL of its own Prometheus metrics)."""
     port, metrics_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", f"{package}.launch_router", "--worker-urls", *workers,
+    # no workers: the flags name them (vllm-router's --prefill / --decode)
+    named = ["--worker-urls", *workers] if workers else []
+    cmd = [sys.executable, "-m", f"{package}.launch_router", *named,
            "--policy", policy, "--host", "127.0.0.1", "--port", str(port),
            # (sglang-router says warn, vllm-router warning)
            "--log-level", "warn" if package == "sglang_router" else "warning",
