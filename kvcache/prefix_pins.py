@@ -36,16 +36,11 @@ class PrefixPins:
                    adapter: str | None = None) -> list[tuple[int, bytes]]:
         """Pins the prompt's cached blocks, in order up to the first one not cached;
         returns them as (block id, hash). Unpin them with unpin()."""
-        pinned: list[tuple[int, bytes]] = []
-        if not self.enable_prefix_caching:
-            return pinned
-        for block_hash in self.prompt_hashes(token_ids, cache_salt, adapter):
-            block = self._pool.lookup(block_hash)
-            if block is None:
-                break
+        hashes = self.prompt_hashes(token_ids, cache_salt, adapter)
+        blocks = [self._pool.lookup(h) for h in hashes[:self.cached_prefix(hashes)]]
+        for block in blocks:
             self._pool.touch(block)
-            pinned.append((block.block_id, block_hash))
-        return pinned
+        return [(block.block_id, h) for block, h in zip(blocks, hashes)]
 
     def unpin(self, block_ids: Sequence[int]) -> None:
         """Drops pins pin_prefix made (last block first, as a request's are freed,

@@ -78,9 +78,9 @@ class EngineLoop:
         if self.engine.has_unfinished_requests() or self._reads:
             return 0.0
         warming = self._last.warming_up or self.engine.runner.warming_up
-        wait = WARMING_REPORT_S if warming else None
-        hint = self.kv_transfer.wait_hint() if self.kv_transfer is not None else None
-        return hint if wait is None or (hint is not None and hint < wait) else wait
+        limits = [WARMING_REPORT_S if warming else None,
+                  self.kv_transfer.wait_hint() if self.kv_transfer is not None else None]
+        return min((s for s in limits if s is not None), default=None)
 
     def _step(self, rep: StepReport) -> None:
         rep.step_start = time.monotonic()

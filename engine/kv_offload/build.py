@@ -6,7 +6,7 @@ from pathlib import Path
 
 from kvserve.engine.config.engine_config import EngineConfig
 from kvserve.engine.kv_offload.disk_blocks import DiskBlocks
-from kvserve.engine.kv_offload.host_tier import HostKVTier, cache_tensors, layout_key
+from kvserve.engine.kv_offload.host_tier import HostKVTier, block_bytes, layout_key
 from kvserve.modelstore.errors import ModelLoadError
 
 log = logging.getLogger("kvserve.kv_offload")
@@ -48,9 +48,8 @@ def make_kv_tier(config: EngineConfig, runner, tensor_parallel: bool,
     if not config.kv_offload_bytes:  # P/D only
         if not pd.consumes:
             return None
-        block_bytes = sum(t[0].numel() * t.element_size() for t in cache_tensors(caches))
         blocks = RECEIVE_CONTEXTS * -(-max_model_len // config.block_size)
-        tier = HostKVTier(caches, max(RECEIVE_MIN_BYTES, blocks * block_bytes),
+        tier = HostKVTier(caches, max(RECEIVE_MIN_BYTES, blocks * block_bytes(caches)),
                           keep_evicted=False)
         runner.kv_tier = tier
         log.info("KV transfer: %d blocks of %d KiB in host memory receive prefills' KV",

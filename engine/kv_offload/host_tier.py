@@ -58,6 +58,11 @@ def cache_tensors(caches: list[tuple]) -> list[torch.Tensor]:
     return [t for k, v in caches for t in ((k,) if v is k else (k, v))]
 
 
+def block_bytes(caches: list[tuple]) -> int:
+    """One block's KV in bytes, every cache tensor's slice."""
+    return sum(t[0].numel() * t.element_size() for t in cache_tensors(caches))
+
+
 class HostKVTier:
     def __init__(self, caches: list[tuple], capacity_bytes: int,
                  disk: DiskBlocks | None = None, keep_evicted: bool = True):
