@@ -20,6 +20,12 @@ from kvserve.engine.lora.manager import lora_key
 
 log = logging.getLogger("kvserve.kv_transfer")
 
+# At most this share of the KV cache is held for decode instances at once: past it
+# a prefill answers with no blocks (the decode instance computes the prompt), so
+# callers that ask for do_remote_decode and never fetch cannot starve the requests
+# running here of blocks; each hold ends after hold_timeout_s anyway.
+MAX_HELD_SHARE = 0.5
+
 
 @dataclass
 class _Hold:
@@ -39,6 +45,9 @@ class PrefillHolds:
         self._holds: dict[str, _Hold] = {}
         self._lock = threading.Lock()
         self.expired = 0  # holds given up on, never fetched (a metric's worth)
+        self.refused = 0  # prompts not held: MAX_HELD_SHARE of the cache already was
+        self._max_held = int(engine.context.num_blocks * MAX_HELD_SHARE)
+        self._held = 0  # blocks pinned by the holds (the engine loop's thread alone)
         self._server = SideChannelServer(config.kv_ip, config.kv_port, self._answer)
         self.port = self._server.port
         self.engine_id = config.engine_id or secrets.token_hex(8)
@@ -60,10 +69,8 @@ class PrefillHolds:
             command = self._expected.pop(out.request_id, None)
             if command is None or out.finish_reason in ("abort", "error"):
                 continue
-            blocks = self.engine.scheduler.pin_prompt(
-                command.prompt_token_ids, command.cache_salt,
-                lora_key(self.engine.lora, command.lora_name))
-            transfer_id = secrets.token_hex(16)
+            blocks = self._pin(command)
+            transfer_id = secrets.token_hex(16) if blocks else None  # None: nothing to read
             if blocks:
                 with self._lock:
                     self._holds[transfer_id] = _Hold(blocks, time.monotonic() + self._hold_s)
@@ -72,6 +79,24 @@ class PrefillHolds:
                 "remote_engine_id": self.engine_id, "remote_host": self.config.kv_ip,
                 "remote_port": self.port, "transfer_id": transfer_id,
                 "remote_block_ids": [b for b, _ in blocks]}
+
+    def _pin(self, command) -> list[tuple[int, bytes]]:
+        scheduler = self.engine.scheduler
+        blocks = scheduler.pin_prompt(command.prompt_token_ids, command.cache_salt,
+                                      lora_key(self.engine.lora, command.lora_name))
+        if self._held + len(blocks) > self._max_held:
+            scheduler.unpin([b for b, _ in blocks])
+            self.refused += 1
+            log.warning("KV transfer: %d blocks already held for decode instances; "
+                        "request %s is handed off without its KV", self._held,
+                        command.request_id)
+            return []
+        self._held += len(blocks)
+        return blocks
+
+    def _unpin(self, hold: _Hold) -> None:
+        self.engine.scheduler.unpin([b for b, _ in hold.blocks])
+        self._held -= len(hold.blocks)
 
     def poll(self) -> None:
         """Unpins what was read or waited for too long (the engine loop's thread)."""
@@ -85,7 +110,7 @@ class PrefillHolds:
                 log.warning("KV transfer: no decode instance read a prefill's %d blocks "
                             "in %g s; they go back to the prefix cache", len(hold.blocks),
                             self._hold_s)
-            self.engine.scheduler.unpin([b for b, _ in hold.blocks])
+            self._unpin(hold)
 
     def _answer(self, message: dict) -> dict:
         """The side channel's thread: a fetch or a done for one transfer id."""
@@ -109,4 +134,4 @@ class PrefillHolds:
         with self._lock:
             holds, self._holds = list(self._holds.values()), {}
         for hold in holds:
-            self.engine.scheduler.unpin([b for b, _ in hold.blocks])
+            self._unpin(hold)

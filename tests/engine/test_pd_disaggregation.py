@@ -138,13 +138,14 @@ def test_only_the_tail_is_computed(pd):
     assert decode.engine.stats().prompt_tokens_computed - before == len(prompt) - usable
 
 
-def test_blocks_the_decode_has_cached_are_not_read_again(pd):
+def test_blocks_the_decode_has_cached_are_not_read_again(pd, tiny_engine_factory):
     shared = varied_prompts(400, 1, seed=72, lengths=(96,))[0]
     a, b = (shared + p for p in varied_prompts(400, 2, seed=73, lengths=(40, 50)))
+    want = tiny_engine_factory().generate([a, b], greedy(4))
     prefill, decode = pd("kv_producer"), pd("kv_consumer")
-    prefill_then_decode(prefill, decode, "a", a, 4)
+    assert prefill_then_decode(prefill, decode, "a", a, 4)[0][0] == want[0]
     blocks = decode.loop.kv_transfer.consumer.stats.blocks
-    prefill_then_decode(prefill, decode, "b", b, 4)
+    assert prefill_then_decode(prefill, decode, "b", b, 4)[0][0] == want[1]
     # b's shared 96 tokens (6 blocks) are in the decode's cache from a's turn
     assert decode.loop.kv_transfer.consumer.stats.blocks - blocks == (len(b) - 1) // BLOCK - 6
 
@@ -200,3 +201,23 @@ def test_a_prefill_aborted_holds_nothing(pd):
     _, last = prefill.result("q")
     assert last.finish_reason == "abort" and last.kv_transfer_params is None
     assert idle(prefill) and not prefill.loop.kv_transfer.producer.pending
+
+
+def test_holds_take_at_most_half_the_cache(pd, tiny_engine_factory):
+    """Callers that ask for do_remote_decode and never fetch cannot pin the cache
+    the prefill's own requests need: past half of it, a prompt is handed off
+    without its KV, and the decode instance computes it."""
+    prompts = varied_prompts(400, 3, seed=78, lengths=(150, 150, 150))
+    want = tiny_engine_factory().generate(prompts[2:], greedy(6))[0]
+    prefill = pd("kv_producer", num_kv_blocks=40, extra={"hold_timeout_s": 1.0})
+    decode = pd("kv_consumer")
+    handoffs = [prefill.generate(f"h{i}", p, greedy(1, {"do_remote_decode": True}))[1]
+                .kv_transfer_params for i, p in enumerate(prompts)]
+    assert [len(h["remote_block_ids"]) for h in handoffs] == [9, 9, 0]  # 18 of 20 held
+    assert handoffs[2]["transfer_id"] is None
+    assert prefill.loop.kv_transfer.producer.refused == 1
+    tokens, last = decode.generate("h2", prompts[2], greedy(6, handoffs[2]))
+    assert tokens == want and last.num_cached_tokens == 0
+    consumer = decode.loop.kv_transfer.consumer
+    assert consumer.stats.done == consumer.stats.failed == 0  # nothing was fetched
+    assert idle(prefill) and idle(decode)
