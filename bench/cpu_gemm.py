@@ -146,9 +146,9 @@ def main(argv: list[str] | None = None) -> int:
             params = sum(n * k * c for n, k, c in projections(shape).values())
             for way in WAYS:
                 nbytes = params * BYTES_PER_WEIGHT.get(way, 4)
-                cases.append({"rows": rows, "way": way, "step_ms": round(best[way], 4),
-                              "gflops": round(flops / best[way] / 1e6, 2),
-                              "weight_gbps": round(nbytes / best[way] / 1e6, 2)})
+                cases.append({"rows": rows, "way": way, "step_ms": _figures(best[way]),
+                              "gflops": _figures(flops / best[way] / 1e6),
+                              "weight_gbps": _figures(nbytes / best[way] / 1e6)})
     all_flags = cpu_flags()
     flags = simd_flags(all_flags)
     result = {**provenance(), "cpu_flags": flags, "torch": torch.__version__,
@@ -166,6 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return 0
+
+
+def _figures(value: float) -> float:
+    """Four significant figures: a fixed count of decimals rounds a tiny shape's
+    slow round (a noisy neighbour, a first oneDNN call) to 0 GFLOP/s."""
+    return float(f"{value:.4g}")
 
 
 def _step_ms(prepared, run, xs, shape) -> float:

@@ -11,6 +11,7 @@ import torch
 from kvserve.engine.platform.host_copy import to_device
 from kvserve.engine.sampling.adjustments import LogitAdjustments
 from kvserve.engine.sampling.draw import draw
+from kvserve.engine.sampling.peaks import row_peaks
 from kvserve.engine.sampling.processors import apply_min_p, apply_top_k, apply_top_p
 from kvserve.scheduler.sampling_params import SamplingParams
 
@@ -29,7 +30,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     generators = [generators[i] for i in random_rows]
     if random_rows and len(random_rows) == len(params):  # no argmax, no rows picked out
         return draw(_probabilities(logits, params), generators)
-    tokens = logits.argmax(dim=-1) if argmax is None else argmax
+    tokens = row_peaks(logits)[0] if argmax is None else argmax
     if random_rows:
         rows = to_device(random_rows, torch.long, logits.device)
         probs = _probabilities(logits[rows], [params[i] for i in random_rows])

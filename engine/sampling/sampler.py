@@ -20,6 +20,7 @@ from kvserve.engine.platform import faults
 from kvserve.engine.platform.host_copy import to_device
 from kvserve.engine.sampling.adjustments import build_adjustments
 from kvserve.engine.sampling.logprobs import decode_block, logprob_block, raw_logprobs
+from kvserve.engine.sampling.peaks import row_peaks
 from kvserve.engine.sampling.prompt_logprobs import PromptLogprobs, PromptSpan
 from kvserve.engine.sampling.sample import sample
 from kvserve.engine.sampling.step_logits import StepLogits
@@ -300,7 +301,7 @@ def _peaks(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     NaN or +inf or is all -inf: one pass over the logits for both (the max propagates
     NaN, and its index is the first maximal one, as argmax's). Checked before the
     adjustments, whose -infs (min_tokens, logit_bias, top-k) are legitimate."""
-    peak, top = logits.max(dim=-1)
+    top, peak = row_peaks(logits)
     return top, (~peak.isfinite()).long()
 
 

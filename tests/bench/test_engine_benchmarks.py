@@ -223,16 +223,20 @@ def test_bench_profile_end_to_end(tmp_path, capsys, frozen_heap):
 
 
 def test_decode_split_end_to_end(tmp_path):
-    """bench/decode_split.py on the tiny model, eager: the step, its parts (each no
-    longer than the step) and the ops the profiler saw, as JSON."""
+    """bench/decode_split.py on the tiny model, eager, three requests decoding
+    together: the step, its parts (each no longer than the step), the ops the
+    profiler saw and the linear layers' FLOPs for three rows, as JSON."""
     out = tmp_path / "split.json"
     subprocess.run([sys.executable, str(ROOT / "bench" / "decode_split.py"),
                     "--model", "preset:llama-tiny", "--load-format", "random",
                     "--dtype", "float32", "--compile", "off", "--prompt-len", "16",
-                    "--steps", "4", "--json", str(out)], check=True, cwd=ROOT,
-                   capture_output=True, timeout=300)
+                    "--steps", "4", "--batch", "3", "--json", str(out)], check=True,
+                   cwd=ROOT, capture_output=True, timeout=300)
     r = json.loads(out.read_text())
     assert r["steps"] == 4 and r["compile"] == "off" and r["weight_bytes"] > 0
+    # llama-tiny: 2 layers of hidden 64, 4 heads and 2 KV heads of 16, MLP 128, vocab 1024
+    per_row = 2 * (64 * 16 * (2 * 4 + 2 * 2) + 3 * 64 * 128) + 1024 * 64
+    assert r["batch"] == 3 and r["linear_gflop_per_step"] == pytest.approx(6 * per_row / 1e9)
     assert 0 < r["split_ms"]["forward"] <= r["step_ms"]
     assert all(0 <= v <= r["step_ms"] for v in r["split_ms"].values())
     assert r["ops_ms_per_step"] and r["decode_gb_per_s"] > 0

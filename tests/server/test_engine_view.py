@@ -51,12 +51,14 @@ def engine_events(http: httpx.Client, headers: dict | None = None):
         yield ((e.event, json.loads(e.data)) for e in source.iter_sse())
 
 
-def first(events, want, timeout: float = 30.0):
+def first(events, want, timeout: float = 30.0, required: bool = True):
     deadline = time.monotonic() + timeout
     for name, data in events:
         if want(name, data):
             return data
-        assert time.monotonic() < deadline, "the stream never showed it"
+        if time.monotonic() >= deadline:
+            assert not required, "the stream never showed it"
+            return None
 
 
 @contextlib.contextmanager
@@ -89,9 +91,17 @@ def test_the_stream_shows_running_requests_their_blocks_and_a_fork_sharing_them(
         name, hello = next(events)
         assert name == "hello" and hello["models"] == [MODEL]
         assert hello["snapshot_seconds"] == 0.5 and isinstance(hello["history"], list)
-        with streaming(served, body):
-            snap = first(events, lambda n, d: n == "snapshot" and len(d["requests"]) == 2
-                         and all(r["phase"] == "decode" for r in d["requests"]))
+        # On a fast day the tiny model's sequences may end between two snapshots
+        # (0.5 s apart): the request is sent again, a few times at most.
+        snap = None
+        for _ in range(5):
+            with streaming(served, body):
+                snap = first(events, lambda n, d: n == "snapshot" and len(d["requests"]) == 2
+                             and all(r["phase"] == "decode" for r in d["requests"]),
+                             timeout=10.0, required=False)
+            if snap is not None:
+                break
+        assert snap is not None, "no snapshot showed both sequences decoding"
     seqs = sorted(snap["requests"], key=lambda r: r["index"])
     assert [r["index"] for r in seqs] == [0, 1] and seqs[0]["id"] == seqs[1]["id"]
     counts = snap["block_counts"]
