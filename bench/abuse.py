@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import statistics
 import subprocess
 import sys
@@ -147,17 +146,12 @@ def health_during(health: list, spans: list) -> dict[str, float]:
     return worst
 
 
-def _metric(text: str, name: str) -> float | None:
-    found = re.search(rf"^(?:vllm|kvserve):{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
-    return float(found[1]) if found else None
-
-
 def leftovers(url: str, auth: dict) -> dict:
     time.sleep(2)  # the last aborts reach the engine
     text = httpx.get(url + "/metrics", headers=auth, timeout=30).text
-    return {"running": _metric(text, "num_requests_running"),
-            "waiting": _metric(text, "num_requests_waiting"),
-            "kv_cache_usage": _metric(text, "kv_cache_usage_perc")}
+    return {"running": serve_process.metric_value(text, "num_requests_running"),
+            "waiting": serve_process.metric_value(text, "num_requests_waiting"),
+            "kv_cache_usage": serve_process.metric_value(text, "kv_cache_usage_perc")}
 
 
 def summarize(rounds: list[dict]) -> dict:

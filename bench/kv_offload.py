@@ -103,9 +103,9 @@ def serve_and_run(flags: list[str], args) -> dict:
     finally:
         proc.terminate()
         proc.wait(60)
-    for line in metrics.splitlines():
-        if line.startswith("kvserve:external_prefix_cache_hits_total"):
-            out["tier_hit_tokens"] = int(float(line.split()[-1]))
+    hits = serve_process.metric_value(metrics, "external_prefix_cache_hits_total")
+    if hits is not None:
+        out["tier_hit_tokens"] = int(hits)
     return out
 
 

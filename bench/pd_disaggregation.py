@@ -30,7 +30,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.serve_process import free_port  # noqa: E402
+from bench.serve_process import free_port, metric_value  # noqa: E402
 from kvserve.benchmarks.provenance import provenance, simd_flags  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -200,9 +200,9 @@ def disaggregated(args) -> dict:
         out = asyncio.run(workload(front, args))
         out.update(server_itl(decode))
         metrics = httpx.get(decode + "/metrics", timeout=10).text
-    for line in metrics.splitlines():
-        if line.startswith("kvserve:external_prefix_cache_hits_total"):
-            out["decode_tokens_from_prefill"] = int(float(line.split()[-1]))
+    hits = metric_value(metrics, "external_prefix_cache_hits_total")
+    if hits is not None:
+        out["decode_tokens_from_prefill"] = int(hits)
     return out
 
 

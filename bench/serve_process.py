@@ -2,6 +2,7 @@
 running server (bench/abuse.py, bench/batch_interference.py)."""
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
@@ -38,3 +39,10 @@ def start_server(extra: list[str], ready: str = "/health",
         time.sleep(1)
     proc.kill()
     raise SystemExit("the server did not become ready")
+
+
+def metric_value(text: str, name: str) -> float | None:
+    """One sample of a /metrics page (its first label set), kvserve: or vllm: named."""
+    found = re.search(rf"^(?:vllm|kvserve):{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    return float(found[1]) if found else None
+
