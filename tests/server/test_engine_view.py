@@ -34,12 +34,29 @@ class CountingEngine(AsyncEngine):
         super()._submit(command)
 
 
+class PausedSteps:
+    """Wraps the engine's step so each one waits `seconds` first: a request then lasts
+    a known least time however fast the machine runs the tiny model (one took under
+    0.5 s, a snapshot's interval, on CI's machine), and a client's leaving beats a
+    prompt's last chunk."""
+
+    def __init__(self, engine, seconds: float):
+        self.seconds = seconds
+        self._step = engine.step
+        engine.step = self
+
+    def __call__(self):
+        time.sleep(self.seconds)
+        return self._step()
+
+
 @pytest.fixture(scope="module")
 def served(tiny_engine_factory):
     engine = CountingEngine(tiny_engine_factory("llama", block_size=4, num_kv_blocks=1024))
     app = build_app(engine, [MODEL])
     with running_server(app) as url, httpx.Client(base_url=url, timeout=60) as http:
         http.engine = engine
+        http.pause = PausedSteps(engine.engine, 0.005)  # 400 tokens: 2 s at least
         yield http
 
 
@@ -51,14 +68,12 @@ def engine_events(http: httpx.Client, headers: dict | None = None):
         yield ((e.event, json.loads(e.data)) for e in source.iter_sse())
 
 
-def first(events, want, timeout: float = 30.0, required: bool = True):
+def first(events, want, timeout: float = 30.0):
     deadline = time.monotonic() + timeout
     for name, data in events:
         if want(name, data):
             return data
-        if time.monotonic() >= deadline:
-            assert not required, "the stream never showed it"
-            return None
+        assert time.monotonic() < deadline, "the stream never showed it"
 
 
 @contextlib.contextmanager
@@ -91,17 +106,9 @@ def test_the_stream_shows_running_requests_their_blocks_and_a_fork_sharing_them(
         name, hello = next(events)
         assert name == "hello" and hello["models"] == [MODEL]
         assert hello["snapshot_seconds"] == 0.5 and isinstance(hello["history"], list)
-        # On a fast day the tiny model's sequences may end between two snapshots
-        # (0.5 s apart): the request is sent again, a few times at most.
-        snap = None
-        for _ in range(5):
-            with streaming(served, body):
-                snap = first(events, lambda n, d: n == "snapshot" and len(d["requests"]) == 2
-                             and all(r["phase"] == "decode" for r in d["requests"]),
-                             timeout=10.0, required=False)
-            if snap is not None:
-                break
-        assert snap is not None, "no snapshot showed both sequences decoding"
+        with streaming(served, body):
+            snap = first(events, lambda n, d: n == "snapshot" and len(d["requests"]) == 2
+                         and all(r["phase"] == "decode" for r in d["requests"]))
     seqs = sorted(snap["requests"], key=lambda r: r["index"])
     assert [r["index"] for r in seqs] == [0, 1] and seqs[0]["id"] == seqs[1]["id"]
     counts = snap["block_counts"]
@@ -145,13 +152,19 @@ def test_a_stopped_request_is_listed_as_aborted(served):
 
 
 def test_a_request_left_before_its_first_token_got_none(served):
-    body = {"model": MODEL, "prompt": PREFIX * 8, "max_tokens": 400, "ignore_eos": True,
+    # Three prompt chunks (256 tokens a step) of a second each: the first token comes
+    # seconds after the client has left, however long the server takes to notice.
+    body = {"model": MODEL, "prompt": PREFIX * 16, "max_tokens": 400, "ignore_eos": True,
             "stream": True}
-    with engine_events(served) as events:
-        with served.stream("POST", "/v1/completions", json=body) as r:
-            rid = r.headers["x-kvserve-request-id"]  # and gone, before any chunk
-        done = first(events, lambda n, d: n == "snapshot" and any(
-            f["id"].startswith(rid) for f in d["finished"]))
+    served.pause.seconds = 1.0
+    try:
+        with engine_events(served) as events:
+            with served.stream("POST", "/v1/completions", json=body) as r:
+                rid = r.headers["x-kvserve-request-id"]  # and gone, before any chunk
+            done = first(events, lambda n, d: n == "snapshot" and any(
+                f["id"].startswith(rid) for f in d["finished"]))
+    finally:
+        served.pause.seconds = 0.005
     [ended] = [f for f in done["finished"] if f["id"].startswith(rid)]
     assert ended["reason"] == "abort" and ended["output_tokens"] == 0
 
