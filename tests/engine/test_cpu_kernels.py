@@ -399,9 +399,10 @@ def test_paged_decode_matches_the_reference(kernels, batch, length, q_heads, kv_
     want = paged_decode_reference(q, k_cache, v_cache, tables, lens, dim ** -0.5)
     got = torch.ops.kvserve.paged_decode(q, k_cache, v_cache, tables, lens, dim ** -0.5)
     assert torch.allclose(got, want, rtol=1e-5, atol=2e-6)
-    # bf16: the same float32 maths over the widened values, rounded once at the end, so
-    # within half a bf16 step (at most 2^-8 relative) of the float32 result on the same
-    # values, plus float32's own difference in summation order.
+    # bf16: float32 maths over the bf16 values (widened, or multiplied as pairs by
+    # AVX512-BF16, exactly either way), rounded once at the end, so within half a bf16
+    # step (at most 2^-8 relative) of the float32 result on the same values, plus
+    # float32's own difference in summation order.
     q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
     exact = paged_decode_reference(q.float(), k_cache.float(), v_cache.float(), tables, lens,
                                    dim ** -0.5)
@@ -451,13 +452,20 @@ def test_paged_decode_ignores_what_lies_past_each_length(kernels):
     assert torch.equal(out[2], torch.zeros_like(out[2])) and torch.equal(out[:2], before[:2])
 
 
+AVX512_ATTENTION = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+
+
 @needs_avx2
-@pytest.mark.skipif(not {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags(),
-                    reason="no AVX-512 here: the AVX2 passes are what every test runs")
-def test_paged_decode_avx2_passes_still_run_where_avx512_would():
+@pytest.mark.parametrize("isa,needs", [("avx2", AVX512_ATTENTION),
+                                       ("avx512", AVX512_ATTENTION | {"avx512_bf16"})])
+def test_paged_decode_other_passes_still_run_where_better_ones_would(isa, needs):
     """$KVSERVE_CPU_ISA=avx2 keeps bf16 caches on the AVX2 passes on an AVX-512 CPU (as
-    a CPU without it runs them): the cases above against the reference, in a process
-    of its own (the op reads the variable once)."""
+    a CPU without it runs them), =avx512 on the widening keys pass on an AVX512-BF16
+    CPU (as Skylake-X or Ice Lake run it): the cases above against the reference, in a
+    process of its own (the op reads the variable once)."""
+    if not needs <= cpu_flags():
+        pytest.skip(f"no {' '.join(sorted(needs - cpu_flags()))} here: the passes "
+                    f"{isa} keeps are the ones every test runs")
     script = (
         "import torch\n"
         "from kvserve.engine.weights.cpu_packing import load_once\n"
@@ -466,7 +474,7 @@ def test_paged_decode_avx2_passes_still_run_where_avx512_would():
         "for case in PAGED_CASES:\n"
         "    test_paged_decode_matches_the_reference(None, *case)\n"
         "print('ok')\n")
-    run_script_ok(script, {"KVSERVE_CPU_ISA": "avx2"})
+    run_script_ok(script, {"KVSERVE_CPU_ISA": isa})
 
 
 @needs_avx2

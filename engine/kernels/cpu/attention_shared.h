@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -41,6 +42,19 @@ inline __m256 exp_nonpositive(__m256 x) {
   const __m256i scale = _mm256_slli_epi32(
       _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_andnot_ps(too_small, _mm256_mul_ps(p, _mm256_castsi256_ps(scale)));
+}
+
+// The largest of s[0..len), len >= 1, eight at a time (std::max_element goes one by
+// one: a scalar compare-and-branch per score).
+inline float max_of(const float* s, int64_t len) {
+  __m256 top = _mm256_set1_ps(-INFINITY);
+  int64_t t = 0;
+  for (; t + 8 <= len; t += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(s + t));
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  float most = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+  for (; t < len; ++t) most = std::max(most, s[t]);
+  return most;
 }
 
 // Softmax's numerators in place: s[t] = exp(s[t] - top) for t < len, `top` being the

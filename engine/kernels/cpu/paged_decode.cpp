@@ -41,7 +41,8 @@ inline __m256 load8(const at::BFloat16* p) {
 
 template <typename T>  // the caches' element type: float or at::BFloat16
 struct Decode {
-  const float* q;
+  const float* q;        // the queries in float32
+  const T* q_given;      // and as given, in the caches' dtype (AVX512-BF16's operands)
   const T *k_cache, *v_cache;
   const int32_t *tables, *lens;
   float* out;
@@ -147,6 +148,16 @@ void values_pass(const Decode<T>& a, int64_t b, int64_t h0, int64_t h1, int64_t 
   sum_values(a, b, h0, h1, t0, len, probs, acc);
 }
 
+// One head's scores in place: their maximum, then exp(score - maximum) each; returns
+// the maximum and the exponentials' sum.
+template <typename T>
+std::pair<float, float> softmax_numerators(const Decode<T>& a, float* s, int64_t len) {
+  if constexpr (std::is_same_v<T, at::BFloat16>)
+    if (avx512_passes_take(a.head_dim)) return softmax_numerators_avx512(s, len);
+  const float top = kvserve_cpu::max_of(s, len);
+  return {top, exp_shifted_in_place(s, len, top)};
+}
+
 // Request b's KV heads [h0, h1) and the query heads that share them, over the
 // positions `span`: `scratch` holds their scores (then probabilities) and the sums of
 // their outputs. Into `out` [heads, D], the attention's output; or, given `part`,
@@ -175,9 +186,7 @@ void attend(const Decode<T>& a, int64_t b, int64_t h0, int64_t h1, Span span,
   float* acc = inv + heads;
   keys_pass(a, b, h0, h1, t0, len, scores);
   for (int64_t head = 0; head < heads; ++head) {  // softmax's exponentials, their sum
-    float* s = scores + head * len;
-    const float top = *std::max_element(s, s + len);
-    const float sum = exp_shifted_in_place(s, len, top);
+    const auto [top, sum] = softmax_numerators(a, scores + head * len, len);
     inv[head] = stats ? 1.0f : 1.0f / sum;
     if (stats) {
       stats[2 * head] = top;
@@ -276,14 +285,16 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
   at::Tensor out = at::empty({batch, q_heads, dim}, queries.options());
   const int64_t block_size = k_cache.size(1), width = tables.size(1);
   if (dtype == at::kFloat) {
-    decode_all(Decode<float>{queries.data_ptr<float>(), k_cache.data_ptr<float>(),
+    decode_all(Decode<float>{queries.data_ptr<float>(), queries.data_ptr<float>(),
+                             k_cache.data_ptr<float>(),
                              v_cache.data_ptr<float>(), tables.data_ptr<int32_t>(),
                              lens.data_ptr<int32_t>(), out.data_ptr<float>(), q_heads,
                              kv_heads, dim, block_size, width, static_cast<float>(scale)},
                batch);
     return out;
   }
-  decode_all(Decode<at::BFloat16>{queries.data_ptr<float>(),
+  const at::Tensor given = q.contiguous();
+  decode_all(Decode<at::BFloat16>{queries.data_ptr<float>(), given.data_ptr<at::BFloat16>(),
                                   k_cache.data_ptr<at::BFloat16>(),
                                   v_cache.data_ptr<at::BFloat16>(),
                                   tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),

@@ -6,7 +6,9 @@
 // a time), and a score is one multiply-add chain of head_dim / 16 and one reduction.
 // On bf16 caches the AVX2 passes were bound by those instructions, not by the bytes:
 // 8-13 GB/s of KV on the 2-core Zen 4 where float32 caches, twice the bytes, ran 14-20
-// (bench/results/cpu_paged_decode_avx512_2026-11-27.md). Compiled for AVX-512 alone
+// (bench/results/cpu_paged_decode_avx512_2026-11-27.md). Where the CPU has AVX512-BF16
+// too, the keys pass takes its dot products of bf16 pairs instead (score_keys_dots), and
+// the softmax runs here on 16 lanes whatever the keys pass. Compiled for AVX-512 alone
 // and called only where the CPU has it, not with $KVSERVE_CPU_ISA=avx2 (the tests'
 // way to reach the AVX2 passes there).
 #pragma once
@@ -14,6 +16,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 
 #define KVSERVE_AVX512_ATTENTION "avx512f,avx512bw,avx512vl,avx512dq"
 
@@ -24,6 +27,21 @@ bool avx512_attention_here() {
     return !(isa != nullptr && std::strcmp(isa, "avx2") == 0) &&
            __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  }();
+  return here;
+}
+
+// Whether the keys pass may take AVX512-BF16's dot products of bf16 pairs (Zen 4,
+// Cooper Lake, Sapphire Rapids): not with $KVSERVE_CPU_ISA=avx512 (the tests' way to
+// reach the widening keys pass on such a CPU) or avx2.
+#define KVSERVE_AVX512_BF16_DOTS KVSERVE_AVX512_ATTENTION ",avx512bf16"
+
+bool bf16_dots_here() {
+  static const bool here = [] {
+    const char* isa = std::getenv("KVSERVE_CPU_ISA");
+    __builtin_cpu_init();
+    return !(isa != nullptr && std::strcmp(isa, "avx512") == 0) && avx512_attention_here() &&
+           __builtin_cpu_supports("avx512bf16");
   }();
   return here;
 }
@@ -65,6 +83,66 @@ __attribute__((target(KVSERVE_AVX512_ATTENTION))) void score_keys_avx512(
 #pragma GCC unroll 8
         for (int j = 1; j < D16; ++j) s = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * j), key[j], s);
         scores[head * len + i] = _mm512_reduce_add_ps(s) * a.scale;
+      }
+    }
+  }
+}
+
+// Sixteen vectors' sums, one a lane: lane u is the sum of v[u]'s sixteen. A tree of
+// 15 adds and 30 shuffles, where sixteen _mm512_reduce_add_ps take 64 and 64.
+__attribute__((target(KVSERVE_AVX512_ATTENTION), always_inline)) inline __m512 sums16(
+    const __m512* v) {
+  __m512 pairs[8], quads[4], halves[2];
+  for (int k = 0; k < 8; ++k)  // per 128-bit lane: v[2k]'s and v[2k+1]'s sums of two
+    pairs[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]),
+                             _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  for (int k = 0; k < 4; ++k)  // per 128-bit lane: v[4k..4k+3]'s sums of four, in order
+    quads[k] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * k], pairs[2 * k + 1], 0x44),
+                             _mm512_shuffle_ps(pairs[2 * k], pairs[2 * k + 1], 0xEE));
+  for (int k = 0; k < 2; ++k)  // two 128-bit lanes a vector of four
+    halves[k] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * k], quads[2 * k + 1], 0x88),
+                              _mm512_shuffle_f32x4(quads[2 * k], quads[2 * k + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88),
+                       _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
+}
+
+// The keys pass with AVX512-BF16's dot products, a head of 32 * D32 values: the bf16
+// queries and keys multiplied as they lie (a product of two bf16 values is exact in
+// float32), so no key is widened, and 16 positions' scores summed at once (sums16).
+// Each position's key is loaded once per query head that shares it, from L1 after
+// the first. The scores are float32 dot products, summed in another order than the
+// widening pass's: they differ from its in the last bits.
+template <int D32>
+__attribute__((target(KVSERVE_AVX512_BF16_DOTS))) void score_keys_dots(
+    const Decode<at::BFloat16>& a, int64_t b, int64_t h0, int64_t h1, int64_t t0,
+    int64_t len, float* scores) {
+  constexpr int64_t dim = 32 * D32;
+  const int64_t groups = a.q_heads / a.kv_heads, span_values = (h1 - h0) * dim;
+  const at::BFloat16* q = a.q_given + (b * a.q_heads + h0 * groups) * dim;
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  for (int64_t i0 = 0; i0 < len; i0 += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, len - i0));
+    const at::BFloat16* k[16];  // past the end: the last position again, never stored
+    for (int u = 0; u < 16; ++u) k[u] = a.k_cache + a.at(b, h0, t0 + i0 + std::min(u, n - 1));
+    for (int64_t i = i0 + 16; i < std::min(i0 + 32, len); ++i)
+      prefetch(a.k_cache + a.at(b, h0, t0 + i), span_values);
+    const __mmask16 stored = static_cast<__mmask16>((1u << n) - 1);
+    for (int64_t kv = 0; kv < h1 - h0; ++kv) {
+      for (int64_t head = kv * groups; head < (kv + 1) * groups; ++head) {
+        __m512bh qh[D32];
+        for (int j = 0; j < D32; ++j)
+          qh[j] = (__m512bh)_mm512_loadu_si512(q + head * dim + 32 * j);
+        __m512 dots[16];
+#pragma GCC unroll 16
+        for (int u = 0; u < 16; ++u) {
+          dots[u] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+          for (int j = 0; j < D32; ++j)
+            dots[u] = _mm512_dpbf16_ps(
+                dots[u], qh[j], (__m512bh)_mm512_loadu_si512(k[u] + kv * dim + 32 * j));
+        }
+        _mm512_mask_storeu_ps(scores + head * len + i0, stored,
+                              _mm512_mul_ps(sums16(dots), scale));
       }
     }
   }
@@ -113,9 +191,61 @@ __attribute__((target(KVSERVE_AVX512_ATTENTION))) void sum_values_avx512(
   }
 }
 
+// exp_nonpositive (attention_shared.h) on 16 lanes: the same steps and constants, so
+// each exponential is the same float.
+__attribute__((target(KVSERVE_AVX512_ATTENTION), always_inline)) inline __m512
+exp_nonpositive16(__m512 x) {
+  const __mmask16 too_small = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  const __m512i scale = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~too_small), p,
+                             _mm512_castsi512_ps(scale));
+}
+
+// The softmax's numerators of one head's scores in place, 16 at a time (the last
+// ones under a mask): their maximum, then s[t] = exp(s[t] - maximum); returns the
+// maximum and the numerators' sum. The AVX2 way took a scalar std::max_element and
+// eight lanes: a fifth of the step's attention at 16 requests of 200 positions.
+__attribute__((target(KVSERVE_AVX512_ATTENTION))) inline std::pair<float, float>
+softmax_numerators_avx512(float* s, int64_t len) {
+  const int64_t whole = len / 16 * 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (len - whole)) - 1);
+  __m512 top = _mm512_set1_ps(-INFINITY);
+  for (int64_t t = 0; t < whole; t += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + t));
+  top = _mm512_max_ps(top, _mm512_mask_loadu_ps(top, tail, s + whole));
+  const float most = _mm512_reduce_max_ps(top);
+  const __m512 shift = _mm512_set1_ps(most);
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t t = 0; t < whole; t += 16) {
+    const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(s + t), shift));
+    _mm512_storeu_ps(s + t, e);
+    total = _mm512_add_ps(total, e);
+  }
+  const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + whole), shift));
+  _mm512_mask_storeu_ps(s + whole, tail, e);
+  total = _mm512_mask_add_ps(total, tail, total, e);
+  return {most, _mm512_reduce_add_ps(total)};
+}
+
 // The two passes for a head of `dim` values (avx512_passes_take said yes).
 inline void score_keys_avx512(const Decode<at::BFloat16>& a, int64_t b, int64_t h0,
                               int64_t h1, int64_t t0, int64_t len, float* scores) {
+  if (bf16_dots_here()) {
+    if (a.head_dim == 64) return score_keys_dots<2>(a, b, h0, h1, t0, len, scores);
+    return score_keys_dots<4>(a, b, h0, h1, t0, len, scores);
+  }
   if (a.head_dim == 64) return score_keys_avx512<4>(a, b, h0, h1, t0, len, scores);
   score_keys_avx512<8>(a, b, h0, h1, t0, len, scores);
 }

@@ -200,7 +200,7 @@ void prefill(const float* q, const T* k_cache, const T* v_cache, const int32_t* 
       for (int64_t r = 0; r < rows; ++r) {  // softmax over the keys the row's position sees
         float* row = s.data() + r * n_tile;
         const int64_t seen = first + i0 + r / groups + 1;
-        const float top = *std::max_element(row, row + seen);
+        const float top = kvserve_cpu::max_of(row, seen);
         inv[r] = 1.0f / exp_shifted_in_place(row, seen, top);
         std::fill(row + seen, row + n_tile, 0.0f);  // masked: weigh nothing
       }
