@@ -458,21 +458,25 @@ AVX512_ATTENTION = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
 @needs_avx2
 @pytest.mark.parametrize("isa,needs", [("avx2", AVX512_ATTENTION),
                                        ("avx512", AVX512_ATTENTION | {"avx512_bf16"})])
-def test_paged_decode_other_passes_still_run_where_better_ones_would(isa, needs):
+def test_attention_other_passes_still_run_where_better_ones_would(isa, needs):
     """$KVSERVE_CPU_ISA=avx2 keeps bf16 caches on the AVX2 passes on an AVX-512 CPU (as
-    a CPU without it runs them), =avx512 on the widening keys pass on an AVX512-BF16
-    CPU (as Skylake-X or Ice Lake run it): the cases above against the reference, in a
-    process of its own (the op reads the variable once)."""
+    a CPU without it runs them), =avx512 off AVX512-BF16's dot products (the decode's
+    widening keys pass and the prompt's float32 score tiles, as Skylake-X or Ice Lake
+    run them): both kernels' cases against the reference, in a process of its own
+    (the ops read the variable once)."""
     if not needs <= cpu_flags():
         pytest.skip(f"no {' '.join(sorted(needs - cpu_flags()))} here: the passes "
                     f"{isa} keeps are the ones every test runs")
     script = (
         "import torch\n"
         "from kvserve.engine.weights.cpu_packing import load_once\n"
-        "from tests.engine.test_cpu_kernels import PAGED_CASES, test_paged_decode_matches_the_reference\n"
+        "from tests.engine.test_cpu_kernels import PAGED_CASES, PREFILL_CASES, "
+        "test_paged_decode_matches_the_reference, test_paged_prefill_matches_the_reference\n"
         "load_once()\n"
         "for case in PAGED_CASES:\n"
         "    test_paged_decode_matches_the_reference(None, *case)\n"
+        "for case in PREFILL_CASES:\n"
+        "    test_paged_prefill_matches_the_reference(None, *case)\n"
         "print('ok')\n")
     run_script_ok(script, {"KVSERVE_CPU_ISA": isa})
 
@@ -545,8 +549,7 @@ def prefill_reference(q, k_cache, v_cache, table, ctx_len, scale):
     return _prefill(q.float(), k, v, torch.arange(ctx_len)[None] <= q_pos, scale)
 
 
-@needs_avx2
-@pytest.mark.parametrize("q_len,ctx_len,q_heads,kv_heads,dim,block_size", [
+PREFILL_CASES = [  # q_len, ctx_len, q_heads, kv_heads, dim, block_size
     (1, 1, 9, 3, 64, 16),  # one query, one key
     (5, 5, 9, 3, 64, 16),  # a prompt shorter than a tile of keys
     (17, 40, 9, 3, 64, 16),  # a chunk after a cached prefix, odd sizes
@@ -556,7 +559,11 @@ def prefill_reference(q, k_cache, v_cache, table, ctx_len, scale):
     (19, 50, 14, 2, 64, 32),  # 7 query heads a KV head: tiles of rows with a tail
     (7, 7, 4, 4, 8, 4),  # no grouping, the smallest head_dim
     (9, 23, 10, 5, 40, 8),  # head_dim not a multiple of 32
-])
+]
+
+
+@needs_avx2
+@pytest.mark.parametrize("q_len,ctx_len,q_heads,kv_heads,dim,block_size", PREFILL_CASES)
 def test_paged_prefill_matches_the_reference(kernels, q_len, ctx_len, q_heads, kv_heads,
                                              dim, block_size):
     q, k_cache, v_cache, table = prefill_case(q_len, ctx_len, q_heads, kv_heads, dim,
@@ -565,7 +572,8 @@ def test_paged_prefill_matches_the_reference(kernels, q_len, ctx_len, q_heads, k
     got = torch.ops.kvserve.paged_prefill(q, k_cache, v_cache, table, ctx_len, dim ** -0.5)
     assert got.shape == q.shape and got.dtype == torch.float32
     assert torch.allclose(got, want, rtol=1e-5, atol=3e-6)
-    # bf16: float32 maths over the widened values, rounded once (half a bf16 step)
+    # bf16: float32 maths over the bf16 values (widened, or multiplied as pairs by
+    # AVX512-BF16, exactly either way), rounded once (half a bf16 step)
     q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
     want = prefill_reference(q, k_cache, v_cache, table, ctx_len, dim ** -0.5)
     got = torch.ops.kvserve.paged_prefill(q, k_cache, v_cache, table, ctx_len, dim ** -0.5)
@@ -745,11 +753,12 @@ def test_package_data_ships_the_kernel_source():
     globs = data["tool"]["setuptools"]["package-data"]["kvserve.engine.kernels.cpu"]
     folder = build.SOURCES[0].parent
     assert set(build.SOURCES) | set(build.HEADERS) <= {p for g in globs for p in folder.glob(g)}
-    assert {h.name for h in build.HEADERS} == {"attention_shared.h", "bf16_pairs_amx.h",
-                                                "bf16_rows.h", "chunk_schedule.h",
-                                                "expert_bf16_dots.h", "expert_int8_dots.h",
-                                                "expert_linear.h", "int8_inputs.h",
-                                                "paged_decode_avx512.h", "vnni_dots.h"}
+    assert {h.name for h in build.HEADERS} == {"attention_isa.h", "attention_shared.h",
+                                                "bf16_pairs_amx.h", "bf16_rows.h",
+                                                "chunk_schedule.h", "expert_bf16_dots.h",
+                                                "expert_int8_dots.h", "expert_linear.h",
+                                                "int8_inputs.h", "paged_decode_avx512.h",
+                                                "paged_prefill_bf16_dots.h", "vnni_dots.h"}
     assert {s.name for s in build.SOURCES} == {"bf16_pairs.cpp", "expert_linear.cpp",
                                                "moe_experts.cpp",
                                                "packed_gemm.cpp", "paged_decode.cpp",

@@ -19,6 +19,7 @@
 #include <torch/library.h>
 
 #include "attention_shared.h"
+#include "attention_isa.h"  // here, outside the namespace below: its headers include it
 
 #include <algorithm>
 #include <cmath>

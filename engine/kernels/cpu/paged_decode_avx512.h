@@ -14,37 +14,12 @@
 #pragma once
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <utility>
 
-#define KVSERVE_AVX512_ATTENTION "avx512f,avx512bw,avx512vl,avx512dq"
+#include "attention_isa.h"
 
-bool avx512_attention_here() {
-  static const bool here = [] {
-    const char* isa = std::getenv("KVSERVE_CPU_ISA");
-    __builtin_cpu_init();
-    return !(isa != nullptr && std::strcmp(isa, "avx2") == 0) &&
-           __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  }();
-  return here;
-}
-
-// Whether the keys pass may take AVX512-BF16's dot products of bf16 pairs (Zen 4,
-// Cooper Lake, Sapphire Rapids): not with $KVSERVE_CPU_ISA=avx512 (the tests' way to
-// reach the widening keys pass on such a CPU) or avx2.
-#define KVSERVE_AVX512_BF16_DOTS KVSERVE_AVX512_ATTENTION ",avx512bf16"
-
-bool bf16_dots_here() {
-  static const bool here = [] {
-    const char* isa = std::getenv("KVSERVE_CPU_ISA");
-    __builtin_cpu_init();
-    return !(isa != nullptr && std::strcmp(isa, "avx512") == 0) && avx512_attention_here() &&
-           __builtin_cpu_supports("avx512bf16");
-  }();
-  return here;
-}
+using kvserve_cpu::avx512_attention_here;
+using kvserve_cpu::bf16_dots_here;
 
 // Whether the passes below take a bf16 cache's heads of `dim` values: 64 or 128 (the
 // templates' instances; others, and float32 caches, bound by their bytes already,

@@ -19,10 +19,13 @@
 #include <torch/library.h>
 
 #include "attention_shared.h"
+#include "attention_isa.h"  // here, outside the namespace below: its headers include it
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -131,43 +134,56 @@ void values_rows(const float* p, int64_t rows, int64_t p_stride, const float* v,
   if (rows - r == 1) values<1>(p + r * p_stride, p_stride, v, dim, n, o + r * dim);
 }
 
+#include "paged_prefill_bf16_dots.h"
+
 // Keys [16 j, 16 j + 16) of KV head h (those below n; zeros past it) as the K^T tile
-// kt ([D][16]), and their values as rows of v ([keys][D]), float32.
+// kt ([D][16]) in float32, or (given kt_pairs instead, bf16 caches) as the pair tile
+// ([D / 2][16] words), and their values as float32 rows of v ([keys][D]).
 template <typename T>
 void gather_tile(const T* k_cache, const T* v_cache, const int32_t* table, int64_t width,
                  int64_t block_size, int64_t kv_heads, int64_t dim, int64_t h, int64_t j,
-                 int64_t n, float* kt, float* v) {
+                 int64_t n, float* kt, uint32_t* kt_pairs, float* v) {
   for (int64_t i = 0; i < kKeyTile; ++i) {
     const int64_t t = j * kKeyTile + i;
     if (t >= n) {
-      for (int64_t d = 0; d < dim; ++d) kt[d * kKeyTile + i] = 0.0f;
+      for (int64_t d = 0; kt && d < dim; ++d) kt[d * kKeyTile + i] = 0.0f;
+      for (int64_t p = 0; kt_pairs && p < dim / 2; ++p) kt_pairs[p * kKeyTile + i] = 0;
       continue;
     }
     // Past the table's last block, its last block again, as context_slots reads (the
     // graphs' warm-up steps run long prompts over a table of the spare block alone).
     const int64_t block = table[std::min(t / block_size, width - 1)];
     const int64_t at = ((block * block_size + t % block_size) * kv_heads + h) * dim;
-    for (int64_t d = 0; d < dim; ++d) {
-      kt[d * kKeyTile + i] = widen(k_cache[at + d]);
-      v[t * dim + d] = widen(v_cache[at + d]);
+    for (int64_t d = 0; d < dim; ++d) v[t * dim + d] = widen(v_cache[at + d]);
+    if (kt_pairs != nullptr) {
+      for (int64_t p = 0; p < dim / 2; ++p)
+        std::memcpy(kt_pairs + p * kKeyTile + i, k_cache + at + 2 * p, sizeof(uint32_t));
+      continue;
     }
+    for (int64_t d = 0; d < dim; ++d) kt[d * kKeyTile + i] = widen(k_cache[at + d]);
   }
 }
 
+// q is the queries in float32; q_given as given, in the caches' dtype (the bf16
+// dot products' operands).
 template <typename T>
-void prefill(const float* q, const T* k_cache, const T* v_cache, const int32_t* table,
-             int64_t width, int64_t q_len, int64_t ctx_len, int64_t q_heads, int64_t kv_heads, int64_t dim,
-             int64_t block_size, float scale, float* out) {
-  const int64_t groups = q_heads / kv_heads;
+void prefill(const float* q, const T* q_given, const T* k_cache, const T* v_cache,
+             const int32_t* table, int64_t width, int64_t q_len, int64_t ctx_len,
+             int64_t q_heads, int64_t kv_heads, int64_t dim, int64_t block_size, float scale,
+             float* out) {
+  const int64_t groups = q_heads / kv_heads, pairs = dim / 2;
+  const bool dots = std::is_same_v<T, at::BFloat16> && kvserve_cpu::bf16_dots_here();
   const int64_t n_pad = (ctx_len + kKeyTile - 1) / kKeyTile * kKeyTile;
   // Each KV head's keys and values, laid out for the tiles, 16 keys a task.
-  std::vector<float> kts(kv_heads * dim * n_pad), vs(kv_heads * ctx_len * dim);
+  std::vector<float> kts(dots ? 0 : kv_heads * dim * n_pad), vs(kv_heads * ctx_len * dim);
+  std::vector<uint32_t> kt_pairs(dots ? kv_heads * pairs * n_pad : 0);
   const int64_t key_tiles = n_pad / kKeyTile;
   at::parallel_for(0, kv_heads * key_tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task / key_tiles, j = task % key_tiles;
+      const int64_t h = task / key_tiles, j = task % key_tiles, tile = h * key_tiles + j;
       gather_tile(k_cache, v_cache, table, width, block_size, kv_heads, dim, h, j, ctx_len,
-                  kts.data() + (h * key_tiles + j) * dim * kKeyTile,
+                  dots ? nullptr : kts.data() + tile * dim * kKeyTile,
+                  dots ? kt_pairs.data() + tile * pairs * kKeyTile : nullptr,
                   vs.data() + h * ctx_len * dim);
     }
   });
@@ -178,6 +194,7 @@ void prefill(const float* q, const T* k_cache, const T* v_cache, const int32_t* 
   // last..., so every range holds as many cheap tiles as dear ones.
   at::parallel_for(0, kv_heads * tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qs, s, o, inv;
+    std::vector<uint32_t> q_pairs;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task % kv_heads, order = task / kv_heads;
       const int64_t tile = order % 2 == 0 ? order / 2 : tiles - 1 - order / 2;
@@ -186,16 +203,27 @@ void prefill(const float* q, const T* k_cache, const T* v_cache, const int32_t* 
       const int64_t rows = positions * groups;  // row = position-major, then group head
       const int64_t n = first + i0 + positions;  // keys the tile's last row sees
       const int64_t n_tile = (n + kKeyTile - 1) / kKeyTile * kKeyTile;
-      qs.resize(rows * dim);
-      for (int64_t i = 0; i < positions; ++i)
-        for (int64_t g = 0; g < groups; ++g) {
-          const float* src = q + ((i0 + i) * q_heads + h * groups + g) * dim;
-          float* dst = qs.data() + (i * groups + g) * dim;
-          for (int64_t d = 0; d < dim; ++d) dst[d] = src[d] * scale;
-        }
       s.resize(rows * n_tile);
-      scores_rows(qs.data(), rows, dim, kts.data() + h * dim * n_pad, n_tile, s.data(),
-                  n_tile);
+      if (dots) {
+        q_pairs.resize(rows * pairs);
+        for (int64_t i = 0; i < positions; ++i)
+          for (int64_t g = 0; g < groups; ++g)
+            std::memcpy(q_pairs.data() + (i * groups + g) * pairs,
+                        q_given + ((i0 + i) * q_heads + h * groups + g) * dim,
+                        pairs * sizeof(uint32_t));
+        scores_rows_pairs(q_pairs.data(), rows, pairs, kt_pairs.data() + h * pairs * n_pad,
+                          n_tile, scale, s.data(), n_tile);
+      } else {
+        qs.resize(rows * dim);
+        for (int64_t i = 0; i < positions; ++i)
+          for (int64_t g = 0; g < groups; ++g) {
+            const float* src = q + ((i0 + i) * q_heads + h * groups + g) * dim;
+            float* dst = qs.data() + (i * groups + g) * dim;
+            for (int64_t d = 0; d < dim; ++d) dst[d] = src[d] * scale;
+          }
+        scores_rows(qs.data(), rows, dim, kts.data() + h * dim * n_pad, n_tile, s.data(),
+                    n_tile);
+      }
       inv.resize(rows);
       for (int64_t r = 0; r < rows; ++r) {  // softmax over the keys the row's position sees
         float* row = s.data() + r * n_tile;
@@ -230,16 +258,18 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache,
   const at::Tensor queries = q.to(at::kFloat).contiguous(), table = block_table.contiguous();
   at::Tensor out = at::empty({q_len, q_heads, dim}, queries.options());
   if (q_len == 0) return out.to(dtype);
-  if (dtype == at::kFloat)
-    prefill(queries.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-            table.data_ptr<int32_t>(), table.size(0), q_len, ctx_len, q_heads, kv_heads, dim, block_size,
-            static_cast<float>(scale), out.data_ptr<float>());
-  else
-    prefill(queries.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(),
-            v_cache.data_ptr<at::BFloat16>(), table.data_ptr<int32_t>(), table.size(0), q_len,
-            ctx_len,
-            q_heads, kv_heads, dim, block_size, static_cast<float>(scale),
+  if (dtype == at::kFloat) {
+    prefill(queries.data_ptr<float>(), queries.data_ptr<float>(), k_cache.data_ptr<float>(),
+            v_cache.data_ptr<float>(), table.data_ptr<int32_t>(), table.size(0), q_len,
+            ctx_len, q_heads, kv_heads, dim, block_size, static_cast<float>(scale),
             out.data_ptr<float>());
+  } else {
+    const at::Tensor given = q.contiguous();
+    prefill(queries.data_ptr<float>(), given.data_ptr<at::BFloat16>(),
+            k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
+            table.data_ptr<int32_t>(), table.size(0), q_len, ctx_len, q_heads, kv_heads, dim,
+            block_size, static_cast<float>(scale), out.data_ptr<float>());
+  }
   return out.to(dtype);
 }
 
