@@ -1,7 +1,8 @@
 """One quantized layer of a bf16 model at decode and prompt row counts: kvserve's op
-over int8 (per-column scales, --quantization int8) and int4 (group 32, --quantization
-int4) panels, bf16 rows as a bf16 model's step gives them, against oneDNN's bf16 GEMM
-over the bf16 weights (F.linear, what the float layers run on AVX-512 CPUs).
+over int8 (per-column scales, --quantization int8; GGUF's Q8_0, a scale per 32) and
+int4 (group 32, --quantization int4; and group 128) panels, bf16 rows as a bf16
+model's step gives them, against oneDNN's bf16 GEMM over the bf16 weights (F.linear,
+what the float layers run on AVX-512 CPUs).
 
 Where the op takes integer products (packing.takes_dots: AVX512-VNNI at any row
 count) each product is checked against packing.reference_product, elsewhere against
@@ -56,10 +57,14 @@ def main() -> None:
     torch.manual_seed(0)
     linear = nn.Linear(k, n, bias=False).to(torch.bfloat16)
     int8 = packing.PackedWeight(Int8Linear.of(linear).quantized_panels(), True)
+    q8_0 = packing.PackedWeight(packing.pack_int8(
+        *packing.round_int8_groups(linear.weight.float())), True)
     int4 = packing.PackedWeight(Int4Linear.of(linear, 32).quantized_panels(), True)
-    ways = {"oneDNN bf16": (None, lambda x: nn.functional.linear(x, linear.weight)),
-            "kvserve int8": (int8.contents(), lambda x: int8.product(x, n, None)),
-            "kvserve int4": (int4.contents(), lambda x: int4.product(x, n, None))}
+    int4_g128 = packing.PackedWeight(Int4Linear.of(linear, 128).quantized_panels(), True)
+    ways = {"oneDNN bf16": (None, lambda x: nn.functional.linear(x, linear.weight))}
+    for name, packed in (("kvserve int8", int8), ("kvserve Q8_0", q8_0),
+                         ("kvserve int4", int4), ("kvserve int4 g128", int4_g128)):
+        ways[name] = (packed.contents(), lambda x, w=packed: w.product(x, n, None))
     flags = sorted(cpu_flags() & {"avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16",
                                   "avx512vbmi", "amx_tile"})
     results = []
