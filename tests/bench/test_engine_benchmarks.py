@@ -242,6 +242,25 @@ def test_decode_split_end_to_end(tmp_path):
     assert r["ops_ms_per_step"] and r["decode_gb_per_s"] > 0
 
 
+def test_prefill_split_end_to_end(tmp_path):
+    """bench/prefill_split.py on the tiny model, eager: five prompts of 40 tokens
+    through the engine's steps, their rate, the steps' parts (each no longer than a
+    step), page faults counted and the ops the profiler saw, as JSON."""
+    out = tmp_path / "prefill.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "prefill_split.py"),
+                    "--model", "preset:llama-tiny", "--load-format", "random",
+                    "--dtype", "float32", "--compile", "off", "--prompts", "5",
+                    "--prompt-len", "40", "--json", str(out)], check=True,
+                   cwd=ROOT, capture_output=True, timeout=300)
+    r = json.loads(out.read_text())
+    assert r["prompts"] == 5 and r["prompt_len"] == 40 and r["steps"] >= 1
+    assert r["prompt_tok_per_s"] == pytest.approx(200 / r["seconds"])
+    assert 0 < r["split_ms"]["forward"] <= r["step_ms"]
+    assert all(0 <= v <= r["step_ms"] for v in r["split_ms"].values())
+    assert r["page_faults_per_step"] >= 0 and r["decoder_linear_gmac_per_s_of_forward"] > 0
+    assert r["ops_ms_per_step"]
+
+
 @pytest.mark.parametrize("kind", ["int4", "int8", "bf16"])
 def test_decode_layers_end_to_end(tmp_path, kind):
     """bench/decode_layers.py on a tiny shape: the bytes a step reads (int4: half a

@@ -293,3 +293,22 @@ def test_the_avx2_integer_products_still_run_where_vnni_would(tmp_path):
         "            check_product(rows, n, 96, kind, bias=n % 2 == 1)\n"
         "print('ok')\n")
     run_script_ok(script, {"KVSERVE_NO_VNNI": "1"})
+
+
+@needs_avx2
+def test_bf16_products_sum_into_a_kept_buffer_without_sharing_their_outputs(kernels):
+    """A bf16 product's float32 sums go to a buffer the thread keeps across calls
+    (float_sums_buffer: a fresh one past 32 MiB was faulted in on every call): each
+    call's output is its own tensor, left as it was by the calls after it, through a
+    product that grows the buffer and a smaller one after it."""
+    packed, _ = packed_kind("int4", 72, 128)
+    gen = torch.Generator().manual_seed(7)
+    op = torch.ops.kvserve.packed_linear
+    row_counts = (2, ONEDNN_ROWS, 1)  # more would go to oneDNN where it is fast
+    assert not any(through_onednn("int4", rows) for rows in row_counts)
+    calls = [torch.randn(rows, 128, generator=gen).to(BF16) for rows in row_counts]
+    outs = [op(x, packed.panels, 72, None, packed.scales, packed.mins, True) for x in calls]
+    for x, got in zip(calls, outs):
+        want = op(x.float(), packed.panels, 72, None, packed.scales, packed.mins, True)
+        assert torch.equal(got, want.to(BF16))
+    assert len({o.data_ptr() for o in outs}) == len(outs)

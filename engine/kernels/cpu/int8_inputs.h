@@ -43,4 +43,31 @@ inline void quantize_for_dot(const float* x, int64_t rows, int64_t k, int8_t* x_
     }
 }
 
+// Each row's float32 sum of x [rows, k] over each group of `group` inputs, [rows,
+// k / group]: the share of the weights' minimums in an int4 product. Each group's sum
+// is still one add after another in input order (the same float as ever), but eight
+// groups' chains run side by side: one chain at a time, a serial add a cycle's
+// latency apart, left the sums 15% of a 512-row product of a 2048 x 2048 int4 layer,
+// one thread busy and the other waiting (2-core Zen 5).
+inline void group_sums(const float* x, int64_t rows, int64_t k, int64_t group, float* sums) {
+  constexpr int64_t kChains = 8;
+  const int64_t groups = k / group;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = x + r * k;
+    float* out = sums + r * groups;
+    int64_t gi = 0;
+    for (; gi + kChains <= groups; gi += kChains) {
+      float total[kChains] = {};
+      for (int64_t i = 0; i < group; ++i)
+        for (int64_t j = 0; j < kChains; ++j) total[j] += row[(gi + j) * group + i];
+      for (int64_t j = 0; j < kChains; ++j) out[gi + j] = total[j];
+    }
+    for (; gi < groups; ++gi) {
+      float total = 0.0f;
+      for (int64_t i = 0; i < group; ++i) total += row[gi * group + i];
+      out[gi] = total;
+    }
+  }
+}
+
 }  // namespace kvserve_cpu

@@ -575,11 +575,8 @@ void widen(const Problem& q, int64_t p0, int64_t p1, float* out) {
 // Each row's sum of x over each group, [rows, K / group]: the minimums' share of
 // every column.
 std::vector<float> group_sums(const Problem& q) {
-  const int64_t groups = q.k_len / q.groups.len;
-  std::vector<float> sums(q.rows * groups, 0.0f);
-  for (int64_t r = 0; r < q.rows; ++r)
-    for (int64_t k = 0; k < q.k_len; ++k)
-      sums[r * groups + k / q.groups.len] += q.x[r * q.k_len + k];
+  std::vector<float> sums(q.rows * (q.k_len / q.groups.len));
+  kvserve_cpu::group_sums(q.x, q.rows, q.k_len, q.groups.len, sums.data());
   return sums;
 }
 
@@ -715,6 +712,21 @@ void check_groups(const at::Tensor& weight, int64_t k, const std::optional<at::T
               "]");
 }
 
+// A bf16 product's float32 sums, before they are rounded to bf16, go to a buffer kept
+// per thread across calls up to this size: a fresh one past glibc's largest mmap
+// threshold (32 MiB; a 512-row prompt chunk of a 1B model's gate/up, 512 x 16384, is
+// 32 MiB) is mapped and faulted in page by page on every call (11-15 thousand faults:
+// 44 ms against 29 for the product itself, 2-core Zen 5).
+constexpr int64_t kKeptSumsBytes = 128 << 20;
+
+at::Tensor float_sums_buffer(int64_t rows, int64_t n) {
+  const int64_t values = rows * n;
+  if (values * int64_t(sizeof(float)) > kKeptSumsBytes) return at::empty({rows, n}, at::kFloat);
+  thread_local at::Tensor kept;
+  if (!kept.defined() || kept.numel() < values) kept = at::empty({values}, at::kFloat);
+  return kept.narrow(0, 0, values).view({rows, n});
+}
+
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, int64_t n,
                          const std::optional<at::Tensor>& bias,
                          const std::optional<at::Tensor>& scales,
@@ -781,7 +793,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, int64_t 
   // decode step's rows are a few KiB; the weights are what the kernel reads).
   const at::Tensor rows = x.to(at::kFloat).contiguous();
   const at::Tensor bias32 = has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
-  at::Tensor out = at::empty({rows.size(0), n}, rows.options());
+  at::Tensor out = x.scalar_type() == at::kBFloat16 ? float_sums_buffer(rows.size(0), n)
+                                                    : at::empty({rows.size(0), n}, rows.options());
   if (rows.size(0) == 0 || n == 0) return out.to(x.scalar_type());
   // (K = 0 needs no case of its own: the sums stay 0 and the bias is added.)
   const Problem q{rows.data_ptr<float>(), rows.size(0), k, weight.data_ptr(), groups, n,
