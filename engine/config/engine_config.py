@@ -206,12 +206,14 @@ class EngineConfig:
         "every weight in --dtype; int8 = weight-only int8, per-channel scales (a "
         "mixture-of-experts model's routed experts too, on CPU); int4 = weight-only int4, "
         "a scale and minimum per --quantization-group-size inputs (routed experts too, on "
-        "CPU); -awq = with "
+        "CPU); int4-sym = symmetric int4, GGUF Q4_0's grid (a scale alone per group: on "
+        "CPU 4.5 bits a weight, not 5, a tenth fewer bytes read a token, a little more "
+        "error; routed experts stay int4); -awq = with "
         "activation-aware scales searched on a calibration text at load; fp8 = e4m3 "
         "weights and per-token activations (GPUs of compute capability 8.9+). They "
         "quantize the decoder layers of a float checkpoint; embeddings and the LM head "
         "stay in --dtype",
-        choices=["auto", "none", "int8", "int4", "int8-awq", "int4-awq", "fp8"])
+        choices=["auto", "none", "int8", "int4", "int4-sym", "int8-awq", "int4-awq", "fp8"])
     # engine/weights/quantization/kv_fp8.py: K/V stored as one byte each, per-layer scales.
     kv_cache_dtype: str = setting(
         "auto", "KV cache values: auto = --dtype; fp8 (or fp8_e4m3) = float8 e4m3 with "

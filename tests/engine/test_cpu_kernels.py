@@ -176,7 +176,8 @@ def test_int4_panels_hold_column_j_low_and_j_plus_8_high():
 
 
 # -- the kernel ----------------------------------------------------------------------
-KINDS = ("float32", "bf16", "int8", "int8-groups", "int4")
+# int4-sym: symmetric int4 (GGUF's Q4_0, --quantization int4-sym), no minimums stored
+KINDS = ("float32", "bf16", "int8", "int8-groups", "int4", "int4-sym")
 
 
 def random_int4(n: int, k: int, group: int, gen: torch.Generator) -> Packed:
@@ -206,8 +207,12 @@ def packed_kind(kind: str, n: int, k: int, seed: int = 0) -> tuple[Packed, torch
         return pack_int8(q, scales), q.double() * per_input
     q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
     mins = (torch.randn(k // group, n, generator=g) * 0.1).half()
+    if kind == "int4-sym":
+        mins = -8 * scales
     w = q.double() * per_input + mins.double().t().repeat_interleave(group, dim=1)
-    return pack_int4(q, scales, mins), w
+    packed = pack_int4(q, scales, mins)
+    assert (packed.mins is None) == (kind == "int4-sym")
+    return packed, w
 
 
 def check_product(rows: int, n: int, k: int, kind: str, bias: bool, seed: int = 0):
@@ -358,7 +363,9 @@ def test_the_op_refuses_what_it_cannot_read(kernels):
         op(torch.randn(2, 64), int8.panels, 32, None, int8.scales[:, :1].repeat(1, 3, 1))
     int4, _ = packed_kind("int4", 32, 64)
     with pytest.raises(RuntimeError, match="need float16 group minimums"):
-        op(torch.randn(2, 64), int4.panels, 32, None, int4.scales)
+        op(torch.randn(2, 64), int4.panels, 32, None, int4.scales, int4.scales[:, :, :8])
+    with pytest.raises(RuntimeError, match="need float16 group scales"):
+        op(torch.randn(2, 64), int4.panels, 32, None, None, int4.mins)
     with pytest.raises(RuntimeError, match="packed weights are float32, bfloat16, int8"):
         op(torch.randn(2, 16), panels.to(torch.int32), 32, None)
 

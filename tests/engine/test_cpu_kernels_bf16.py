@@ -46,7 +46,7 @@ def through_onednn(kind: str, rows: int) -> bool:
 
 
 @needs_avx2
-@pytest.mark.parametrize("kind", ["float32", "bf16", "int8", "int8-groups", "int4"])
+@pytest.mark.parametrize("kind", ["float32", "bf16", "int8", "int8-groups", "int4", "int4-sym"])
 @pytest.mark.parametrize("rows", [1, 5, 13, ONEDNN_ROWS])
 def test_bf16_rows_give_the_float32_product_rounded_to_bf16(kernels, kind, rows):
     """The op widens bf16 rows (exact) and the bias, sums as it does for float32
@@ -67,7 +67,7 @@ def test_bf16_rows_give_the_float32_product_rounded_to_bf16(kernels, kind, rows)
 
 @needs_avx2
 @pytest.mark.skipif("avx512_bf16" not in cpu_flags(), reason="oneDNN's bf16 GEMM is slow here")
-@pytest.mark.parametrize("kind", ["int8", "int8-groups", "int4"])
+@pytest.mark.parametrize("kind", ["int8", "int8-groups", "int4", "int4-sym"])
 @pytest.mark.parametrize("rows,n,k", [(ONEDNN_ROWS + 1, 40, 64), (70, 100, 320),
                                       (130, 33, 96)])
 def test_many_bf16_rows_go_through_a_bf16_matrix_and_onednn(kernels, kind, rows, n, k):
@@ -98,7 +98,7 @@ def test_many_bf16_rows_go_through_a_bf16_matrix_and_onednn(kernels, kind, rows,
 @needs_avx2
 @pytest.mark.skipif(int4_dot_rows() is not None, reason="no VNNI here: integer products "
                     "stop at a few rows")
-@pytest.mark.parametrize("kind", ["int8", "int8-groups", "int4"])
+@pytest.mark.parametrize("kind", ["int8", "int8-groups", "int4", "int4-sym"])
 @pytest.mark.parametrize("rows", [ONEDNN_ROWS + 1, 200, 517])
 def test_vnni_takes_integer_products_at_prompt_sizes(kernels, kind, rows):
     """With VNNI a quantized layer's panels (int8_inputs) take integer products at
@@ -287,7 +287,7 @@ def test_the_avx2_integer_products_still_run_where_vnni_would(tmp_path):
         "from tests.engine.test_cpu_kernels import check_product\n"
         "load_once()\n"
         "assert int4_dot_rows() == INT4_DOT_ROWS\n"
-        "for kind in ('int4', 'int8', 'int8-groups'):\n"
+        "for kind in ('int4', 'int4-sym', 'int8', 'int8-groups'):\n"
         "    for rows in (1, 2, 3, 6, 7, 12, 13):\n"
         "        for n in (16, 48, 73):\n"
         "            check_product(rows, n, 96, kind, bias=n % 2 == 1)\n"

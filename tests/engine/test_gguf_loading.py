@@ -18,6 +18,7 @@ from kvserve.engine.core.engine import Engine
 from kvserve.engine.models.quantized.int4 import Int4Linear
 from kvserve.engine.models.quantized.int8 import GroupInt8Linear
 from kvserve.engine.models.quantized.stacked import StackedLinear
+from kvserve.engine.platform.device import cpu_flags
 from kvserve.engine.models.quantized.table import QuantizedEmbedding
 from kvserve.engine.weights.loader import load_model
 from kvserve.modelstore.errors import ModelLoadError
@@ -100,16 +101,22 @@ def test_a_type_without_a_layer_of_ours_is_expanded(float_dir, tmp_path, caplog)
     assert "expanded to floats: 2 TQ2_0" in caplog.text
 
 
-def test_int4_layers_agree_with_their_expansion_in_the_engine(gguf_dir):
+@pytest.mark.parametrize("kind", [T.Q4_1, T.Q4_0])
+def test_int4_layers_agree_with_their_expansion_in_the_engine(gguf_dir, kind):
     """Same weights both ways (int4 kernel or expanded per call vs floats): the
-    logprobs of a prompt agree closely in bf16, and greedy tokens in fp32."""
-    model_dir = str(gguf_dir(T.Q4_1))
+    logprobs of a prompt agree closely in bf16, and greedy tokens in fp32. Q4_0's
+    symmetric blocks are packed without minimums where kvserve's kernels run."""
+    model_dir = str(gguf_dir(kind))
     prompt = [[5, 17, 42, 99, 7, 3, 250, 11]]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    outputs = [Engine(EngineConfig(model=model_dir, load_format="gguf", quantization=q,
-                                   dtype="float32", num_kv_blocks=64)).generate(prompt, params)
-               for q in ("auto", "none")]
+    engines = [Engine(EngineConfig(model=model_dir, load_format="gguf", quantization=q,
+                                   dtype="float32", num_kv_blocks=64)) for q in ("auto", "none")]
+    outputs = [engine.generate(prompt, params) for engine in engines]
     assert outputs[0] == outputs[1]
+    packed = [m.packed for m in engines[0].runner.model.modules()
+              if isinstance(m, Int4Linear) and getattr(m, "packed", None) is not None]
+    assert packed or not {"avx2", "fma", "f16c"} <= cpu_flags()  # where the kernels run
+    assert all((p.mins is None) == (kind == T.Q4_0) for p in packed)
 
 
 def test_a_gguf_file_alone_is_a_model(gguf_dir, tmp_path):

@@ -11,7 +11,9 @@ panel padded with zeros), of one of these kinds:
   int8) or a float16 scale per group of inputs (GGUF's Q8_0);
 - int4 pairs, [P, K, 8] uint8 whose byte j holds column j in its low nibble and
   column j + 8 in its high one, with a float16 scale and minimum per group of inputs
-  (GGUF's Q4_0 / Q4_1, --quantization int4: w = q * scale + min).
+  (GGUF's Q4_1, --quantization int4: w = q * scale + min), or a scale alone where
+  every minimum is -8 times its scale (symmetric: GGUF's Q4_0, --quantization
+  int4-sym: w = (q - 8) * scale), which the kernel derives instead of reading.
 A bf16 model's float weight on a CPU with AVX512-BF16 is packed in bf16 pair panels
 instead, [P, K / 2, 32], for kvserve::bf16_linear (bf16_pairs.py).
 A float weight whose every group of 32 inputs is exactly a Q4_1 or Q8_0 block's
@@ -177,12 +179,17 @@ def pack_int8(q: torch.Tensor, scales: torch.Tensor) -> Packed:
     return Packed(_panels(q), _group_panels(scales))
 
 
-def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> Packed:
+def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> Packed:
     """q [N, K] in 0..15 with a float16 scale and minimum per group of inputs
-    ([K / group, N] each): w = q * scale + min."""
+    ([K / group, N] each): w = q * scale + min. Minimums that are all -8 times their
+    scales exactly (a symmetric grid; None says so) are not kept: the kernel derives
+    them, the same values, and reads 4.5 bits a weight instead of 5."""
     columns = _panels(q.to(torch.uint8))
     pairs = columns[:, :, :HALF] | (columns[:, :, HALF:] << 4)
-    return Packed(pairs.contiguous(), _group_panels(scales), _group_panels(mins))
+    if mins is not None and torch.equal(mins.float(), -8 * scales.float()):
+        mins = None
+    return Packed(pairs.contiguous(), _group_panels(scales),
+                  None if mins is None else _group_panels(mins))
 
 
 def _columns(packed: Packed) -> torch.Tensor:
@@ -210,8 +217,9 @@ def unpack_weight(packed: Packed, n: int) -> torch.Tensor:
         values = values * packed.scales.view(-1, 1, PANEL)
     elif packed.scales is not None:
         values = values * _per_input(packed.scales, k)
-    if packed.mins is not None:
-        values = values + _per_input(packed.mins, k)
+    if packed.panels.dtype == torch.uint8:  # int4's minimums: stored, or -8 * scale
+        mins = packed.mins if packed.mins is not None else packed.scales.float() * -8
+        values = values + _per_input(mins, k)
     return values.transpose(1, 2).reshape(len(values) * PANEL, k)[:n]
 
 
@@ -274,11 +282,12 @@ def reference_product(x: torch.Tensor, packed: Packed, n: int,
     """x W^T in float64 as packed_linear computes it (the tests' and benchmarks'
     oracle): exact products of the weight's values, but with int8_inputs where the op
     takes integer products (takes_dots) the integers' share comes from x quantized
-    (quantized_for_dot) and int4's minimums' share from x itself."""
+    (quantized_for_dot) and int4's minimums' share (stored or symmetric) from x
+    itself."""
     w = unpack_weight(packed, n).double()
     if not int8_inputs or not takes_dots(packed, len(x), x.shape[1]):
         return x.double() @ w.t()
-    if packed.mins is None:
+    if packed.panels.dtype != torch.uint8:
         return quantized_for_dot(x) @ w.t()
     mins = unpack_weight(packed._replace(panels=torch.zeros_like(packed.panels)), n).double()
     return quantized_for_dot(x) @ (w - mins).t() + x.double() @ mins.t()

@@ -129,11 +129,14 @@ __attribute__((target(KVSERVE_VNNI_TARGET), always_inline)) inline void vnni_gro
 #pragma GCC unroll 8
     for (int p = 0; p < NP; ++p) {
       const int64_t at = (p * groups + gi) * kPanel;
-      const __m512 scale = _mm512_mul_ps(
-          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g.scales + at))),
-          sixteenth);
+      const __m512 group_scale =
+          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g.scales + at)));
+      const __m512 scale = _mm512_mul_ps(group_scale, sixteenth);
+      // int4_min's minimums: stored, or -8 times the scale for symmetric panels
       const __m512 mins =
-          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g.mins + at)));
+          g.mins != nullptr
+              ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g.mins + at)))
+              : _mm512_mul_ps(group_scale, _mm512_set1_ps(-8.0f));
 #pragma GCC unroll 8
       for (int m = 0; m < MR; ++m) {
         total[m][p] = _mm512_fmadd_ps(part[m][p], scale, total[m][p]);
@@ -191,7 +194,13 @@ __attribute__((target(KVSERVE_VNNI_TARGET))) void micro_dot_vnni(
 // kernel of the time, and the stream prefetched into L2 (T1), not L1: on the 2-core
 // Zen 4 a 1B model's int4 layers of one step (608 MB) took 0.88x the time (median of
 // 40 alternating steps, 22.3 against 25.4 ms; the prefetch alone 0.95x), the same
-// sums bit for bit.
+// sums bit for bit. In a panel's last kPrefetchBytes the prefetch skips to the panel
+// the next call reads in its place (NP on), not the next one of this call, read
+// already: a cold start for all but one of each call's streams otherwise. Ten of a
+// 1B model's gate/up layers, one row, 2-core Zen 5 (throwaway, five alternations, host
+// bimodal): symmetric int4 3.75-4.13 against 4.53-4.55 ms in the host's fast phases,
+// about the same in its slow ones. (The same skip for int8 panels was slower there,
+// 38.7-52.0 against 41.9-59.9 GB/s in four alternations, so they keep theirs.)
 template <int NP>
 __attribute__((target(KVSERVE_VNNI_TARGET))) void micro_dot_vnni_row(
     const uint8_t* __restrict b, int64_t k_len, const Groups& g, float* __restrict c,
@@ -219,13 +228,15 @@ __attribute__((target(KVSERVE_VNNI_TARGET))) void micro_dot_vnni_row(
       const int64_t k0 = bi * kDotBlock;
 #pragma GCC unroll 8
       for (int64_t k = k0; k < k0 + kDotBlock; k += 8) {
+        const int64_t skip =  // to the next call's panel, near this one's end (above)
+            k * U4Panel::kRowElems >= panel_stride - kPrefetchBytes ? (NP - 1) * panel_stride : 0;
         int64_t eight;
         std::memcpy(&eight, g.x_q + k, sizeof(eight));
         const __m512i x = _mm512_set1_epi64(eight);
 #pragma GCC unroll 8
         for (int p = 0; p < NP; ++p) {
           const uint8_t* rows = b + p * panel_stride + k * U4Panel::kRowElems;
-          _mm_prefetch(reinterpret_cast<const char*>(rows + kPrefetchBytes), _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(rows + kPrefetchBytes + skip), _MM_HINT_T1);
           const __m512i v = _mm512_permutexvar_epi8(quads, _mm512_loadu_si512(rows));
           sum[p][0] = _mm512_dpbusd_epi32(sum[p][0], _mm512_and_si512(v, nibble), x);
           sum[p][1] = _mm512_dpbusd_epi32(

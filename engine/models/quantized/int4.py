@@ -41,24 +41,35 @@ INT4PACK_MAX_ROWS = 32
 INT4PACK_GROUPS = (32, 64, 128, 256)
 
 
-def quantize_int4(weight: torch.Tensor, group_size: int
+def quantize_int4(weight: torch.Tensor, group_size: int, symmetric: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[N, K] float -> (q [N, K] uint8 in 0..15, scales [K/g, N] fp16, mins [K/g, N]
     fp16): round to nearest over each group's range, min and max included. Scales
-    and minimums are rounded to fp16 first and q computed from the rounded ones."""
+    and minimums are rounded to fp16 first and q computed from the rounded ones.
+    symmetric: GGUF Q4_0's grid, w = (q - 8) * scale (min = -8 * scale, which the CPU
+    kernel derives rather than reads: 4.5 bits a weight, not 5), scale the group's
+    value of largest magnitude over -8, so that value is exact (q = 0) and the
+    other side reaches 7 steps."""
     n, k = weight.shape
     w = weight.float().reshape(n, k // group_size, group_size)
-    lo, hi = w.amin(dim=2), w.amax(dim=2)
-    scales = nonzero(((hi - lo) / 15).half())
-    mins = lo.half()
+    if symmetric:
+        extreme = w.gather(2, w.abs().argmax(dim=2, keepdim=True))[..., 0]
+        scales = (extreme / -8).half()  # negative where the extreme is positive
+        scales = torch.where(scales == 0, torch.ones_like(scales), scales)
+        mins = -8 * scales
+    else:
+        lo, hi = w.amin(dim=2), w.amax(dim=2)
+        scales = nonzero(((hi - lo) / 15).half())
+        mins = lo.half()
     q = torch.round((w - mins.float()[..., None]) / scales.float()[..., None])
     q = q.clamp(0, 15).to(torch.uint8).reshape(n, k)
     return q, scales.t().contiguous(), mins.t().contiguous()
 
 
-def fake_quantize_int4(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+def fake_quantize_int4(weight: torch.Tensor, group_size: int,
+                       symmetric: bool = False) -> torch.Tensor:
     """The float32 weights `Int4Linear` would compute with."""
-    q, scales, mins = quantize_int4(weight, group_size)
+    q, scales, mins = quantize_int4(weight, group_size, symmetric)
     n, k = q.shape
     w = q.view(n, -1, group_size).float() * scales.t().float()[..., None] \
         + mins.t().float()[..., None]
@@ -143,11 +154,11 @@ class Int4Linear(QuantizedLinear):
 
     @classmethod
     def of(cls, linear: nn.Linear, group_size: int,
-           input_scales: torch.Tensor | None = None) -> Int4Linear:
+           input_scales: torch.Tensor | None = None, symmetric: bool = False) -> Int4Linear:
         w = linear.weight.data
         if input_scales is not None:
             w = w.float() * input_scales.float()
-        q, scales, mins = quantize_int4(w, group_size)
+        q, scales, mins = quantize_int4(w, group_size, symmetric)
         device = linear.weight.device
         return cls(q, scales.to(device), mins.to(device),
                    linear.bias.data if linear.bias is not None else None, linear.weight.dtype,

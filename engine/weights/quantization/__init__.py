@@ -3,7 +3,8 @@
 Online quantization (as vLLM's --quantization fp8) rounds a float checkpoint's
 decoder projections at load (a mixture-of-experts model's routed experts too, in
 int8 or int4; never its router): int8 (int8.py, one scale per output channel), int4
-(int4.py, a scale and a minimum per group of 32 inputs) or, on Ada/Hopper GPUs, fp8
+(int4.py, a scale and a minimum per group of 32 inputs; int4-sym a scale alone, GGUF
+Q4_0's grid, the experts staying int4) or, on Ada/Hopper GPUs, fp8
 (fp8.py: e4m3 weights and per-token e4m3 activations); the layer kinds live in
 engine/models/quantized/. A GGUF checkpoint's own
 quantized blocks are repacked into the same layers instead (engine/weights/gguf_loader.py).
@@ -30,8 +31,9 @@ from kvserve.modelstore.errors import ModelLoadError
 log = logging.getLogger("kvserve.loader")
 
 # auto: the checkpoint's own (a GGUF's quantized blocks stay quantized, float
-# weights stay float); none: every weight in --dtype; -awq: activation-aware scales.
-MODES = ("auto", "none", "int8", "int4", "int8-awq", "int4-awq", "fp8")
+# weights stay float); none: every weight in --dtype; -awq: activation-aware scales;
+# int4-sym: GGUF Q4_0's symmetric grid (no minimums: 4.5 bits a weight on CPU, not 5).
+MODES = ("auto", "none", "int8", "int4", "int4-sym", "int8-awq", "int4-awq", "fp8")
 
 
 def quantize_model(model: nn.Module, mode: str, group_size: int = 32,
@@ -47,6 +49,7 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = 32,
     if kind == "int4":
         check_int4_shapes(model, group_size)
     inputs = calibration() if method == "awq" else {}
+    symmetric = method == "sym"
     fake = fake_quantize_int8 if kind == "int8" else partial(fake_quantize_int4,
                                                               group_size=group_size)
     for name, parent, attr, linear in decoder_linears(model):
@@ -56,7 +59,7 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = 32,
         if name in inputs:
             scales = search_scales(linear.weight, inputs[name], fake, linear.weight.dtype)
         setattr(parent, attr, Int8Linear.of(linear, scales) if kind == "int8"
-                else Int4Linear.of(linear, group_size, scales))
+                else Int4Linear.of(linear, group_size, scales, symmetric))
     quantize_experts(model, kind, group_size)
 
 
