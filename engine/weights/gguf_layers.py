@@ -66,21 +66,26 @@ def quantized_layer(blocks: GroupQuant, dtype: torch.dtype, device: torch.device
 
 
 def keep_vocabulary(ckpt: GGUFCheckpoint, model: nn.Module, names: dict,
-                    tied: bool, dtype: torch.dtype, device: torch.device) -> list[str]:
+                    tied: bool, dtype: torch.dtype, device: torch.device,
+                    panels_here: bool = False) -> list[str]:
     """The LM head (the embedding table where tied) kept in its file's blocks where
-    its quantized layer has a kernel here (torch's int4 one, bf16 on CPU): a head
-    expanded every step costs more than its bytes save (the default model's Q8_0
-    table expanded a step: 9 against 48 tokens/s), so elsewhere it is read as
-    floats. The embedding table kept in its blocks too (a lookup expands only its
-    rows), unless it is the float head's own weight (one copy). What is kept leaves
-    `names` (the tensors read as floats); returns the kinds kept."""
+    its quantized layer has a kernel here: torch's int4 one (bf16 on CPU), or
+    kvserve's CPU GEMM where it will pack the quantized layers (panels_here) and the
+    blocks fit its panels (Q8_0). A head expanded every step costs more than its
+    bytes save (the default model's Q8_0 table expanded a step: 9 against 48
+    tokens/s), so elsewhere it is read as floats. Kept, the default model's Q8_0
+    head is 29 MiB a step read in place of 54 in bf16, its largest read. The
+    embedding table kept in its blocks too (a lookup expands only its rows), unless
+    it is the float head's own weight (one copy). What is kept leaves `names` (the
+    tensors read as floats); returns the kinds kept."""
     kinds = []
     embd = "token_embd.weight"
     source = embd if tied else "output.weight"
     head_kept = False
     if ckpt.type_name(source) in KEPT_QUANTIZED:
         head, kind = quantized_layer(ckpt.group_quant(source), dtype, device)
-        if getattr(head, "kernel_scales_zeros", None) is not None:
+        if getattr(head, "kernel_scales_zeros", None) is not None or (
+                panels_here and head.fits_panels()):
             model.lm_head = head
             kinds.append(f"head {kind}")
             names.pop("output.weight", None)

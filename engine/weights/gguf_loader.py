@@ -36,7 +36,8 @@ log = logging.getLogger("kvserve.loader")
 
 def load_gguf_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype,
                     device: torch.device, max_positions: int,
-                    quantization: str) -> DecoderModel:
+                    quantization: str, panels_here: bool = False) -> DecoderModel:
+    """panels_here: kvserve's CPU GEMM will pack the quantized layers (keep_vocabulary)."""
     if quantization not in ("auto", "none"):
         raise ModelLoadError(f"--quantization {quantization} quantizes float weights at "
                              "load; a GGUF's weights are quantized already: use --quantization "
@@ -63,7 +64,7 @@ def load_gguf_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype,
                 if kind is not None:
                     kept[kind] += 1
                     repacked.update(weights + biases)
-        kept.update(keep_vocabulary(ckpt, model, names, tied, dtype, device))
+        kept.update(keep_vocabulary(ckpt, model, names, tied, dtype, device, panels_here))
     # Kept experts: read by kvserve's CPU kernel, or widened tile by tile in CUDA's
     # Triton grouped GEMMs (engine/kernels/moe/triton_experts.py).
     experts = _place_experts(ckpt, model, quantization == "auto", kept,

@@ -74,12 +74,14 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
                device: torch.device, max_positions: int,
                load_format: str = "safetensors", seed: int = 0,
                quantization: str = "auto", shard: TPShard = SINGLE,
-               stage: PipelineStage = WHOLE) -> DecoderModel:
+               stage: PipelineStage = WHOLE, panels_here: bool = False) -> DecoderModel:
     """`model_dir` may be `preset:NAME`; `random` never reads it (no checkpoint).
     A GGUF's quantized blocks are kept unless `quantization` is none; a float
     checkpoint is quantized afterwards (engine.quantization.quantize_model).
     shard: the tensor-parallel rank's part, the only part read (safetensors); stage:
-    the pipeline stage's layers, the only ones read (safetensors only)."""
+    the pipeline stage's layers, the only ones read (safetensors only). panels_here:
+    kvserve's CPU GEMM will pack quantized layers (a GGUF's quantized head is then
+    kept where it fits the panels)."""
     load_format = resolve_load_format(model_dir, load_format)
     if load_format not in ("random", "safetensors", "gguf"):
         raise ModelLoadError(f"unknown load format {load_format!r}")
@@ -90,7 +92,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
             raise ModelLoadError("tensor and pipeline parallelism read safetensors "
                                  "checkpoints, not GGUF files")
         return load_gguf_model(resolve_model_path(model_dir), cfg, dtype, device,
-                               max_positions, quantization)
+                               max_positions, quantization, panels_here)
     if load_format == "random" and not stage.whole:
         raise ModelLoadError("pipeline stages load a checkpoint (random weights would "
                              "differ from stage to stage's draws)")

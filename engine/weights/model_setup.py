@@ -14,7 +14,7 @@ from kvserve.engine.config.model_config import ModelConfig
 from kvserve.engine.models.kv_caches import KVCacheFormat
 from kvserve.engine.models.pipeline_stage import WHOLE, PipelineStage
 from kvserve.engine.models.tp_shard import SINGLE, TPShard
-from kvserve.engine.weights.cpu_packing import pack_model
+from kvserve.engine.weights.cpu_packing import pack_model, quantized_packing_wanted
 from kvserve.engine.weights.loader import load_model, resolve_load_format
 from kvserve.engine.weights.quantization import model_bytes, quantize_model
 from kvserve.engine.weights.quantization.awq import calibration_inputs
@@ -31,7 +31,8 @@ def load_served_model(config: EngineConfig, cfg: ModelConfig, tokenizer,
     the pipeline stage's layers (the last stage's here)."""
     load_format = resolve_load_format(config.model, config.load_format)
     model = load_model(config.model, cfg, dtype, device, max_model_len, load_format,
-                       config.seed, config.quantization, shard, stage)
+                       config.seed, config.quantization, shard, stage,
+                       panels_here=quantized_packing_wanted(config.cpu_kernels, device, dtype))
     online = load_format != "gguf"  # a GGUF's blocks are quantized as the file says
     if online:
         quantize_model(model, config.quantization, config.quantization_group_size,

@@ -182,10 +182,14 @@ class Int4Linear(QuantizedLinear):
                 x2, self.int4pack, self.group_size, self.kernel_scales_zeros)
         return x2 @ self.dequantized_t(x2.dtype)
 
+    def fits_panels(self) -> bool:
+        # the panels hold one float16 scale and minimum a group
+        return self.scale_base is None and self.codebook is None and self.mins is not None \
+            and self.scales.dtype == torch.float16 and self.mins.dtype == torch.float16
+
     def quantized_panels(self) -> packing.Packed | None:
-        if self.scale_base is not None or self.codebook is not None or self.mins is None \
-                or self.scales.dtype != torch.float16 or self.mins.dtype != torch.float16:
-            return None  # the panels hold one float16 scale and minimum a group
+        if not self.fits_panels():
+            return None
         q = unpack_int4_t(self.int4pack, self.layout).t()
         return packing.pack_int4(q, self.scales, self.mins)
 

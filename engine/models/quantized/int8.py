@@ -46,8 +46,11 @@ class Int8Weights(QuantizedLinear):
     """What both int8 layers share: `qweight` and `scales` (per output channel, or
     per group of inputs), packed as they are for kvserve's CPU GEMM."""
 
-    def quantized_panels(self) -> packing.Packed:
-        return packing.pack_int8(self.qweight, self.scales)
+    def fits_panels(self) -> bool:
+        return True
+
+    def quantized_panels(self) -> packing.Packed | None:
+        return packing.pack_int8(self.qweight, self.scales) if self.fits_panels() else None
 
     def drop_unpacked(self) -> None:
         self.qweight = self.scales = None
@@ -108,11 +111,10 @@ class GroupInt8Linear(Int8Weights):
     def matmul(self, x2: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x2, self.dequantized(x2.dtype))
 
-    def quantized_panels(self) -> packing.Packed | None:
-        if self.mins is not None or self.scale_base is not None \
-                or self.scales.dtype != torch.float16:
-            return None  # the int8 panels hold one float16 scale a group, no minimums
-        return super().quantized_panels()
+    def fits_panels(self) -> bool:
+        # the int8 panels hold one float16 scale a group, no minimums
+        return self.mins is None and self.scale_base is None \
+            and self.scales.dtype == torch.float16
 
     def drop_unpacked(self) -> None:
         self.qweight = self.scales = self.mins = self.scale_base = self.min_base = None

@@ -26,9 +26,14 @@ class QuantizedLinear(nn.Module):
         """[M, K] rows times the layer's weights: [M, N], in x2's dtype."""
         raise NotImplementedError
 
+    def fits_panels(self) -> bool:
+        """Whether kvserve's CPU GEMM has panels for this kind (cheap: nothing is
+        packed to find out)."""
+        return False
+
     def quantized_panels(self) -> Packed | None:
         """The weights in kvserve's CPU GEMM layout (engine/kernels/cpu/packing.py),
-        or None where it has none for this kind."""
+        or None where it has none for this kind (fits_panels)."""
         return None
 
     def pack(self) -> bool:
