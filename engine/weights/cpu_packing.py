@@ -83,6 +83,20 @@ def quantized_packing_wanted(mode: str, device: torch.device, dtype: torch.dtype
             and kernels_run_here(mode, device, flags))
 
 
+def quantized_panels_here(mode: str, device: torch.device, dtype: torch.dtype,
+                          flags: set[str] | None = None) -> bool:
+    """Whether pack_model will pack quantized layers here: wanted, and the kernels
+    load. A layer a loader keeps only for the panels (a GGUF's Q8_0 head) would
+    otherwise be expanded every call, under auto after a failed build."""
+    if not quantized_packing_wanted(mode, device, dtype, flags):
+        return False
+    try:
+        load_once()
+    except BuildError:  # pack_model reports it (and stops start-up under kvserve)
+        return False
+    return True
+
+
 def attention_wanted(mode: str, device: torch.device, dtype: torch.dtype,
                      flags: set[str] | None = None) -> bool:
     """auto and kvserve: the paged attention wherever the kernels run, on float32 and

@@ -14,7 +14,7 @@ from kvserve.engine.config.model_config import ModelConfig
 from kvserve.engine.models.kv_caches import KVCacheFormat
 from kvserve.engine.models.pipeline_stage import WHOLE, PipelineStage
 from kvserve.engine.models.tp_shard import SINGLE, TPShard
-from kvserve.engine.weights.cpu_packing import pack_model, quantized_packing_wanted
+from kvserve.engine.weights.cpu_packing import pack_model, quantized_panels_here
 from kvserve.engine.weights.loader import load_model, resolve_load_format
 from kvserve.engine.weights.quantization import model_bytes, quantize_model
 from kvserve.engine.weights.quantization.awq import calibration_inputs
@@ -30,9 +30,13 @@ def load_served_model(config: EngineConfig, cfg: ModelConfig, tokenizer,
     """shard: the tensor-parallel rank's part of the weights (rank 0's here); stage:
     the pipeline stage's layers (the last stage's here)."""
     load_format = resolve_load_format(config.model, config.load_format)
+    # Asked of GGUF files alone: it waits for the kernels' build, which a float
+    # checkpoint's load (its conversion, on a cold start) leaves running beside it.
+    panels_here = load_format == "gguf" and quantized_panels_here(config.cpu_kernels,
+                                                                   device, dtype)
     model = load_model(config.model, cfg, dtype, device, max_model_len, load_format,
                        config.seed, config.quantization, shard, stage,
-                       panels_here=quantized_packing_wanted(config.cpu_kernels, device, dtype))
+                       panels_here=panels_here)
     online = load_format != "gguf"  # a GGUF's blocks are quantized as the file says
     if online:
         quantize_model(model, config.quantization, config.quantization_group_size,

@@ -16,6 +16,8 @@ from kvserve.engine.models.quantized.int8 import GroupInt8Linear
 from kvserve.engine.models.quantized.table import QuantizedEmbedding
 from kvserve.engine.kernels.cpu.packing import reference_product, unpack_weight
 from kvserve.engine.platform.device import cpu_flags
+from kvserve.engine.kernels.cpu import build
+from kvserve.engine.weights import cpu_packing
 from kvserve.engine.weights.cpu_packing import NEEDED_FLAGS, pack_model
 from kvserve.engine.weights.loader import load_model
 from kvserve.scheduler.sampling_params import SamplingParams
@@ -108,3 +110,20 @@ def test_the_engine_serves_the_kept_head_the_same_chunked_or_whole(q8_head_dir):
         kept = chunked.runner.model.compute_logits(hidden)
         floats = engine("none", 2048).runner.model.compute_logits(hidden)
     assert (kept - floats).norm() / floats.norm() < 0.02
+
+
+def test_the_head_is_kept_for_the_panels_only_where_the_kernels_load(monkeypatch):
+    """A failed build leaves torch's GEMMs under auto: a head kept for the panels
+    would then be expanded every step, so the loader is told not to keep it."""
+    flags = set(NEEDED_FLAGS)
+    monkeypatch.setattr(cpu_packing, "load_once", lambda: None)
+    assert cpu_packing.quantized_panels_here("kvserve", CPU, torch.float32, flags)
+    assert not cpu_packing.quantized_panels_here("torch", CPU, torch.float32, flags)
+    assert not cpu_packing.quantized_panels_here("auto", CPU, torch.bfloat16, set())
+
+    def fail():
+        raise build.BuildError("no C++ compiler found (g++ or $CXX)")
+
+    monkeypatch.setattr(cpu_packing, "load_once", fail)
+    assert not cpu_packing.quantized_panels_here("auto", CPU, torch.bfloat16, flags)
+    assert not cpu_packing.quantized_panels_here("kvserve", CPU, torch.float32, flags)
