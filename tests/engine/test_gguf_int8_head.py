@@ -90,21 +90,25 @@ def test_the_packed_head_computes_the_files_q8_0_product(q8_head_dir):
 @needs_kernels
 def test_the_engine_serves_the_kept_head_the_same_chunked_or_whole(q8_head_dir):
     """The engine on the packed head (kvserve's kernels, float32): the same greedy
-    tokens through chunked prefill and a prefix hit as in whole-prompt steps, and
-    close to the expansion's logits (x's int8 rounding apart)."""
+    tokens through chunked prefill, a prefix hit and preemption as in whole-prompt
+    steps, and close to the expansion's logits (x's int8 rounding apart)."""
     model_dir, _ = q8_head_dir
     prompts = [[5, 17, 42, 99, 7, 3, 250, 11] * 5, [5, 17, 42, 99, 7, 3, 250, 11] * 4 + [9]]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
-    def engine(quantization, budget):
+    def engine(quantization, budget, blocks=64):
         return Engine(EngineConfig(model=str(model_dir), load_format="gguf", dtype="float32",
                                    quantization=quantization, cpu_kernels="kvserve",
-                                   num_kv_blocks=64, max_num_batched_tokens=budget))
+                                   num_kv_blocks=blocks, max_num_batched_tokens=budget))
 
     chunked, whole = engine("auto", 16), engine("auto", 2048)
     assert isinstance(chunked.runner.model.lm_head, GroupInt8Linear)
     assert chunked.runner.model.lm_head.packed is not None
-    assert chunked.generate(prompts, params) == whole.generate(prompts, params)
+    expected = whole.generate(prompts, params)
+    assert chunked.generate(prompts, params) == expected
+    tight = engine("auto", 16, blocks=4)  # 4 and 3 blocks at the end, 2 shared: one waits
+    assert tight.generate(prompts, params) == expected
+    assert tight.scheduler.num_preemptions > 0
     hidden = torch.randn(4, chunked.runner.model.config.hidden_size)
     with torch.inference_mode():
         kept = chunked.runner.model.compute_logits(hidden)
