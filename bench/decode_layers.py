@@ -64,6 +64,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    from kvserve.engine.kernels.cpu.bf16_pairs import PAIRS_FLAGS, bf16_pairs_here
+
+    if args.kind == "bf16" and not bf16_pairs_here():
+        ap.error(f"--kind bf16 (pair panels) needs {', '.join(PAIRS_FLAGS)}; this CPU lacks them")
     if args.threads:
         torch.set_num_threads(args.threads)
     load_once()

@@ -30,5 +30,7 @@ def start_engine(config: EngineConfig, mode: str = "auto") -> EngineClient:
     from kvserve.modelstore.tokenizer import has_tokenizer, load_tokenizer
     from kvserve.engine.client.process_engine import ProcessEngine
 
-    tokenizer = load_tokenizer(config.model) if has_tokenizer(config.model) else None
-    return ProcessEngine(config, tokenizer)
+    def tokenizer():
+        return load_tokenizer(config.model) if has_tokenizer(config.model) else None
+
+    return ProcessEngine(config, load_tokenizer=tokenizer)

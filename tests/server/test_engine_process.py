@@ -114,6 +114,39 @@ def test_a_model_that_cannot_load_fails_at_construction(tmp_path):
         ProcessEngine(EngineConfig(model=str(tmp_path)), tokenizer=None)
 
 
+def test_the_tokenizer_loads_while_the_engine_process_starts(tiny_model_dir):
+    """start_engine's order: the child first, then the tokenizer beside its start."""
+    import multiprocessing
+
+    model_dir = tiny_model_dir("llama")
+    children_then = []
+
+    def tokenizer():
+        children_then.append(len(multiprocessing.active_children()))
+        return load_tokenizer(str(model_dir))
+
+    engine = ProcessEngine(_config(model_dir), load_tokenizer=tokenizer)
+    try:
+        assert children_then and children_then[0] >= 1
+        assert engine.tokenizer is not None and engine.info.vocab_size > 0
+    finally:
+        engine.start()  # (its reader, which shutdown joins)
+        engine.shutdown()
+
+
+def test_a_tokenizer_that_fails_leaves_no_engine_process(tiny_model_dir):
+    import multiprocessing
+
+    before = set(multiprocessing.active_children())
+
+    def broken():
+        raise OSError("no tokenizer here")
+
+    with pytest.raises(OSError, match="no tokenizer"):
+        ProcessEngine(_config(tiny_model_dir("llama")), load_tokenizer=broken)
+    assert set(multiprocessing.active_children()) <= before
+
+
 def test_auto_mode_is_a_process():
     from kvserve.engine.client.launch import pick_mode
 

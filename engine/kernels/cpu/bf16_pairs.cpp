@@ -55,7 +55,7 @@ constexpr int64_t kPairsRows = 6;    // rows of x a micro-kernel call takes at m
 constexpr int64_t kSlabInputs = 2048;
 constexpr int64_t kChunkPanels = 8;
 
-bool bf16_dots_here() {
+bool pairs_dots_here() {
   static const bool here = __builtin_cpu_supports("avx512bf16") &&
                            __builtin_cpu_supports("avx512bw") &&
                            __builtin_cpu_supports("avx512dq");
@@ -282,7 +282,7 @@ void pairs_gemm(const PairsProblem& q, Kernel kernel) {
 at::Tensor bf16_linear_with(const at::Tensor& x, const at::Tensor& weight, int64_t n,
                             const std::optional<at::Tensor>& bias,
                             std::optional<Kernel> kernel) {
-  TORCH_CHECK(bf16_dots_here(), "bf16_linear: this CPU has no AVX512-BF16");
+  TORCH_CHECK(pairs_dots_here(), "bf16_linear: this CPU has no AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16,
               "bf16_linear: x must be 2-D bfloat16, got ", x.sizes(), " ", x.scalar_type());
   const int64_t k = x.size(1);

@@ -43,13 +43,15 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.cpp")))
 HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))  # included by the sources
-# The sources compiled as two translation units, each including its sources in turn:
-# torch's headers (4.5 s of each source's 6-10 s here) are then parsed twice, not
-# five times: 20 s of compiling rather than 38, which a cold start waits for. The
-# attention's unit is the one every x86 CPU uses; the GEMMs' the other.
-ATTENTION_SOURCES = ("paged_decode.cpp", "paged_prefill.cpp")
-UNITS = {"attention": tuple(s for s in SOURCES if s.name in ATTENTION_SOURCES),
-         "linear": tuple(s for s in SOURCES if s.name not in ATTENTION_SOURCES)}
+# The sources compiled as two translation units side by side, each including its
+# sources in turn: torch's headers (4.5 s of each source's 6-10 s on a Zen 4, 6.5 of
+# 9-26 on an AVX2 Zen 3) are then parsed twice, not six times. The units are split by
+# compile time, which a cold start waits for: packed_gemm.cpp alone (26 s on that
+# Zen 3) and the rest (28 s); attention / the other GEMMs and the experts took 12 and
+# 31 s, the build's wall time that much longer.
+OWN_UNIT = "packed_gemm.cpp"
+UNITS = {"packed_gemm": tuple(s for s in SOURCES if s.name == OWN_UNIT),
+         "others": tuple(s for s in SOURCES if s.name != OWN_UNIT)}
 # AVX2, FMA and F16C only (every AVX2 CPU has F16C): the library runs on any x86-64
 # CPU that has them, whichever machine built it (a container image built on one host
 # runs on others). Symbols hidden but the ops' C entry points (c_shims.py): the

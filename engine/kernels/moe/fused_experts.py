@@ -150,7 +150,6 @@ DOTS_MAX_ROWS = 32
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.uint8)
 
 
-@torch._dynamo.assume_constant_result  # (asked once; a constant to a traced graph)
 def _bf16_dots() -> bool:
     """Whether the kernel takes bf16 rows against bf16 experts in AVX-512 BF16's dot
     products on this CPU (asked once the kernels are loaded; without them, no)."""
@@ -163,6 +162,11 @@ def _bf16_dots() -> bool:
 
 
 _BF16_DOTS: bool | None = None
+# Asked once: a constant to a traced graph. Marked as torch._dynamo.assume_constant_result
+# marks a function (tests/engine/test_startup_imports.py checks the two agree), because
+# importing Dynamo for its decorator took ~1.1 s of every importer's start, the front
+# end's too, before it spawns the engine process.
+_bf16_dots._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _moe_experts(*args) -> torch.Tensor | None:
