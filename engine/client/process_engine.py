@@ -139,7 +139,8 @@ class ProcessEngine(EngineClient):
             self._process.join(timeout)
         if self._process.is_alive():
             self._process.kill()
-        self._reader.join(timeout)
+        if self._reader.ident is not None:  # an engine never started has no reader
+            self._reader.join(timeout)
 
     @property
     def is_alive(self) -> bool:

@@ -130,8 +130,7 @@ def test_the_tokenizer_loads_while_the_engine_process_starts(tiny_model_dir):
         assert children_then and children_then[0] >= 1
         assert engine.tokenizer is not None and engine.info.vocab_size > 0
     finally:
-        engine.start()  # (its reader, which shutdown joins)
-        engine.shutdown()
+        engine.shutdown()  # never started: shut down all the same
 
 
 def test_a_tokenizer_that_fails_leaves_no_engine_process(tiny_model_dir):
