@@ -23,6 +23,7 @@ from kvserve.engine.models.quantized.table import QuantizedEmbedding
 from kvserve.engine.weights.loader import load_model
 from kvserve.modelstore.errors import ModelLoadError
 from kvserve.scheduler.sampling_params import SamplingParams
+from tests.support.greedy_close import assert_greedy_close, greedy_with_logprobs
 from tests.support.tiny_gguf import INT4_SHAPES, K_QUANT_SHAPES, write_gguf_dir
 from tests.support.tiny_models import make_tiny_model
 
@@ -103,20 +104,27 @@ def test_a_type_without_a_layer_of_ours_is_expanded(float_dir, tmp_path, caplog)
 
 @pytest.mark.parametrize("kind", [T.Q4_1, T.Q4_0])
 def test_int4_layers_agree_with_their_expansion_in_the_engine(gguf_dir, kind):
-    """Same weights both ways (int4 kernel or expanded per call vs floats): the
-    logprobs of a prompt agree closely in bf16, and greedy tokens in fp32. Q4_0's
-    symmetric blocks are packed without minimums where kvserve's kernels run."""
+    """Same weights both ways (int4 kernel or expanded per call vs floats), fp32
+    greedy. With float32 inputs the kernel's outputs are the expansion's; as shipped
+    it rounds a GGUF's inputs to int8 for its integer products (as llama.cpp does),
+    which moves this random model's logprobs up to 0.2 nats (measured on an
+    AVX2-only Zen 3), so its tokens agree up to a near-tie (one splits at the 9th
+    token there, 0.02 nats apart). Q4_0's symmetric blocks are packed without
+    minimums where kvserve's kernels run."""
     model_dir = str(gguf_dir(kind))
-    prompt = [[5, 17, 42, 99, 7, 3, 250, 11]]
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompt = [5, 17, 42, 99, 7, 3, 250, 11]
     engines = [Engine(EngineConfig(model=model_dir, load_format="gguf", quantization=q,
                                    dtype="float32", num_kv_blocks=64)) for q in ("auto", "none")]
-    outputs = [engine.generate(prompt, params) for engine in engines]
-    assert outputs[0] == outputs[1]
+    kernel, floats = (greedy_with_logprobs(engine, prompt, 16) for engine in engines)
+    assert assert_greedy_close(kernel, floats, atol=0.3) >= 4
     packed = [m.packed for m in engines[0].runner.model.modules()
               if isinstance(m, Int4Linear) and getattr(m, "packed", None) is not None]
     assert packed or not {"avx2", "fma", "f16c"} <= cpu_flags()  # where the kernels run
     assert all((p.mins is None) == (kind == T.Q4_0) for p in packed)
+    for weight in packed:
+        weight.int8_inputs = False
+    exact = greedy_with_logprobs(engines[0], prompt, 16)
+    assert assert_greedy_close(exact, floats, atol=1e-3) == 16
 
 
 def test_a_gguf_file_alone_is_a_model(gguf_dir, tmp_path):
