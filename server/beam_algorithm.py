@@ -4,6 +4,7 @@ it (server/beam_engine.py over the engine; the tests over a reference model)."""
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -78,7 +79,15 @@ class BeamSearch:
                 or (self.early_stopping is True and self.full))
 
     def score(self, logprob: float, length: int) -> float:
-        return logprob / (length ** self.length_penalty)
+        # length_penalty is any finite float: past float's range length ** it
+        # overflows (the quotient is then 0) or underflows to 0 (then -inf, or 0 for
+        # a beam of logprob 0), which a beam is ranked by rather than a 500.
+        try:
+            return logprob / (length ** self.length_penalty)
+        except OverflowError:
+            return 0.0
+        except ZeroDivisionError:
+            return -math.inf if logprob < 0 else 0.0
 
     def step(self, tops: Sequence[Candidates]) -> None:
         """tops[i]: live beam i's next tokens, best first, at least self.k of them (fewer

@@ -58,6 +58,37 @@ def test_each_unit_takes_its_sources_once():
     assert [s.name for s in build.UNITS["packed_gemm"]] == [build.OWN_UNIT]
 
 
+def test_a_cpu_without_avx512_builds_the_library_without_its_kernels(monkeypatch, tmp_path):
+    """KVSERVE_AVX512_BUILT=0 where the CPU has no AVX-512F, and the library then has a
+    name of its own: a cache shared with a CPU that has it builds the whole one there."""
+    assert build.isa_flags({"avx2", "fma", "f16c"}) == ("-DKVSERVE_AVX512_BUILT=0",)
+    assert build.isa_flags({"avx2", "fma", "f16c", "avx512f"}) == ()
+    names = set()
+    for flags in ({"avx2"}, {"avx2", "avx512f"}):
+        monkeypatch.setattr(build, "cpu_flags", lambda flags=flags: flags)
+        names.add(build.library_path(tmp_path, "g++").name)
+    assert len(names) == 2
+
+
+def test_the_variant_this_cpu_does_not_build_compiles_too(monkeypatch, tmp_path):
+    """A CPU builds one of the two variants (isa_flags); the other's sources, all in one
+    unit, pass the compiler's checks here too (types, names, every template's
+    instance: -fsyntax-only, a third of a build's time), so an edit to either is
+    caught on any machine."""
+    compiler = build.c_compiler()
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    here = build.cpu_flags()
+    other = here - {"avx512f"} if "avx512f" in here else here | {"avx512f"}
+    monkeypatch.setattr(build, "cpu_flags", lambda: other)
+    unit = tmp_path / "all.cpp"
+    unit.write_text("".join(f'#include "{s}"\n' for s in build.SOURCES))
+    command = build._compile_command(compiler, unit, tmp_path / "all.o")
+    command = [a for a in command[:command.index("-o")] if a != "-c"] + ["-fsyntax-only"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def test_the_background_build_runs_at_the_lowest_priority(tmp_path, monkeypatch):
     monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path))
     monkeypatch.setattr(cpu_packing, "cpu_flags", lambda: {"avx2", "fma", "f16c"})

@@ -764,7 +764,8 @@ def test_package_data_ships_the_kernel_source():
                                                 "bf16_pairs_amx.h", "bf16_rows.h",
                                                 "chunk_schedule.h", "expert_bf16_dots.h",
                                                 "expert_int8_dots.h", "expert_linear.h",
-                                                "int8_inputs.h", "paged_decode_avx512.h",
+                                                "int8_inputs.h", "isa_built.h",
+                                                "paged_decode_avx512.h",
                                                 "paged_prefill_bf16_dots.h", "vnni_dots.h"}
     assert {s.name for s in build.SOURCES} == {"bf16_pairs.cpp", "expert_linear.cpp",
                                                "moe_experts.cpp",

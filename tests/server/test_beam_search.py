@@ -137,6 +137,20 @@ def test_scores_and_early_stopping_by_hand():
     assert s.steps == 5
 
 
+@pytest.mark.parametrize("length_penalty", [7.1e16, -7.1e16, 1e308, -1e308])
+def test_a_length_penalty_past_floats_range_still_ranks_beams(length_penalty):
+    """length ** length_penalty overflows (or underflows to 0) a float: scores 0 and
+    -inf instead of an OverflowError (a 500, found by the schema fuzzer)."""
+    tops = [(9, -0.1), (1, -0.5), (2, -1.0), (3, -2.0)]
+    s = BeamSearch(2, 4, eos_ids=[9], length_penalty=length_penalty)
+    _uniform_steps(s, tops)
+    results = s.results()
+    assert len(results) == 2 and all(isinstance(h.score, float) for h in results)
+    assert s.score(-1.0, 1) == -1.0  # 1 ** anything: the logprob itself
+    assert s.score(-1.0, 3) == (0.0 if length_penalty > 0 else float("-inf"))
+    assert s.score(0.0, 3) == 0.0
+
+
 def test_max_tokens_ends_every_beam_and_cut_short_ranks_live_beams():
     tops = [(1, -0.5), (2, -1.0), (3, -2.0), (4, -3.0)]
     s = BeamSearch(2, 3, length_penalty=1.0)
@@ -200,6 +214,14 @@ def test_completions_match_transformers(srv, tiny_ref, width):
             if stopped and c["token_ids"][-1] != eos:
                 assert c["stop_reason"] == c["token_ids"][-1]
         assert body["usage"]["completion_tokens"] == sum(len(w) for w in want)
+    assert wait_idle(srv.engine)
+
+
+def test_a_huge_length_penalty_is_served(srv):
+    """The schema fuzzer's request: length_penalty 7e16 (finite, so valid) over a chat."""
+    body = post(srv, "/v1/chat/completions", messages=[{"role": "user", "content": "hi"}],
+                n=2, max_tokens=4, length_penalty=7.087649566737995e16, seed=-37)
+    assert len(body["choices"]) == 2
     assert wait_idle(srv.engine)
 
 

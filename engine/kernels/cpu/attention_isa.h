@@ -7,6 +7,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "isa_built.h"
+
 #define KVSERVE_AVX512_ATTENTION "avx512f,avx512bw,avx512vl,avx512dq"
 #define KVSERVE_AVX512_BF16_DOTS KVSERVE_AVX512_ATTENTION ",avx512bf16"
 
@@ -20,9 +22,9 @@ inline bool isa_narrowed_to(const char* name) {
 inline bool avx512_attention_here() {
   static const bool here = [] {
     __builtin_cpu_init();
-    return !isa_narrowed_to("avx2") && __builtin_cpu_supports("avx512f") &&
-           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-           __builtin_cpu_supports("avx512dq");
+    return KVSERVE_AVX512_BUILT && !isa_narrowed_to("avx2") &&
+           __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   }();
   return here;
 }

@@ -35,6 +35,7 @@
 #include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <torch/library.h>
 
+#include "isa_built.h"
 #include "bf16_pairs_amx.h"
 #include "chunk_schedule.h"
 
@@ -56,7 +57,7 @@ constexpr int64_t kSlabInputs = 2048;
 constexpr int64_t kChunkPanels = 8;
 
 bool pairs_dots_here() {
-  static const bool here = __builtin_cpu_supports("avx512bf16") &&
+  static const bool here = KVSERVE_AVX512_BUILT && __builtin_cpu_supports("avx512bf16") &&
                            __builtin_cpu_supports("avx512bw") &&
                            __builtin_cpu_supports("avx512dq");
   return here;
@@ -308,7 +309,9 @@ at::Tensor bf16_linear_with(const at::Tensor& x, const at::Tensor& weight, int64
                                 : nullptr,
                        reinterpret_cast<uint16_t*>(out.data_ptr()),
                        n};
+#if KVSERVE_AVX512_BUILT  // (else refused above: pairs_dots_here)
   pairs_gemm(q, kernel.value_or(default_kernel(q.pairs)));
+#endif
   return out;
 }
 

@@ -20,9 +20,11 @@
 #include <cstdint>
 
 // The compilers whose intrinsics know AMX (GCC 11, Clang 12); built with an older
-// one, the library never takes AMX.
-#if (defined(__clang__) && __clang_major__ >= 12) || \
-    (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
+// one, or without AVX-512 (isa_built.h), the library never takes AMX.
+#include "isa_built.h"
+
+#if KVSERVE_AVX512_BUILT && ((defined(__clang__) && __clang_major__ >= 12) || \
+                             (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
 #define KVSERVE_AMX_BUILT 1
 #else
 #define KVSERVE_AMX_BUILT 0

@@ -43,6 +43,7 @@
 #include "attention_shared.h"
 #include "expert_linear.h"
 #include "int8_inputs.h"
+#include "isa_built.h"
 
 namespace {
 
@@ -271,6 +272,7 @@ namespace avx2 {
 #undef KV_VNNI
 }  // namespace avx2
 
+#if KVSERVE_AVX512_BUILT
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
 namespace vnni {
@@ -286,6 +288,7 @@ namespace bf16dot {
 #include "expert_bf16_dots.h"
 }  // namespace bf16dot
 #pragma GCC pop_options
+#endif  // KVSERVE_AVX512_BUILT
 
 // Whether the CPU's AVX-512 extensions may be used: not with KVSERVE_CPU_ISA=avx2
 // (the tests compare the paths this way).
@@ -298,7 +301,7 @@ bool avx512_allowed() {
 bool use_bf16_dots() {
   static const bool yes = [] {
     __builtin_cpu_init();
-    return avx512_allowed() && __builtin_cpu_supports("avx512f") &&
+    return KVSERVE_AVX512_BUILT && avx512_allowed() && __builtin_cpu_supports("avx512f") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
   }();
   return yes;
@@ -309,7 +312,7 @@ bool use_bf16_dots() {
 bool use_vnni() {
   static const bool vnni = [] {
     __builtin_cpu_init();
-    return avx512_allowed() && __builtin_cpu_supports("avx512f") &&
+    return KVSERVE_AVX512_BUILT && avx512_allowed() && __builtin_cpu_supports("avx512f") &&
            __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
            __builtin_cpu_supports("avx512vnni");
   }();
@@ -331,6 +334,7 @@ void check_counts(const int64_t* count, int64_t num_experts, int64_t rows) {
 at::Tensor bf16_products(const at::Tensor& rows, const int64_t* count, const at::Tensor& weight) {
   const int64_t num_experts = weight.size(0), n = weight.size(1), k = rows.size(1);
   at::Tensor out = at::empty({rows.size(0), n}, rows.options().dtype(at::kFloat));
+#if KVSERVE_AVX512_BUILT
   const auto* x = reinterpret_cast<const uint16_t*>(rows.data_ptr<at::BFloat16>());
   const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   std::vector<bf16dot::BF16Expert> experts;
@@ -342,6 +346,9 @@ at::Tensor bf16_products(const at::Tensor& rows, const int64_t* count, const at:
     row += count[e];
   }
   if (!experts.empty()) bf16dot::bf16_grouped(experts, k, n);
+#else
+  TORCH_CHECK(false, "expert_linear: bf16 dot products need AVX-512 (use_bf16_dots)");
+#endif
   return out;
 }
 
@@ -367,11 +374,13 @@ at::Tensor int8_input_products(const at::Tensor& rows, const int64_t* count,
     row += count[e];
   }
   if (experts.empty()) return out;
+#if KVSERVE_AVX512_BUILT
   if (use_vnni()) {
     vnni::int8_grouped(experts, k, n);
-  } else {
-    avx2::int8_grouped(experts, k, n);
+    return out;
   }
+#endif
+  avx2::int8_grouped(experts, k, n);
   return out;
 }
 

@@ -51,6 +51,7 @@
 #include <vector>
 
 #include "bf16_rows.h"
+#include "isa_built.h"
 #include "int8_inputs.h"
 
 namespace {
@@ -620,11 +621,15 @@ void dot_gemm(const Problem& q) {
 template <typename Panel>
 void quantized_gemm(const Problem& q) {
   if (takes_dots<Panel>(q)) {
+#if KVSERVE_AVX512_BUILT
     if constexpr (Panel::kMins)
       return vnni_here() ? dot_gemm<U4VnniPanel>(q) : dot_gemm<U4DotPanel>(q);
     else
       return dot_gemm<std::conditional_t<Panel::kGroupScales, I8GroupVnniPanel,
                                          I8VnniPanel>>(q);
+#else  // no VNNI: only int4 panels take integer products (takes_dots)
+    if constexpr (Panel::kMins) return dot_gemm<U4DotPanel>(q);
+#endif
   }
   if (q.rows <= kWidenInRegistersRows) {
     if constexpr (!Panel::kMins) {

@@ -129,23 +129,29 @@ void sum_values(const Decode<T>& a, int64_t b, int64_t h0, int64_t h1, int64_t t
   }
 }
 
+#if KVSERVE_AVX512_BUILT
 #include "paged_decode_avx512.h"
+#endif
 
 // The passes this CPU takes over a cache of T: the AVX-512 ones where they can (bf16).
 template <typename T>
 void keys_pass(const Decode<T>& a, int64_t b, int64_t h0, int64_t h1, int64_t t0,
                int64_t len, float* scores) {
+#if KVSERVE_AVX512_BUILT
   if constexpr (std::is_same_v<T, at::BFloat16>)
     if (avx512_passes_take(a.head_dim)) return score_keys_avx512(a, b, h0, h1, t0, len, scores);
+#endif
   score_keys(a, b, h0, h1, t0, len, scores);
 }
 
 template <typename T>
 void values_pass(const Decode<T>& a, int64_t b, int64_t h0, int64_t h1, int64_t t0,
                  int64_t len, const float* probs, float* acc) {
+#if KVSERVE_AVX512_BUILT
   if constexpr (std::is_same_v<T, at::BFloat16>)
     if (avx512_passes_take(a.head_dim))
       return sum_values_avx512(a, b, h0, h1, t0, len, probs, acc);
+#endif
   sum_values(a, b, h0, h1, t0, len, probs, acc);
 }
 
@@ -153,8 +159,10 @@ void values_pass(const Decode<T>& a, int64_t b, int64_t h0, int64_t h1, int64_t 
 // the maximum and the exponentials' sum.
 template <typename T>
 std::pair<float, float> softmax_numerators(const Decode<T>& a, float* s, int64_t len) {
+#if KVSERVE_AVX512_BUILT
   if constexpr (std::is_same_v<T, at::BFloat16>)
     if (avx512_passes_take(a.head_dim)) return softmax_numerators_avx512(s, len);
+#endif
   const float top = kvserve_cpu::max_of(s, len);
   return {top, exp_shifted_in_place(s, len, top)};
 }

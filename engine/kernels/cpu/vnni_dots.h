@@ -12,7 +12,7 @@
 #define KVSERVE_VNNI_TARGET "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi"
 
 bool vnni_here() {
-  static const bool here = std::getenv("KVSERVE_NO_VNNI") == nullptr &&
+  static const bool here = KVSERVE_AVX512_BUILT && std::getenv("KVSERVE_NO_VNNI") == nullptr &&
                            __builtin_cpu_supports("avx512vnni") &&
                            __builtin_cpu_supports("avx512vbmi") &&
                            __builtin_cpu_supports("avx512vl") &&
