@@ -199,10 +199,24 @@ class CompletionRequest(SamplingFields, BeamSearchFields):
         return list(p)
 
 
+class CalledFunction(OpenAIRequest):
+    name: str
+    arguments: str | dict[str, Any] | None = None  # a JSON string, as OpenAI sends it
+
+
+class HistoryToolCall(OpenAIRequest):
+    """An earlier assistant message's tool call, as a client sends the history back:
+    templates (and tools.for_template) read function.name and .arguments."""
+    id: str | None = None
+    type: str = "function"
+    function: CalledFunction
+
+
 class ChatMessage(OpenAIRequest):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[HistoryToolCall] | None = None
 
 
 class ChatCompletionRequest(SamplingFields, BeamSearchFields):

@@ -188,7 +188,11 @@ def for_template(messages: list[dict], tools: list[dict] | None, template: str,
             text = "\n".join(fmt.write(c["function"]["name"],
                                        _arguments(c["function"].get("arguments")))
                              for c in calls)
-            m = {**m, "content": ((m.get("content") or "") + "\n" + text).strip()}
+            content = m.get("content")
+            if isinstance(content, list):  # content parts: the calls as one more
+                m = {**m, "content": [*content, {"type": "text", "text": text}]}
+            else:
+                m = {**m, "content": ((content or "") + "\n" + text).strip()}
             m.pop("tool_calls")
         out.append(m)
     if tools:

@@ -147,3 +147,22 @@ def test_tokenize_refuses_an_untrusted_template_too(url):
 #   early_stopping) is supported and its fields checked: tests/server/test_beam_search.py.
 #   bad_words and allowed_token_ids are checked as vLLM does:
 #   tests/server/test_sampling_extras_api.py.
+
+
+@pytest.mark.parametrize("calls", [{"a": 1}, [{"id": "c1"}], [{"function": {"arguments": "{}"}}],
+                                   ["f"]])
+def test_a_malformed_tool_call_in_the_history_is_a_400(url, calls):
+    """An assistant message's tool_calls (the schema fuzzer sent a dict: a 500 before)."""
+    messages = [*CHAT, {"role": "assistant", "content": None, "tool_calls": calls},
+                {"role": "user", "content": "and?"}]
+    path, body = body_for("chat", {"messages": messages})
+    r = httpx.post(url + path, json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"].startswith("messages"), r.text
+    good = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    path, body = body_for("chat", {"messages": [*messages[:1], {**messages[1], "tool_calls": good},
+                                                messages[2]]})
+    assert httpx.post(url + path, json=body, timeout=30).status_code == 200
+    parts = {**messages[1], "tool_calls": good, "content": [{"type": "text", "text": "so"}]}
+    path, body = body_for("chat", {"messages": [messages[0], parts, messages[2]]})
+    assert httpx.post(url + path, json=body, timeout=30).status_code == 200  # a 500 before
